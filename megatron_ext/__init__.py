@@ -1,0 +1,1 @@
+"""megatron_ext: what megatron-core lacks, as recipes and small packages around it."""

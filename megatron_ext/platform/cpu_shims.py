@@ -1,0 +1,447 @@
+"""CPU-only compatibility shims for megatron-core 0.19.2: the one place they live.
+
+Applied by :func:`megatron_ext.platform.setup` only when CUDA is absent; never on a GPU machine.
+Each :class:`Shim` names the upstream call sites it covers (file:line in the installed wheel) and is
+reversible, so ``tests/platform/test_cpu_shims.py`` can remove one at a time and prove it is needed.
+The installed package is never edited.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+@dataclass
+class Shim:
+    name: str
+    upstream: List[str]
+    why: str
+    install: Callable[[], Callable[[], None]]  # returns its own uninstaller
+    _undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self._undo is not None
+
+    def apply(self) -> None:
+        if self._undo is None:
+            self._undo = self.install()
+
+    def remove(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+
+def _patch(obj, name, value) -> Callable[[], None]:
+    missing = object()
+    old = obj.__dict__.get(name, missing) if isinstance(obj, type) else getattr(obj, name, missing)
+
+    setattr(obj, name, value)
+
+    def undo():
+        if old is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+    return undo
+
+
+def _undo_all(undos: List[Callable[[], None]]) -> Callable[[], None]:
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+# --------------------------------------------------------------------------------------------
+# 1. triton: megatron/core/transformer/moe/ops/paged_stash.py:4 imports triton unguarded, and
+#    gpt_model.py:32 / schedules.py:27 / experts.py:43 reach it through moe/paged_stash.py:12.
+#    A fake top-level `triton` breaks torch._inductor, so stand in for that one module only.
+# --------------------------------------------------------------------------------------------
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _install_triton_free_paged_stash():
+    if _PAGED_STASH_OPS in sys.modules:
+        return lambda: None
+    module = types.ModuleType(_PAGED_STASH_OPS)
+    module.__doc__ = "CPU stand-in: the Triton paged-stash kernels exist only on CUDA."
+    module.GLOBAL_BLOCK_SIZE = 1024
+
+    def _no_kernel(*_a, **_k):
+        raise RuntimeError("paged stash Triton kernels need CUDA (megatron-core moe/ops/paged_stash.py)")
+
+    module.paged_stash_copy_kernel = _no_kernel
+    module.paged_stash_pop_kernel = _no_kernel
+    sys.modules[_PAGED_STASH_OPS] = module
+
+    def undo():
+        if sys.modules.get(_PAGED_STASH_OPS) is module:
+            del sys.modules[_PAGED_STASH_OPS]
+
+    return undo
+
+
+# --------------------------------------------------------------------------------------------
+# 2. RNG: megatron/core/tensor_parallel/random.py:118 (_get_cuda_rng_state), :165-174
+#    (_set_cuda_rng_state), :303-306 (CudaRNGStatesTracker.add), :490 (model_parallel_cuda_manual_seed)
+#    use the CUDA generator. On CPU the "CUDA" generator is the CPU default generator, so the
+#    tracker's fork/restore keeps its meaning (per-TP-rank dropout streams).
+# --------------------------------------------------------------------------------------------
+def _install_cpu_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return _undo_all(
+        [
+            _patch(mrandom, "_get_cuda_rng_state", get_state),
+            _patch(mrandom, "_set_cuda_rng_state", set_state),
+            _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed)),
+            _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+            _patch(torch.cuda, "set_rng_state", lambda s, device="cuda": torch.set_rng_state(s)),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Hard-coded CUDA devices and CUDA-only tensor methods, rewritten by one TorchFunctionMode.
+# --------------------------------------------------------------------------------------------
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CpuRedirectMode(TorchFunctionMode):
+    """Rewrites what megatron-core asks of CUDA into its CPU meaning. Rules are switched on by
+    the shims below; with no rule on, the mode passes every call through untouched."""
+
+    rules: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rules = self.rules
+        if "device" in rules:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], "cpu") + tuple(args[2:])
+        if "cuda_only_methods" in rules:
+            if func is torch.Tensor.record_stream:
+                return None
+            if func is torch.Tensor.pin_memory:
+                return args[0]
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+        if "tensor_type_names" in rules and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func in (torch.autograd.backward, torch.Tensor.backward):
+            with self:  # the mode is suspended inside its own handler; backward must see it
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_MODE: _CpuRedirectMode | None = None
+
+
+def _mode_rule(rule: str):
+    def install():
+        global _MODE
+        if _MODE is None:
+            _MODE = _CpuRedirectMode()
+            _MODE.__enter__()
+        _CpuRedirectMode.rules = _CpuRedirectMode.rules | {rule}
+
+        def undo():
+            _CpuRedirectMode.rules = _CpuRedirectMode.rules - {rule}
+
+        return undo
+
+    return install
+
+
+# --------------------------------------------------------------------------------------------
+# 4. CUDA runtime calls with no CPU meaning: streams, events, synchronize, current_device.
+# --------------------------------------------------------------------------------------------
+class CpuStream:
+    """Stand-in for torch.cuda.Stream: CPU work is already ordered, so waits are no-ops."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def wait_stream(self, _other):
+        pass
+
+    def wait_event(self, _event):
+        pass
+
+    def record_event(self, event=None):
+        return event or CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class CpuEvent:
+    def __init__(self, *_, **__):
+        pass
+
+    def record(self, _stream=None):
+        pass
+
+    def wait(self, _stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, _other):
+        return 0.0
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+def _install_cuda_runtime_stand_ins():
+    c = torch.cuda
+    return _undo_all(
+        [
+            _patch(c, "current_device", lambda: 0),
+            _patch(c, "set_device", lambda _d: None),
+            _patch(c, "synchronize", lambda _d=None: None),
+            _patch(c, "Stream", CpuStream),
+            _patch(c, "Event", CpuEvent),
+            _patch(c, "current_stream", lambda _d=None: _DEFAULT_STREAM),
+            _patch(c, "default_stream", lambda _d=None: _DEFAULT_STREAM),
+            _patch(c, "stream", lambda _s=None: contextlib.nullcontext()),
+            _patch(c, "empty_cache", lambda: None),
+            _patch(c, "memory_allocated", lambda _d=None: 0),
+            _patch(c, "max_memory_allocated", lambda _d=None: 0),
+            _patch(c, "memory_reserved", lambda _d=None: 0),
+            _patch(c, "max_memory_reserved", lambda _d=None: 0),
+            _patch(c, "reset_peak_memory_stats", lambda _d=None: None),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 6. megatron/core/transformer/moe/moe_utils.py:1184 (maybe_move_tensor_to_cpu) moves split sizes
+#    to the host only for CUDA tensors; gloo's all_to_all_single rejects tensor split sizes.
+# --------------------------------------------------------------------------------------------
+def _install_host_split_sizes():
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        if torch.is_tensor(output_split_sizes):
+            output_split_sizes = output_split_sizes.tolist()
+        if torch.is_tensor(input_split_sizes):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    return _patch(dist, "all_to_all_single", all_to_all_single)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. megatron/core/tensor_parallel/mappings.py:154 (all_gather into uneven splits) and :197
+#    (reduce_scatter of uneven splits): NCCL accepts uneven sizes, gloo does not. Pad every
+#    piece to the largest, run the even collective, slice back.
+# --------------------------------------------------------------------------------------------
+def _install_uneven_collectives():
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) <= 1 or async_op:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        pad = max(sizes)
+        padded_in = tensor.new_zeros((pad,) + tuple(tensor.shape[1:]))
+        padded_in[: tensor.shape[0]] = tensor
+        padded_out = [tensor.new_empty(padded_in.shape) for _ in sizes]
+        all_gather(padded_out, padded_in, group=group)
+        for out, got, n in zip(tensor_list, padded_out, sizes):
+            out.copy_(got[:n])
+
+    def uneven_reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sizes = [t.shape[0] for t in input_list]
+        if len(set(sizes)) <= 1 or async_op:
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        pad = max(sizes)
+        padded = []
+        for t in input_list:
+            p = t.new_zeros((pad,) + tuple(t.shape[1:]))
+            p[: t.shape[0]] = t
+            padded.append(p)
+        out = output.new_empty((pad,) + tuple(output.shape[1:]))
+        reduce_scatter(out, padded, op=op, group=group)
+        output.copy_(out[: output.shape[0]])
+
+    return _undo_all(
+        [
+            _patch(dist, "all_gather", uneven_all_gather),
+            _patch(dist, "reduce_scatter", uneven_reduce_scatter),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 8. megatron/core/transformer/torch_norm.py:50 asserts `not config.sequence_parallel` when
+#    neither apex nor TE exists, which blocks TP+SP and TP+MoE on the local spec. torch's norm is
+#    correct under SP if its weights are marked `sequence_parallel`, so DDP/finalize_model_grads
+#    all-reduce their grads over the TP group (megatron/core/distributed/finalize_model_grads.py).
+# --------------------------------------------------------------------------------------------
+def _install_torch_norm_sequence_parallel():
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        import dataclasses
+
+        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    return _patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
+
+
+SHIMS: Dict[str, Shim] = {
+    s.name: s
+    for s in [
+        Shim(
+            "triton_free_paged_stash",
+            ["megatron/core/transformer/moe/ops/paged_stash.py:4"],
+            "unguarded `import triton` reached by importing GPTModel and the schedules",
+            _install_triton_free_paged_stash,
+        ),
+        Shim(
+            "cpu_rng",
+            [
+                "megatron/core/tensor_parallel/random.py:118",
+                "megatron/core/tensor_parallel/random.py:165",
+                "megatron/core/tensor_parallel/random.py:305",
+                "megatron/core/tensor_parallel/random.py:490",
+            ],
+            "the model-parallel RNG tracker reads and writes the CUDA generator",
+            _install_cpu_rng,
+        ),
+        Shim(
+            "cuda_device_to_cpu",
+            [
+                "megatron/core/utils.py:712",
+                "megatron/core/transformer/utils.py:39",
+                "megatron/core/pipeline_parallel/schedules.py:749",
+                "megatron/core/pipeline_parallel/p2p_communication.py:339",
+                "megatron/core/distributed/param_and_grad_buffer.py:1183",
+                "megatron/core/optimizer/clip_grads.py:108",
+                "megatron/core/optimizer/optimizer.py:315",
+                "megatron/core/tensor_parallel/mappings.py:145",
+                "megatron/core/transformer/moe/router.py:98",
+            ],
+            "device='cuda' / torch.cuda.current_device() hard-coded in factory calls and .to()",
+            _mode_rule("device"),
+        ),
+        Shim(
+            "cuda_only_tensor_methods",
+            [
+                "megatron/core/pipeline_parallel/utils.py:269",
+                "megatron/core/models/gpt/fine_grained_callables.py:243",
+            ],
+            "Tensor.record_stream / pin_memory have no CPU meaning",
+            _mode_rule("cuda_only_methods"),
+        ),
+        Shim(
+            "cuda_tensor_type_names",
+            [
+                "megatron/core/optimizer/clip_grads.py:174",
+                "megatron/core/optimizer/distrib_optimizer.py:401",
+                "megatron/core/optimizer/distrib_optimizer.py:466",
+                "megatron/core/optimizer/distrib_optimizer.py:758",
+                "megatron/core/optimizer/optimizer.py:1009",
+            ],
+            "params are accepted only if Tensor.type() == 'torch.cuda.FloatTensor' (or Half/BFloat16)",
+            _mode_rule("tensor_type_names"),
+        ),
+        Shim(
+            "cuda_runtime_stand_ins",
+            [
+                "megatron/core/distributed/param_and_grad_buffer.py:632",
+                "megatron/core/pipeline_parallel/p2p_communication.py:419",
+                "megatron/core/transformer/moe/token_dispatcher.py:469",
+                "megatron/core/transformer/moe/token_dispatcher.py:922",
+                "megatron/core/pipeline_parallel/utils.py:392",
+            ],
+            "streams, events, synchronize and current_device are CUDA runtime calls",
+            _install_cuda_runtime_stand_ins,
+        ),
+        Shim(
+            "host_split_sizes",
+            ["megatron/core/transformer/moe/moe_utils.py:1184"],
+            "alltoall split sizes stay tensors on CPU; gloo's all_to_all_single wants lists",
+            _install_host_split_sizes,
+        ),
+        Shim(
+            "uneven_collectives",
+            ["megatron/core/tensor_parallel/mappings.py:154", "megatron/core/tensor_parallel/mappings.py:197"],
+            "gloo rejects uneven all_gather / reduce_scatter (TP x EP with the alltoall dispatcher)",
+            _install_uneven_collectives,
+        ),
+        Shim(
+            "torch_norm_sequence_parallel",
+            ["megatron/core/transformer/torch_norm.py:50"],
+            "torch LayerNorm refused under sequence parallel without apex/TE (blocks TP+MoE)",
+            _install_torch_norm_sequence_parallel,
+        ),
+    ]
+}
+
+
+def apply_all() -> None:
+    for shim in SHIMS.values():
+        shim.apply()
+
+
+@contextlib.contextmanager
+def without(name: str):
+    """Temporarily remove one shim (tests prove each one is needed)."""
+    shim = SHIMS[name]
+    was = shim.active
+    shim.remove()
+    try:
+        yield
+    finally:
+        if was:
+            shim.apply()

@@ -1,0 +1,60 @@
+"""Model-parallel state: initialise megatron-core's process groups for one run, tear them down after.
+
+Re-entrant, so one process can run several layouts in a row (persistent test workers)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_ext import platform
+
+
+def initialize(
+    tensor: int = 1,
+    pipeline: int = 1,
+    virtual_pipeline: int | None = None,
+    expert: int = 1,
+    expert_tensor: int | None = None,
+    context: int = 1,
+    seed: int = 1234,
+) -> None:
+    platform.init_distributed()
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        destroy()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        context_parallel_size=context,
+        expert_model_parallel_size=expert,
+        expert_tensor_parallel_size=expert_tensor,
+    )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Megatron's seeding: distinct per PP stage, the model-parallel tracker per TP rank."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _reset_megatron_globals()
+
+
+def _reset_megatron_globals() -> None:
+    from megatron_ext import seams
+
+    seams.reset_megatron_globals()
