@@ -1,0 +1,1 @@
+"""Builders for model / optimizer / data, the train step, logging, checkpointing."""

@@ -1,0 +1,41 @@
+"""Our capabilities as seen by the builders: each package may define
+
+    add_arguments(parser)          its flags, declared once, with help text (an argparse group)
+    validate(args)                 raise ConfigError naming flag and value; runs before any compute
+    before_model(args, config)     adjust the TransformerConfig / install its seams before build
+    after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
+
+and the builders call whichever exist, in this order of packages."""
+from __future__ import annotations
+
+import importlib
+
+PACKAGES = ("megatron_ext.offload", "megatron_ext.moe", "megatron_ext.schedules", "megatron_ext.training")
+
+
+def _hooks(name):
+    for pkg in PACKAGES:
+        fn = getattr(importlib.import_module(pkg), name, None)
+        if fn is not None:
+            yield fn
+
+
+def add_arguments(parser):
+    for fn in _hooks("add_arguments"):
+        fn(parser)
+    return parser
+
+
+def validate(args) -> None:
+    for fn in _hooks("validate"):
+        fn(args)
+
+
+def before_model(args, config) -> None:
+    for fn in _hooks("before_model"):
+        fn(args, config)
+
+
+def after_model(args, model) -> None:
+    for fn in _hooks("after_model"):
+        fn(args, model)
