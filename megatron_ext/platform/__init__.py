@@ -51,6 +51,7 @@ def setup() -> Platform:
             # Expected here, and repeated by every megatron module that falls back:
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
             warnings.filterwarnings("ignore", message=".*absl.logging is not installed")
+            warnings.filterwarnings("ignore", message="Apex is not installed")
 
             cpu_shims.apply_all()
             _PLATFORM = Platform(torch.device("cpu"), "gloo")

@@ -1,0 +1,250 @@
+"""Megatron's own flags + megatron_ext's flags + YAML recipes, resolved as defaults < recipe < cli.
+
+    args = arguments.parse(argv)      # validates everything before any compute; --dry-run exits here
+
+A recipe is a YAML mapping whose keys are the flags' names (``num_layers`` or ``num-layers``).
+Unknown keys and wrongly typed values are errors that name the key and suggest the closest valid one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import os
+import sys
+
+import yaml
+
+from megatron_ext import platform
+from megatron_ext.errors import ConfigError
+
+platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill
+
+from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
+
+from megatron_ext.training import features  # noqa: E402
+
+SOURCES = ("default", "recipe", "cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="megatron_ext: Megatron-Core training", allow_abbrev=False
+    )
+    add_megatron_arguments(parser)
+    group = parser.add_argument_group("megatron_ext")
+    group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Validate everything, print the resolved configuration with each value's source, exit.",
+    )
+    group.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="Expected number of processes. --dry-run validates against it; a real run refuses to "
+        "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
+    )
+    features.add_arguments(parser)
+    return parser
+
+
+def _actions(parser) -> dict:
+    return {a.dest: a for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)}
+
+
+def _option_names(parser) -> dict:
+    """Recipe keys spelled as the flag (``disable_bias_linear``) where that differs from the dest."""
+    names = {}
+    for a in parser._actions:
+        for opt in a.option_strings:
+            key = opt.lstrip("-").replace("-", "_")
+            if opt.startswith("--") and key != a.dest:
+                names[key] = a
+    return names
+
+
+def _explicit_cli_dests(parser, argv) -> set:
+    """The dests the command line set, found by parsing with every default suppressed."""
+    saved = {a: a.default for a in parser._actions}
+    try:
+        for a in parser._actions:
+            a.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for a, d in saved.items():
+            a.default = d
+
+
+def _flag(action) -> str:
+    longs = [s for s in action.option_strings if s.startswith("--")]
+    return longs[0] if longs else action.dest
+
+
+def _coerce(key: str, value, action, where: str):
+    flag = _flag(action)
+
+    def bad(expected: str):
+        return ConfigError(f"{where}: key '{key}' ({flag}) expects {expected}, got {value!r}")
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            value = [value]
+        return [_coerce_one(v, action, bad) for v in value]
+    if value is None:
+        return None
+    return _coerce_one(value, action, bad)
+
+
+def _coerce_one(value, action, bad):
+    kind = action.type
+    if isinstance(value, (dict, list)):
+        raise bad("a single value")
+    if kind in (int, float) and isinstance(value, bool):
+        raise bad(kind.__name__)
+    if kind is int and isinstance(value, float):
+        raise bad("int")
+    if kind is not None:
+        try:
+            value = kind(value) if isinstance(value, str) or kind in (int, float) else kind(str(value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise bad(getattr(kind, "__name__", "a valid value")) from None
+    elif not isinstance(value, (str, int, float)):
+        raise bad("a scalar")
+    if action.choices is not None and value not in action.choices:
+        raise bad(f"one of {sorted(map(str, action.choices))}")
+    return value
+
+
+def load_recipe(path: str, parser) -> dict:
+    if not os.path.exists(path):
+        raise ConfigError(f"--recipe={path}: no such file")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--recipe={path}: a recipe is a mapping of flag names to values")
+    actions, options = _actions(parser), _option_names(parser)
+    resolved = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name in ("recipe", "dry_run") or (name not in actions and name not in options):
+            close = difflib.get_close_matches(name, [*actions, *options], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{path}: unknown key '{key}'{hint}")
+        if name in actions:
+            dest, action = name, actions[name]
+            resolved[dest] = _coerce(key, value, action, path)
+        else:  # the flag's own spelling: `disable_bias_linear: true` means the flag is given
+            action = options[name]
+            given = _coerce(key, value, action, path)
+            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                resolved[action.dest] = action.const if given else action.default
+            else:
+                resolved[action.dest] = given
+    return resolved
+
+
+def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    recipe_path = parser.parse_known_args(argv)[0].recipe
+    recipe = load_recipe(recipe_path, parser) if recipe_path else {}
+    cli = _explicit_cli_dests(parser, argv)
+    parser.set_defaults(**recipe)
+    args = parser.parse_args(argv)
+    args.config_sources = {
+        dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
+    }
+    finalize(args)
+    if args.dry_run:
+        print_config(args)
+        if exit_on_dry_run:
+            raise SystemExit(0)
+    return args
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return False
+    return True
+
+
+# Fusions that need transformer-engine/apex kernels (or torch.compile, ~18 s on CPU). Megatron turns
+# them on by default; where their kernels cannot run, a *default* is switched off and marked so in
+# the printed configuration; an explicit request is left for megatron to refuse.
+_FUSION_DEFAULTS = (
+    "apply_rope_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
+    "bias_dropout_fusion", "bias_activation_fusion", "cross_entropy_loss_fusion",
+)
+_NEED_TE_KERNELS = ("apply_rope_fusion", "gradient_accumulation_fusion")
+
+
+def _fit_defaults_to_platform(args) -> None:
+    te = _te_available()
+    if args.transformer_impl == "transformer_engine" and not te:
+        if args.config_sources["transformer_impl"] != "default":
+            raise ConfigError(
+                "--transformer-impl=transformer_engine: transformer-engine is not importable here; "
+                "use --transformer-impl local"
+            )
+        args.transformer_impl = "local"
+        args.config_sources["transformer_impl"] = "default (no transformer-engine)"
+    cpu = not platform.setup().is_cuda
+    for name in _FUSION_DEFAULTS:
+        needs_te = name in _NEED_TE_KERNELS and not te
+        if getattr(args, name, False) and args.config_sources.get(name) == "default" and (cpu or needs_te):
+            setattr(args, name, False)
+            args.config_sources[name] = "default (off: " + ("CPU" if cpu else "no transformer-engine") + ")"
+    # persistent LayerNorm is an apex/TE kernel; torch's norm refuses it (torch_norm.py:48)
+    if not te and not args.no_persist_layer_norm and args.config_sources["no_persist_layer_norm"] == "default":
+        args.no_persist_layer_norm = True
+        args.config_sources["no_persist_layer_norm"] = "default (on: no transformer-engine)"
+
+
+def finalize(args) -> None:
+    """Everything megatron's validate_args checks, plus ours, before any compute starts."""
+    launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.world_size is None:
+        args.world_size = launcher_world
+    elif not args.dry_run and args.world_size != launcher_world:
+        raise ConfigError(
+            f"--world-size={args.world_size}: the launcher started {launcher_world} processes"
+        )
+    args.rank = int(os.environ.get("RANK", "0"))
+    _fit_defaults_to_platform(args)
+    if not args.mock_data and not args.data_path:
+        raise ConfigError("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
+    if args.train_iters is None:
+        raise ConfigError("--train-iters is required (sample-based training is not supported)")
+    world_size_holder = args.world_size
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args dumps every argument on rank 0
+        try:
+            validate_args(args)
+        except AssertionError as e:
+            raise ConfigError(f"invalid configuration: {e}") from None
+    args.world_size = world_size_holder
+    from megatron_ext.training.data import padded_vocab_size
+
+    if args.vocab_size is None:
+        raise ConfigError("--vocab-size is required (257 for the byte-level data of scripts/prepare_data.py)")
+    args.padded_vocab_size = padded_vocab_size(args)
+    features.validate(args)
+
+
+def print_config(args) -> None:
+    width = max(len(k) for k in vars(args))
+    print("resolved configuration (value  [source]):")
+    for key in sorted(vars(args)):
+        if key == "config_sources":
+            continue
+        print(f"  {key:<{width}} {getattr(args, key)!r}  [{args.config_sources.get(key, 'derived')}]")

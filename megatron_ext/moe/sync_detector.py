@@ -1,0 +1,374 @@
+"""Find host-device synchronisations without a GPU.
+
+On CUDA an operation synchronises the host with the device when the host needs a value that only
+the device has: a scalar read (``.item()``, ``int(t)``, ``if t:``), a device-to-host copy
+(``.cpu()``, ``.tolist()``, ``.numpy()``), an op whose *output shape* depends on device data
+(``nonzero``, ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without
+``output_size``, ``unique``, ``bincount`` ...), or an explicit ``synchronize()``.
+
+On a CPU-only machine every tensor is a CPU tensor, so the detector tracks which tensors *would* be
+on the device ("device-resident") and which on the host:
+
+* device-resident: tensors that existed before the detector started (parameters, inputs, buffers),
+  unless marked host with :meth:`SyncDetector.mark_host`; every op output with a device input;
+  factory calls given a device (``torch.zeros(..., device=x.device)``, ``device=torch.cuda.current_device()``);
+* host: results of ``.cpu()`` / ``.to("cpu")`` / ``.numpy()``; factory calls with no device or
+  ``device="cpu"`` (on a CUDA machine those are CPU tensors too); op outputs with only host inputs.
+
+A :class:`torch.overrides.TorchFunctionMode` sees Python-level calls (``tolist``, ``item``, ``cpu``,
+factories, with their device argument *before* the CPU shims rewrite ``cuda`` to ``cpu``); a
+:class:`torch.utils._python_dispatch.TorchDispatchMode` sees every aten op, forward and backward
+(autograd runs on the calling thread on CPU), and propagates residency. On a real GPU residency is
+simply ``tensor.is_cuda``; the benchmark additionally uses ``torch.cuda.set_sync_debug_mode``.
+
+``emulate_cuda_dtoh=True`` (default) makes megatron-core's ``maybe_move_tensor_to_cpu``
+(moe_utils.py:1169, a no-op for CPU tensors) behave as on CUDA: a *non-blocking* copy to the host
+(not a sync by itself) and the event ``synchronize()`` that follows it counted as the sync
+(token_dispatcher.py:952). Without that, megatron's single batched sync point would be counted as
+several reads of device tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+aten = torch.ops.aten
+
+
+@dataclass
+class SyncEvent:
+    kind: str  # "scalar-read" | "d2h-copy" | "data-dependent-shape" | "explicit-sync"
+    op: str
+    phase: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"[{self.phase}] {self.kind}: {self.op} at {self.where}"
+
+
+_HERE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _site() -> str:
+    """Innermost frame outside torch and this file: the code that asked for the sync."""
+    frames = traceback.extract_stack()
+    for fr in reversed(frames):
+        path = os.path.abspath(fr.filename)
+        if path == _HERE or path.startswith(_TORCH_DIR) or "cpu_shims.py" in path:
+            continue
+        marker = "/site-packages/"
+        short = path.split(marker, 1)[1] if marker in path else os.path.relpath(path)
+        return f"{short}:{fr.lineno} ({fr.name})"
+    return "?"
+
+
+# aten ops whose output size depends on device data, or that return a host value.
+_SHAPE_OPS = {
+    "nonzero", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+    "unique_consecutive", "bincount",
+}
+_SCALAR_OPS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "allclose"}
+_FACTORIES = {
+    torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.ones, torch.empty, torch.full,
+    torch.arange, torch.range, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn,
+    torch.randint, torch.randperm, torch.empty_strided, torch.scalar_tensor,
+}
+_HOST_READS = {
+    torch.Tensor.tolist: "tolist", torch.Tensor.item: "item", torch.Tensor.numpy: "numpy",
+    torch.Tensor.__bool__: "__bool__", torch.Tensor.__int__: "__int__",
+    torch.Tensor.__float__: "__float__", torch.Tensor.__index__: "__index__",
+    torch.Tensor.__repr__: "__repr__", torch.Tensor.__format__: "__format__",
+}
+
+
+def _is_host_device(device) -> bool:
+    return device is None or (isinstance(device, str) and device.startswith("cpu"))
+
+
+def _requested_device(args, kwargs):
+    """For Tensor.to / Tensor.cpu / Tensor.cuda: the target device, or None when unchanged."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for a in args[1:]:
+        if isinstance(a, (str, torch.device)) or (isinstance(a, int) and not isinstance(a, bool)):
+            return a
+    return None
+
+
+def _dev_type(device) -> str:
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str):
+        return torch.device(device).type
+    return "cuda"  # an int ordinal
+
+
+class _FunctionSide(TorchFunctionMode):
+    def __init__(self, det: "SyncDetector"):
+        super().__init__()
+        self.det = det
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        det = self.det
+        if func in (torch.autograd.backward, torch.Tensor.backward):
+            # A mode is suspended inside its own handler, and re-entering it around `func` would
+            # recurse; run the engine directly with the mode active, so code in custom
+            # autograd.Function backwards is seen.
+            with self:
+                return _run_backward(*args, **kwargs)
+        if func in _HOST_READS and args and det.is_device(args[0]):
+            det._record("scalar-read" if func is not torch.Tensor.tolist else "d2h-copy", _HOST_READS[func])
+            with det._suppressed():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.cpu or func is torch.Tensor.to:
+            target = "cpu" if func is torch.Tensor.cpu else _requested_device(args, kwargs)
+            # A torch.device("cpu") object is ambiguous here (x.to(y.device) with y on the device
+            # reads the same on a CPU machine): only an explicit "cpu" string or .cpu() is a D2H.
+            if isinstance(target, torch.device) and target.type == "cpu":
+                target = None
+            if target is not None:
+                src = args[0]
+                src_dev = det.is_device(src)
+                with det._suppressed():
+                    out = func(*args, **kwargs)
+                if out is src:  # on CPU both are the same tensor; a transfer makes a new one
+                    out = out.clone()
+                if _dev_type(target) == "cpu":
+                    if src_dev:
+                        if kwargs.get("non_blocking", False):
+                            det.pending_copies += 1
+                        else:
+                            det._record("d2h-copy", "to(cpu)")
+                    det._set(out, False)
+                else:
+                    det._set(out, True)
+                return out
+        if func in _FACTORIES:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                det._set(out, not _is_host_device(kwargs.get("device")))
+            return out
+        if func is torch.from_numpy:
+            out = func(*args, **kwargs)
+            det._set(out, False)
+            return out
+        return func(*args, **kwargs)
+
+
+class _DispatchSide(TorchDispatchMode):
+    def __init__(self, det: "SyncDetector"):
+        super().__init__()
+        self.det = det
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        det = self.det
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        any_dev = any(det.is_device(t) for t in inputs)
+        name = func.overloadpacket.__name__
+        if any_dev and not det._suppress:
+            reason = self._sync_reason(func, name, args, kwargs)
+            if reason is not None:
+                det._record(reason, f"aten.{func.__name__}")
+        out = func(*args, **kwargs)
+        if inputs and not det.real_cuda:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    det._set(t, any_dev)
+            if any_dev:
+                for i, arg in enumerate(func._schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        target = args[i] if i < len(args) else kwargs.get(arg.name)
+                        if isinstance(target, torch.Tensor):
+                            det._set(target, True)
+        return out
+
+    def _sync_reason(self, func, name, args, kwargs) -> Optional[str]:
+        det = self.det
+        if name in _SCALAR_OPS:
+            return "scalar-read"
+        if name in _SHAPE_OPS:
+            return "data-dependent-shape"
+        if name == "histc" and len(args) > 3 and args[2] == args[3]:
+            return "data-dependent-shape"  # min == max: range read from the data
+        if name == "repeat_interleave" and func.__name__.endswith("Tensor"):
+            if kwargs.get("output_size") is None and (len(args) < 3 or args[-1] is None):
+                return "data-dependent-shape"
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            for ix in indices or ():
+                if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8) and det.is_device(ix):
+                    return "data-dependent-shape"
+        if name == "copy_" and len(args) >= 2:
+            dst, src = args[0], args[1]
+            if det.is_device(src) and not det.is_device(dst):
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                if non_blocking:
+                    det.pending_copies += 1
+                    return None
+                return "d2h-copy"
+        return None
+
+
+class SyncDetector:
+    """Context manager recording every host-device sync a block of code would cause on CUDA.
+
+    >>> with SyncDetector() as det:
+    ...     with det.phase("forward"):
+    ...         y = layer(x)
+    >>> det.count("forward"), [str(e) for e in det.events]
+    """
+
+    def __init__(self, emulate_cuda_dtoh: bool = True, raise_on_sync: bool = False):
+        self.real_cuda = torch.cuda.is_available() and torch.version.cuda is not None and _real_cuda_runtime()
+        self.emulate_cuda_dtoh = emulate_cuda_dtoh and not self.real_cuda
+        self.raise_on_sync = raise_on_sync
+        self.events: List[SyncEvent] = []
+        self.pending_copies = 0
+        self._residency = WeakTensorKeyDictionary()  # tensor -> True (device) / False (host)
+        self._phase = "all"
+        self._suppress = 0
+        self._stack = contextlib.ExitStack()
+
+    # ---------------------------------------------------------------- residency
+    def is_device(self, t: torch.Tensor) -> bool:
+        if self.real_cuda:
+            return t.is_cuda
+        return self._residency.get(t, True)
+
+    def _set(self, t: torch.Tensor, device: bool) -> None:
+        if not self.real_cuda:
+            self._residency[t] = device
+
+    def mark_host(self, *tensors) -> None:
+        """Tensors that are CPU tensors on a CUDA machine too (e.g. index tables kept on the host)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._set(t, False)
+
+    def mark_device(self, *tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._set(t, True)
+
+    # ---------------------------------------------------------------- recording
+    def _record(self, kind: str, op: str) -> None:
+        event = SyncEvent(kind, op, self._phase, _site())
+        self.events.append(event)
+        if self.raise_on_sync:
+            raise RuntimeError(f"host-device sync: {event}")
+
+    @contextlib.contextmanager
+    def _suppressed(self):
+        self._suppress += 1
+        try:
+            yield
+        finally:
+            self._suppress -= 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        old, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = old
+
+    def count(self, phase: Optional[str] = None) -> int:
+        return sum(1 for e in self.events if phase is None or e.phase == phase)
+
+    def sites(self, phase: Optional[str] = None) -> List[str]:
+        return [f"{e.kind}: {e.op} at {e.where}" for e in self.events if phase is None or e.phase == phase]
+
+    # ---------------------------------------------------------------- enter / exit
+    def __enter__(self) -> "SyncDetector":
+        if self.emulate_cuda_dtoh:
+            self._stack.enter_context(_emulated_dtoh(self))
+        self._stack.enter_context(_FunctionSide(self))
+        self._stack.enter_context(_DispatchSide(self))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        return False
+
+
+def _run_backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None, **kw):
+    """torch.autograd.backward without its __torch_function__ hook (torch/autograd/__init__.py)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    grad_tensors = kw.pop("grad_tensors", gradient)
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grad_tensors_ = _tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
+    grad_tensors_ = _make_grads(tensors, grad_tensors_, is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else (tuple(inputs) if inputs is not None else ())
+    _engine_run_backward(tensors, grad_tensors_, retain_graph, create_graph, inputs,
+                         allow_unreachable=True, accumulate_grad=True)
+
+
+def _real_cuda_runtime() -> bool:
+    try:
+        return torch.cuda.device_count() > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@contextlib.contextmanager
+def _emulated_dtoh(det: SyncDetector):
+    """CUDA meaning of megatron's host transfers on a CPU machine (see module docstring).
+
+    Replaces, for the detector's lifetime only: ``maybe_move_tensor_to_cpu`` as imported by
+    megatron/core/transformer/moe/token_dispatcher.py:38 (defined moe_utils.py:1169), and
+    ``synchronize`` of the stream/event stand-ins torch.cuda.Event / torch.cuda.Stream and
+    ``torch.cuda.synchronize`` (counted as explicit syncs). Listed in megatron_ext/seams.py (# moe).
+    """
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    original_move = td.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and det.is_device(tensor):
+            det.pending_copies += 1  # non_blocking=True upstream: no sync until the event waits
+            with det._suppressed():
+                host = tensor.detach().clone()
+            det._set(host, False)
+            return host.numpy() if as_numpy else host
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    event_cls, stream_cls = torch.cuda.Event, torch.cuda.Stream
+    restore = []
+
+    def counted(owner, name, label):
+        original = getattr(owner, name)
+
+        def sync(*a, **k):
+            det._record("explicit-sync", label)
+            return original(*a, **k)
+
+        setattr(owner, name, sync)
+        restore.append((owner, name, original))
+
+    td.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    counted(event_cls, "synchronize", "Event.synchronize")
+    counted(stream_cls, "synchronize", "Stream.synchronize")
+    counted(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    try:
+        yield
+    finally:
+        td.maybe_move_tensor_to_cpu = original_move
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)

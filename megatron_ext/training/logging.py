@@ -1,0 +1,115 @@
+"""Megatron's per-iteration log line, plus tokens/s, TFLOP/s, MFU and peak memory; TensorBoard when
+installed. Printed by the last rank (where the loss lives), as megatron's print_rank_last does."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from megatron.training.training import num_floating_point_operations
+
+from megatron_ext import platform
+
+# Dense bf16 peak of one GPU, for MFU. Unknown devices report MFU as n/a rather than a guess.
+PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+
+
+def peak_memory_gib() -> tuple[float, float] | None:
+    """(peak allocated, peak reserved) on the GPU; on CPU the process's peak RSS as both."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    return rss, rss
+
+
+class TrainingLogger:
+    def __init__(self, args):
+        self.args = args
+        self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        self.last = time.perf_counter()
+        self.skipped = 0
+        self.nan_iterations = 0
+        self.writer = self._tensorboard(args) if self.is_logging_rank else None
+        self.history: list[dict] = []
+
+    @staticmethod
+    def _tensorboard(args):
+        if not args.tensorboard_dir:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("tensorboard is not installed: --tensorboard-dir ignored for logging", flush=True)
+            return None
+        return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+    def log(self, iteration: int, result, lr: float, extra: dict | None = None) -> dict:
+        """Called every iteration; prints every --log-interval. Returns this iteration's record."""
+        args = self.args
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        loss = float(result.lm_loss)  # host read happens here, once per iteration, for the log
+        if not result.update_successful:
+            self.skipped += 1
+        if self.is_logging_rank and not math.isfinite(loss):
+            self.nan_iterations += 1
+        tokens = args.global_batch_size * args.seq_length
+        tflops = num_floating_point_operations(args, args.global_batch_size) / elapsed / 1e12 / args.world_size
+        record = {
+            "iteration": iteration,
+            "lm loss": loss,
+            "grad norm": None if result.grad_norm is None else float(result.grad_norm),
+            "learning rate": lr,
+            "elapsed ms": elapsed * 1e3,
+            "tokens/s": tokens / elapsed,
+            "TFLOP/s/GPU": tflops,
+            **(extra or {}),
+        }
+        self.history.append(record)
+        if self.is_logging_rank and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            print(self.format(record), flush=True)
+            if self.writer is not None:
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and value is not None and key != "iteration":
+                        self.writer.add_scalar(key, value, iteration)
+        return record
+
+    def format(self, r: dict) -> str:
+        args = self.args
+        parts = [
+            f" iteration {r['iteration']:8d}/{args.train_iters:8d}",
+            f"consumed samples: {r['iteration'] * args.global_batch_size:12d}",
+            f"elapsed time per iteration (ms): {r['elapsed ms']:.1f}",
+            f"learning rate: {r['learning rate']:.6E}",
+            f"global batch size: {args.global_batch_size:5d}",
+            f"lm loss: {r['lm loss']:.6E}",
+        ]
+        if r["grad norm"] is not None:
+            parts.append(f"grad norm: {r['grad norm']:.3f}")
+        parts += [
+            f"number of skipped iterations: {self.skipped:3d}",
+            f"number of nan iterations: {self.nan_iterations:3d}",
+            f"tokens/s: {r['tokens/s']:.0f}",
+            f"TFLOP/s/GPU: {r['TFLOP/s/GPU']:.3f}",
+        ]
+        peak = peak_tflops()
+        parts.append(f"MFU: {100 * r['TFLOP/s/GPU'] / peak:.1f}%" if peak else "MFU: n/a")
+        mem = peak_memory_gib()
+        label = "peak alloc/reserved (GiB)" if platform.setup().is_cuda else "peak RSS (GiB)"
+        parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.setup().is_cuda else f"{label}: {mem[0]:.2f}")
+        for key, value in r.items():
+            if key not in _CORE_KEYS:
+                parts.append(f"{key}: {value}")
+        return " | ".join(parts) + " |"
+
+
+_CORE_KEYS = {"iteration", "lm loss", "grad norm", "learning rate", "elapsed ms", "tokens/s", "TFLOP/s/GPU"}

@@ -1,0 +1,90 @@
+"""Build the GPT model chunks (one per virtual-pipeline stage) and wrap them in megatron-core DDP."""
+from __future__ import annotations
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.training import (
+    get_megatron_ddp_config,
+    resolve_ddp_bucket_size,
+    wrap_model_chunks_with_ddp,
+)
+
+from megatron_ext import platform
+from megatron_ext.training import features
+
+
+def transformer_config(args) -> TransformerConfig:
+    config = core_transformer_config_from_args(args)
+    features.before_model(args, config)
+    return config
+
+
+def layer_spec(args, config: TransformerConfig, vp_stage: int | None):
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts is not None:  # per-layer dense/MoE pattern from --moe-layer-freq
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+        )
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(None, False, args.qk_layernorm)
+    return get_gpt_layer_local_spec(None, False, args.qk_layernorm, normalization=args.normalization)
+
+
+def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> list:
+    vp_size = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp_size or 1):
+        stage = vp_stage if vp_size else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(args, config, stage),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            vp_stage=stage,
+        )
+        chunk.to(platform.setup().device)
+        for p in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        chunks.append(chunk)
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    if wrap_with_ddp:
+        chunks = wrap_ddp(args, config, chunks)
+    features.after_model(args, chunks)
+    return chunks
+
+
+def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:
+    """megatron-core DDP with the same config and bucketing rules as megatron.training.get_model."""
+    ddp_config = get_megatron_ddp_config(args)
+    num_parameters = sum(p.numel() for c in chunks for p in c.parameters())
+    ddp_config.bucket_size = resolve_ddp_bucket_size(
+        ddp_config,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        ddp_config.overlap_grad_reduce,
+        num_parameters,
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    disable = [i > 0 or args.overlap_param_gather_with_optimizer_step for i in range(len(chunks))]
+    sizes = [None if (d or pp_rank > 0) else ddp_config.bucket_size for d in disable]
+    return wrap_model_chunks_with_ddp(
+        chunks, config, ddp_config, bucket_sizes=sizes, disable_bucketing_per_chunk=disable
+    )
+
+
+def num_parameters(model: list) -> int:
+    return sum(p.numel() for c in model for p in c.parameters())

@@ -1,0 +1,16 @@
+"""Model-parallel setup from the parsed arguments."""
+from __future__ import annotations
+
+from megatron_ext.training import parallel
+
+
+def initialize_parallel(args) -> None:
+    parallel.initialize(
+        tensor=args.tensor_model_parallel_size,
+        pipeline=args.pipeline_model_parallel_size,
+        virtual_pipeline=args.virtual_pipeline_model_parallel_size,
+        expert=args.expert_model_parallel_size,
+        expert_tensor=args.expert_tensor_parallel_size,
+        context=args.context_parallel_size,
+        seed=args.seed,
+    )

@@ -1,0 +1,82 @@
+"""One training iteration: megatron-core's pipeline schedule, then the optimizer step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+
+from megatron_ext import platform
+
+
+@dataclass
+class StepResult:
+    lm_loss: torch.Tensor  # averaged over micro-batches and data-parallel ranks (last stage only)
+    grad_norm: float | None
+    num_zeros: int | None
+    update_successful: bool
+
+
+def forward_step(data_iterator, model):
+    batch = {k: v.to(platform.setup().device) for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.view(-1).float() * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def configure_schedule_hooks(args, config, model, optimizer) -> None:
+    """The config callbacks megatron.training.train() installs (training.py:3530-3550)."""
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        config.no_sync_func = [m.no_sync for m in model]
+        if args.align_grad_reduce:
+            config.grad_sync_func = [m.start_grad_sync for m in model]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [m.start_param_sync for m in model]
+    for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
+        value = getattr(config, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(config, name, value[0])
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def train_step(args, model, optimizer, scheduler, data_iterators, forward_backward_func) -> StepResult:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    losses = forward_backward_func(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return StepResult(_average_loss(losses), grad_norm, num_zeros, update_successful)
+
+
+def _average_loss(losses: list) -> torch.Tensor:
+    """Mean over micro-batches, then over data-parallel ranks; NaN off the last stage."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not losses:
+        return torch.tensor(float("nan"))
+    loss = torch.stack([x["lm loss"] for x in losses]).mean().to(platform.setup().device)
+    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss / parallel_state.get_data_parallel_world_size()

@@ -1,0 +1,50 @@
+"""Train a GPT (dense or MoE) with megatron-core.
+
+    torchrun --nproc-per-node N train.py --recipe recipes/tiny_dense.yaml [--any-megatron-flag value]
+"""
+from __future__ import annotations
+
+import logging
+
+import arguments
+from megatron_ext import platform
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = arguments.parse(argv)  # every check happens here; --dry-run exits here
+    platform.init_distributed(args.distributed_timeout_minutes * 60)
+    logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.training import data, model as models, optimizer as optim, parallel, run, step
+    from megatron_ext.training.logging import TrainingLogger
+
+    run.initialize_parallel(args)
+    try:
+        config = models.transformer_config(args)
+        model = models.build_model(args, config)
+        optimizer, scheduler = optim.build_optimizer(args, model)
+        step.configure_schedule_hooks(args, config, model, optimizer)
+        start = 0
+        iterators = data.build_train_iterators(args, len(model), consumed_samples=start * args.global_batch_size)
+        forward_backward = get_forward_backward_func()
+        logger = TrainingLogger(args)
+
+        for iteration in range(start + 1, args.train_iters + 1):
+            result = step.train_step(args, model, optimizer, scheduler, iterators, forward_backward)
+            logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+        return logger.history
+    finally:
+        parallel.destroy()
+
+
+if __name__ == "__main__":
+    import sys
+
+    from megatron_ext.errors import ConfigError
+
+    try:
+        main()
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
