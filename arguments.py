@@ -226,6 +226,13 @@ def finalize(args) -> None:
         raise ConfigError("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
     if args.train_iters is None:
         raise ConfigError("--train-iters is required (sample-based training is not supported)")
+    decay = args.lr_decay_iters or args.train_iters
+    warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_iters
+    if decay and warmup >= decay:
+        raise ConfigError(
+            f"--lr-warmup-iters={args.lr_warmup_iters} (or --lr-warmup-fraction) must be below the decay "
+            f"length {decay} (--lr-decay-iters, else --train-iters)"
+        )
     world_size_holder = args.world_size
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args dumps every argument on rank 0
         try:

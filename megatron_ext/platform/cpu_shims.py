@@ -338,6 +338,17 @@ def _install_torch_norm_sequence_parallel():
     return _patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
 
 
+# --------------------------------------------------------------------------------------------
+# 9. megatron/core/jit.py:21 makes `jit_fuser = torch.compile` (bias_swiglu, bias_gelu, rotary, MoE
+#    permute helpers, ...). On CPU each process then spends ~18 s compiling for a tiny model. Run
+#    those functions eagerly instead: the same math, without the compile.
+# --------------------------------------------------------------------------------------------
+def _install_eager_jit_fuser():
+    import torch._dynamo
+
+    return _patch(torch._dynamo.config, "disable", True)
+
+
 SHIMS: Dict[str, Shim] = {
     s.name: s
     for s in [
@@ -424,6 +435,12 @@ SHIMS: Dict[str, Shim] = {
             ["megatron/core/transformer/torch_norm.py:50"],
             "torch LayerNorm refused under sequence parallel without apex/TE (blocks TP+MoE)",
             _install_torch_norm_sequence_parallel,
+        ),
+        Shim(
+            "eager_jit_fuser",
+            ["megatron/core/jit.py:21"],
+            "jit_fuser = torch.compile costs ~18 s of compilation per process on CPU",
+            _install_eager_jit_fuser,
         ),
     ]
 }
