@@ -349,6 +349,31 @@ def _install_eager_jit_fuser():
     return _patch(torch._dynamo.config, "disable", True)
 
 
+# --------------------------------------------------------------------------------------------
+# 10. megatron/training/arguments.py:1414 (validate_args, TP or CP > 1) asks for the GPU's compute
+#     capability via get_device_arch_version (megatron/training/utils/common_utils.py:504). A CPU
+#     has none: report 0 (pre-Blackwell), whose branch then asserts CUDA_DEVICE_MAX_CONNECTIONS=1
+#     (arguments.py:1437), a CUDA launch setting with no CPU meaning: set it.
+# --------------------------------------------------------------------------------------------
+def _install_no_device_arch():
+    import os
+
+    from megatron.training import arguments
+
+    old_env = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    undo_arch = _patch(arguments, "get_device_arch_version", lambda: 0)
+
+    def undo():
+        undo_arch()
+        if old_env is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = old_env
+
+    return undo
+
+
 SHIMS: Dict[str, Shim] = {
     s.name: s
     for s in [
@@ -441,6 +466,16 @@ SHIMS: Dict[str, Shim] = {
             ["megatron/core/jit.py:21"],
             "jit_fuser = torch.compile costs ~18 s of compilation per process on CPU",
             _install_eager_jit_fuser,
+        ),
+        Shim(
+            "no_device_arch",
+            [
+                "megatron/training/arguments.py:1414",
+                "megatron/training/arguments.py:1437",
+                "megatron/training/utils/common_utils.py:504",
+            ],
+            "validate_args reads the GPU compute capability when TP or CP > 1",
+            _install_no_device_arch,
         ),
     ]
 }

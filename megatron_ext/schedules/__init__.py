@@ -1,1 +1,98 @@
-"""(being written)"""
+"""1F1B backward-forward overlap that hides tensor-parallel communication (issue 5).
+
+Flag: ``--overlap-tp-comm-1f1b``. With it, the steady phase of the pipeline schedule (and, without
+pipelining, each pair of consecutive micro-batches) runs the backward of one micro-batch and the
+forward of another interleaved at every TP collective: each collective is issued async and waited
+on only after the other micro-batch's compute up to its own next collective (lanes.py). Loss and
+gradients are bit-identical to megatron's plain schedule. See docs/overlap.md.
+"""
+from __future__ import annotations
+
+from megatron_ext.errors import ConfigError
+
+FLAG = "--overlap-tp-comm-1f1b"
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("megatron_ext: backward-forward TP-communication overlap")
+    group.add_argument(
+        FLAG,
+        dest="overlap_tp_comm_1f1b",
+        action="store_true",
+        default=False,
+        help="Hide tensor-parallel communication by interleaving the backward of one micro-batch "
+        "with the forward of another (1F1B steady phase; consecutive micro-batches without "
+        "pipelining): every TP all-reduce / all-gather / reduce-scatter (and EP all-to-all) is "
+        "issued async and waited on only after the other micro-batch's compute. Needs TP >= 2. "
+        "Bit-identical loss and gradients. Not megatron's --tp-comm-overlap (TE userbuffers) nor "
+        "--overlap-moe-expert-parallel-comm (combined 1F1B for EP all-to-all only). Pipeline "
+        "messages are sent by this schedule itself (tagged, non-blocking sends), so megatron's "
+        "p2p options (--no-overlap-p2p-communication, batch_p2p_comm) do not apply to it.",
+    )
+    return parser
+
+
+def _get(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def validate(args) -> None:
+    """Refuse, naming flag and value, every setting under which the overlap cannot apply."""
+    if not _get(args, "overlap_tp_comm_1f1b", False):
+        return
+    on = f"{FLAG}=true"
+    tp = _get(args, "tensor_model_parallel_size", 1) or 1
+    if tp < 2:
+        raise ConfigError(
+            f"{on} needs tensor parallelism: --tensor-model-parallel-size={tp} has no TP "
+            "communication to hide (use TP >= 2 or drop the flag)"
+        )
+    incompatible = {
+        "overlap_moe_expert_parallel_comm": (
+            "--overlap-moe-expert-parallel-comm",
+            "megatron's combined-1F1B schedule and ours both pair a forward with a backward; ours "
+            "already overlaps the EP all-to-all (it hands off at every TP and EP collective)",
+        ),
+        "defer_embedding_wgrad_compute": (
+            "--defer-embedding-wgrad-compute",
+            "not supported by the overlapped schedule",
+        ),
+        "num_microbatches_with_partial_activation_checkpoints": (
+            "--num-microbatches-with-partial-activation-checkpoints",
+            "not supported by the overlapped schedule",
+        ),
+        "variable_seq_lengths": ("--variable-seq-lengths", "pipeline messages have fixed shapes here"),
+        "hybrid_context_parallel": ("--hybrid-context-parallel", "has its own schedule"),
+        "delay_wgrad_compute": ("--delay-wgrad-compute", "splits wgrad out of the backward pass"),
+    }
+    for dest, (flag, why) in incompatible.items():
+        value = _get(args, dest, None)
+        if value not in (None, False, 0):
+            raise ConfigError(f"{on} cannot be combined with {flag}={value}: {why}")
+    impl = _get(args, "transformer_impl", "local")
+    if impl == "transformer_engine":
+        raise ConfigError(
+            f"{on} with --transformer-impl={impl}: TE layers issue their TP collectives inside TE "
+            "(userbuffers/NCCL in C++), which the overlap cannot intercept; use --transformer-impl=local"
+        )
+    cuda_graph = _get(args, "cuda_graph_impl", "none")
+    if cuda_graph not in (None, "none"):
+        raise ConfigError(f"{on} cannot be combined with --cuda-graph-impl={cuda_graph}")
+    if _get(args, "external_cuda_graph", False) or _get(args, "enable_cuda_graph", False):
+        raise ConfigError(f"{on} cannot be combined with CUDA graphs")
+
+
+def get_forward_backward_func(args=None):
+    """Our schedule when ``args.overlap_tp_comm_1f1b`` is on, else megatron's; called with the
+    same keyword arguments as megatron's forward_backward_* functions."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
+
+    if args is not None and _get(args, "overlap_tp_comm_1f1b", False):
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() < 2:
+            raise ConfigError(f"{FLAG}=true needs tensor parallelism (TP world size is 1)")
+        from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
+
+        return forward_backward_overlap
+    return megatron_func()

@@ -1,0 +1,464 @@
+"""Chunked, race-free activation offload.
+
+What is offloaded: every tensor that a chosen module saves for backward (through
+``torch.autograd.graph`` saved-tensor hooks pushed around that module's forward), grouped per
+transformer layer per micro-batch per model chunk: key = (chunk, pass, layer_number), where a pass is
+one forward call of one model chunk (one micro-batch).
+
+Life of a group (one layer of one micro-batch)::
+
+    forward ──► pending ──(next group starts its forward, or another pass starts backward)──►
+    offloading (D2H on the d2h stream, device storage still held) ──(D2H event done)──►
+    offloaded (device storage released; bytes live only in pool slots) ──(prefetch / on demand)──►
+    reloading (H2D on the h2d stream into a buffer allocated on the compute stream) ──► consumed
+
+- The D2H copy of a group is issued one group late. If the group's own backward begins first (the
+  last layer before a backward: PP=1, the last PP stage, the last virtual chunk), the group is never
+  copied at all: it was going to be needed at once, so offloading it cannot lower the peak.
+- Race freedom by construction, with no ``record_stream``: (1) the D2H stream waits for an event
+  recorded on the compute stream; (2) the device storage is held until the D2H event has completed,
+  then released; a group is reloaded from the host only after that release, so a reload never reads a
+  slot before its D2H copy finished (Megatron-LM #7398); a group whose D2H is still in flight is
+  served from its device storage instead; (3) the reload buffer is allocated on the compute stream and
+  the H2D stream waits for an event recorded after that allocation; the compute stream waits for the
+  H2D event before the tensor is handed to autograd; (4) a pool slot is returned only after the last
+  copy out of it has completed.
+- A storage is offloaded only if nothing else holds it when the copy is issued (checked with the
+  storage's use count), so releasing it really frees device memory; otherwise it stays (counted).
+- Debug mode: on CPU the two copy streams are deferred queues (``streams.Stream(deferred=True)``)
+  that run as late as a device could; released storages, free pool slots and not-yet-filled reload
+  buffers are filled with NaN bytes and released storages are resized to 0, so a missing wait or an
+  early release gives NaN or an error instead of silently right or wrong numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import torch
+
+from megatron_ext.offload.pool import POISON, HostPool
+from megatron_ext.platform import streams
+
+MODULES = ("core_attention", "qkv_linear", "router_fc1", "router_fc2", "shared_experts", "attn_proj", "moe_act")
+ALIASES = {"core_attn": "core_attention", "expert_fc1": "router_fc1"}
+
+
+def canonical_modules(names) -> tuple:
+    out = []
+    for n in names:
+        n = ALIASES.get(n, n)
+        if n not in MODULES:
+            raise ValueError(n)
+        if n not in out:
+            out.append(n)
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Options:
+    modules: tuple
+    pool_bytes: int = 1 << 30
+    chunk_bytes: int = 4 << 20
+    prefetch_depth: int = 1
+    min_tensor_bytes: int = 64 << 10
+    debug: bool = False
+
+
+# record states
+PACKED, KEPT, COPYING, OFFLOADED, RELOADING = "packed", "kept", "copying", "offloaded", "reloading"
+
+
+class _Record:
+    """One device storage saved by a group."""
+
+    __slots__ = ("storage", "nbytes", "device", "slots", "state", "d2h_event", "h2d_event", "reloaded",
+                 "waited", "group", "__weakref__")
+
+    def __init__(self, storage, device, group):
+        self.storage = storage
+        self.nbytes = storage.nbytes()
+        self.device = device
+        self.slots = None
+        self.state = PACKED
+        self.d2h_event = self.h2d_event = self.reloaded = None
+        self.waited = False
+        self.group = weakref.ref(group)
+
+
+class _Saved:
+    """What autograd holds instead of the tensor: the record and the view to rebuild."""
+
+    __slots__ = ("record", "dtype", "size", "stride", "offset")
+
+    def __init__(self, record, t):
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class _Pass:
+    __slots__ = ("chunk", "index", "groups")
+
+    def __init__(self, chunk, index):
+        self.chunk, self.index, self.groups = chunk, index, []
+
+
+class _Group:
+    __slots__ = ("key", "records", "state", "pass_", "__weakref__")
+
+    def __init__(self, key, pass_):
+        self.key, self.records, self.state, self.pass_ = key, {}, "forward", pass_
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records.values()) if self.records else 0
+
+
+def _bytes_view(storage, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _use_count(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+STAT_KEYS = (
+    "offloaded_bytes", "reloaded_bytes", "prefetched_groups", "on_demand_groups", "d2h_chunks", "h2d_chunks",
+    "kept_small_bytes", "kept_shared_bytes", "kept_pool_full_bytes", "kept_last_bytes", "served_in_flight_bytes",
+    "groups",
+)
+
+
+class OffloadManager:
+    def __init__(self, options: Options):
+        self.options = options
+        self.debug = options.debug
+        self.pool = HostPool(options.pool_bytes, options.chunk_bytes, debug=options.debug)
+        deferred = options.debug and not streams.cuda()
+        self.d2h = streams.Stream(deferred=deferred)
+        self.h2d = streams.Stream(deferred=deferred)
+        self._handles = []
+        self._param_ptrs: set = set()
+        self._pass: _Pass | None = None
+        self._pass_counter: dict = {}
+        self._group: _Group | None = None
+        self._pending: _Group | None = None
+        self._offloading: list = []
+        self._returns: list = []  # (event, slot ids, keep-alive) until the copy out of the slots is done
+        self._pushed = 0
+        self._faults: set = set()  # tests only: {"skip_h2d_wait", "early_release", "early_slot_return"}
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+    # ------------------------------------------------------------------ attach
+    def attach(self, model_chunks) -> "OffloadManager":
+        from megatron_ext import seams
+
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        modules = self.options.modules
+        for chunk_idx, chunk in enumerate(chunks):
+            for p in chunk.parameters():
+                self._param_ptrs.add(p.untyped_storage().data_ptr())
+                if getattr(p, "main_grad", None) is not None:
+                    self._param_ptrs.add(p.main_grad.untyped_storage().data_ptr())
+            root = seams.offload_unwrap(chunk)
+            self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
+            for layer in seams.offload_layers(root):
+                targets = seams.offload_targets(layer, modules)
+                if not targets:
+                    continue
+                self._handles.append(layer.register_forward_pre_hook(functools.partial(self._begin_group, chunk_idx)))
+                self._handles.append(layer.register_forward_hook(self._end_group, always_call=True))
+                for _name, kind, mods in targets:
+                    if kind == "module":
+                        for m in mods:
+                            self._handles.append(m.register_forward_pre_hook(self._push))
+                            self._handles.append(m.register_forward_hook(self._pop, always_call=True))
+                    else:  # "window": from fc1's exit to fc2's entry (the expert activation)
+                        for fc1, fc2 in mods:
+                            self._handles.append(fc1.register_forward_hook(self._push, always_call=True))
+                            self._handles.append(fc2.register_forward_pre_hook(self._pop, prepend=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.synchronize()
+
+    # ------------------------------------------------------------------ forward hooks
+    def _active(self) -> bool:
+        return torch.is_grad_enabled() and not _in_backward()
+
+    def _begin_pass(self, chunk_idx, _module, _args):
+        if self._active():
+            index = self._pass_counter.get(chunk_idx, 0)
+            self._pass_counter[chunk_idx] = index + 1
+            self._pass = _Pass(chunk_idx, index)
+
+    def _begin_group(self, chunk_idx, layer, _args):
+        if not self._active():
+            self._group = None
+            return
+        if self._pending is not None:
+            self._offload(self._pending)
+            self._pending = None
+        self._reap()
+        if self._pass is None or self._pass.chunk != chunk_idx:
+            self._begin_pass(chunk_idx, None, None)
+        group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
+        self._pass.groups.append(group)
+        self._group = group
+
+    def _push(self, *_):
+        if self._group is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._pushed += 1
+
+    def _pop(self, *_):
+        if self._pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._pushed -= 1
+
+    def _end_group(self, _layer, _args, output):
+        group, self._group = self._group, None
+        while self._pushed:  # a window left open (e.g. an exception) closes with its layer
+            self._pop()
+        if group is None:
+            return
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if not group.records or not (isinstance(hidden, torch.Tensor) and hidden.requires_grad):
+            group.state = "kept"
+            self._drop(group)
+            if group in group.pass_.groups:
+                group.pass_.groups.remove(group)
+            return
+        self.stats["groups"] += 1
+        group.state = "pending"
+        self._pending = group
+        hidden.register_hook(functools.partial(self._on_backward, group))
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+    def _pack(self, t: torch.Tensor):
+        group = self._group
+        if group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+            return t
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        ptr = storage.data_ptr()
+        if ptr in self._param_ptrs or ptr == 0:
+            return t
+        rec = group.records.get(ptr)
+        if rec is None:
+            if storage.nbytes() < self.options.min_tensor_bytes:
+                self.stats["kept_small_bytes"] += storage.nbytes()
+                return t
+            rec = group.records[ptr] = _Record(storage, t.device, group)
+        return _Saved(rec, t)
+
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        rec = saved.record
+        if rec.state == PACKED:  # backward reached the group before its hook: keep it on the device
+            group = rec.group()
+            if group is not None and group is self._pending:
+                self._cancel(group)
+        elif rec.state == OFFLOADED:  # nothing prefetched it: reload now
+            group = rec.group()
+            self._reload(list(group.records.values()) if group is not None and group.records else [rec], group)
+            self.stats["on_demand_groups"] += 1
+        if rec.state == RELOADING:
+            if not rec.waited:
+                if "skip_h2d_wait" not in self._faults:
+                    rec.h2d_event.wait(streams.Stream.current())
+                rec.waited = True
+            storage = rec.reloaded
+        else:
+            storage = rec.storage
+        return torch.empty(0, dtype=saved.dtype, device=rec.device).set_(
+            storage, saved.offset, saved.size, saved.stride
+        )
+
+    # ------------------------------------------------------------------ backward hook
+    def _on_backward(self, group: _Group, _grad):
+        groups = group.pass_.groups
+        before = []
+        if group in groups:
+            i = groups.index(group)
+            before = groups[:i]
+            del groups[i]
+        if group is self._pending:
+            self._cancel(group)
+        else:
+            if self._pending is not None:
+                self._offload(self._pending)
+                self._pending = None
+            self._reap()
+            if group.state in ("offloading", "offloaded"):
+                self._reload(list(group.records.values()), group)
+                self.stats["on_demand_groups"] += 1
+        # prefetch the groups that backward reaches next in this pass (its earlier layers)
+        ahead = [g for g in reversed(before) if g.state in ("offloading", "offloaded")]
+        for g in ahead[: self.options.prefetch_depth]:
+            self._reload(list(g.records.values()), g)
+            self.stats["prefetched_groups"] += 1
+        return None
+
+    def _cancel(self, group: _Group) -> None:
+        """The group's backward comes before its offload was issued: it never leaves the device."""
+        self._pending = None
+        for rec in group.records.values():
+            if rec.state == PACKED:
+                rec.state = KEPT
+                self.stats["kept_last_bytes"] += rec.nbytes
+        group.state = "kept"
+        self._drop(group)
+
+    # ------------------------------------------------------------------ copies
+    def _offload(self, group: _Group) -> None:
+        compute_done = None
+        for rec in group.records.values():
+            if rec.state != PACKED:
+                continue
+            if _use_count(rec.storage) != 1:  # someone else holds it: releasing ours frees nothing
+                rec.state = KEPT
+                self.stats["kept_shared_bytes"] += rec.nbytes
+                continue
+            slots = self.pool.take(rec.nbytes)
+            if slots is None:
+                rec.state = KEPT
+                self.stats["kept_pool_full_bytes"] += rec.nbytes
+                continue
+            if compute_done is None:
+                compute_done = streams.Stream.current().record()
+                compute_done.wait(self.d2h)
+            rec.slots, rec.state = slots, COPYING
+            self.d2h.run(functools.partial(self._copy_out, rec.storage, rec.device, rec.nbytes, slots))
+            rec.d2h_event = self.d2h.record()
+            self.stats["offloaded_bytes"] += rec.nbytes
+            self.stats["d2h_chunks"] += len(slots)
+        if compute_done is None:
+            group.state = "kept"
+            self._drop(group)
+            return
+        group.state = "offloading"
+        self._offloading.append(group)
+        if "early_release" in self._faults:
+            self._release(group)
+
+    def _copy_out(self, storage, device, nbytes, slots) -> None:
+        src = _bytes_view(storage, device)
+        c = self.pool.chunk_bytes
+        for j, sid in enumerate(slots):
+            n = min(c, nbytes - j * c)
+            self.pool.slots[sid][:n].copy_(src[j * c : j * c + n], non_blocking=True)
+
+    def _copy_in(self, dst: torch.Tensor, nbytes, slots) -> None:
+        c = self.pool.chunk_bytes
+        for j, sid in enumerate(slots):
+            n = min(c, nbytes - j * c)
+            dst[j * c : j * c + n].copy_(self.pool.slots[sid][:n], non_blocking=True)
+
+    def _release(self, group: _Group) -> None:
+        for rec in group.records.values():
+            if rec.state == COPYING:
+                if self.debug:
+                    _bytes_view(rec.storage, rec.device).fill_(POISON)
+                    rec.storage.resize_(0)
+                rec.storage = None
+                rec.state = OFFLOADED
+        group.state = "offloaded"
+
+    def _reap(self) -> None:
+        still = []
+        for g in self._offloading:
+            if g.state != "offloading":
+                continue
+            if all(r.d2h_event.query() for r in g.records.values() if r.state == COPYING):
+                self._release(g)
+            else:
+                still.append(g)
+        self._offloading = still
+        keep = []
+        for event, slots, alive in self._returns:
+            if event.query():
+                self.pool.give(slots)
+            else:
+                keep.append((event, slots, alive))
+        self._returns = keep
+
+    def _reload(self, records, group: _Group | None) -> None:
+        current = None
+        for rec in records:
+            if rec.state == COPYING:  # D2H still in flight: the device storage is still ours, use it
+                rec.state = KEPT
+                self.stats["served_in_flight_bytes"] += rec.nbytes
+                self._returns.append((rec.d2h_event, rec.slots, None))
+                rec.slots = None
+            elif rec.state == OFFLOADED:
+                if current is None:
+                    current = streams.Stream.current()
+                dst = torch.empty(rec.nbytes, dtype=torch.uint8, device=rec.device)  # compute-stream memory
+                if self.debug:
+                    dst.fill_(POISON)
+                current.record().wait(self.h2d)
+                self.h2d.run(functools.partial(self._copy_in, dst, rec.nbytes, rec.slots))
+                rec.h2d_event = self.h2d.record()
+                rec.reloaded, rec.state = dst.untyped_storage(), RELOADING
+                alive = dst if streams.cuda() else None  # keep the block ours until the H2D is done
+                if "early_slot_return" in self._faults:
+                    self.pool.give(rec.slots)
+                else:
+                    self._returns.append((rec.h2d_event, rec.slots, alive))
+                rec.slots = None
+                self.stats["reloaded_bytes"] += rec.nbytes
+                self.stats["h2d_chunks"] += self.pool.slots_for(rec.nbytes)
+        if group is not None:
+            group.state = "consumed"
+            self._drop(group)
+
+    def _drop(self, group: _Group) -> None:
+        """The manager forgets the group: its records now live only as long as autograd's handles."""
+        if group in self._offloading:
+            self._offloading.remove(group)
+        group.records = {}
+
+    # ------------------------------------------------------------------ step level
+    def synchronize(self) -> None:
+        """Wait for every copy in flight and return their slots (end of a step / detach)."""
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+        self._reap()
+
+    def reset_stats(self) -> None:
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+
+_MANAGER: OffloadManager | None = None
+
+
+def attach(model_chunks, options: Options) -> OffloadManager:
+    global _MANAGER
+    detach()
+    _MANAGER = OffloadManager(options).attach(model_chunks)
+    return _MANAGER
+
+
+def detach() -> None:
+    global _MANAGER
+    if _MANAGER is not None:
+        _MANAGER.detach()
+        _MANAGER = None
+
+
+def current() -> OffloadManager | None:
+    return _MANAGER

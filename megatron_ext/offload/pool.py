@@ -1,0 +1,59 @@
+"""A bounded, reusable host pool of fixed-size chunks (pinned on CUDA).
+
+One host allocation of ``capacity_bytes`` made once, cut into ``chunk_bytes`` slots. A tensor's bytes
+move through as many slots as it needs; when too few are free the caller keeps the tensor on the
+device. Slots come back only when the caller knows the last copy out of them has finished.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.platform import streams
+
+POISON = 0xFF  # every float format reads 0xFF..FF as NaN
+
+
+class HostPool:
+    def __init__(self, capacity_bytes: int, chunk_bytes: int, debug: bool = False):
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        self.chunk_bytes = int(chunk_bytes)
+        self.num_slots = int(capacity_bytes) // self.chunk_bytes
+        self.debug = debug
+        self.buffer = streams.host_empty(self.num_slots * self.chunk_bytes)
+        if debug:
+            self.buffer.fill_(POISON)
+        self.slots = [
+            self.buffer[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(self.num_slots)
+        ]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.high_water = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.chunk_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def slots_for(self, nbytes: int) -> int:
+        return -(-int(nbytes) // self.chunk_bytes)
+
+    def take(self, nbytes: int) -> list[int] | None:
+        """Slot ids covering `nbytes`, or None if the pool cannot hold it now."""
+        need = self.slots_for(nbytes)
+        if need > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(need)]
+        self.high_water = max(self.high_water, self.num_slots - len(self._free))
+        return ids
+
+    def give(self, ids: list[int]) -> None:
+        for i in ids:
+            if self.debug:
+                self.slots[i].fill_(POISON)
+            self._free.append(i)
+
+    def storage_ptrs(self) -> set:
+        return {self.buffer.untyped_storage().data_ptr()} if self.num_slots else set()
