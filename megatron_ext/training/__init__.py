@@ -1,1 +1,28 @@
 """Builders for model / optimizer / data, the train step, logging, checkpointing."""
+from megatron_ext.errors import ConfigError
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("megatron_ext training")
+    group.add_argument(
+        "--layout-invariant-init",
+        action="store_true",
+        help="Initialise every parameter from its global checkpoint key and --seed, so every "
+        "TP/PP/VPP/EP/DP layout starts from identical weights (for comparing layouts).",
+    )
+    return parser
+
+
+def validate(args) -> None:
+    if args.layout_invariant_init and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
+            "--untie-embeddings-and-output-weights (tied weights live on two stages)"
+        )
+
+
+def after_model(args, model) -> None:
+    if args.layout_invariant_init:
+        from megatron_ext.training.init import layout_invariant_init
+
+        layout_invariant_init(model, args.init_method_std, args.seed)

@@ -33,7 +33,7 @@ def forward_step(data_iterator, model):
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss = torch.sum(output_tensor.view(-1).float() * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
 def configure_schedule_hooks(args, config, model, optimizer) -> None:

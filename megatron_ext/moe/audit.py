@@ -1,0 +1,137 @@
+"""Sync audit of one megatron-core MoELayer (router, dispatch, experts, combine), forward and
+backward, with the standard or the multihot dispatcher. Used by tests/moe and
+scripts/bench_dispatcher.py. Run inside an initialised model-parallel world
+(megatron_ext.training.parallel.initialize)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_ext import platform
+
+platform.setup()
+
+from megatron_ext.moe.sync_detector import SyncDetector  # noqa: E402
+
+MODES = ("dropless", "capacity", "capacity-nopad")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    dispatcher: str = "alltoall"  # megatron's --moe-token-dispatcher-type: alltoall | allgather
+    mode: str = "dropless"  # dropless | capacity (factor 1.0, pad to capacity) | capacity-nopad
+    experts: int = 4
+    topk: int = 2
+    hidden: int = 32
+    ffn: int = 64
+    tp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+
+    def config(self):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
+        capacity = self.mode != "dropless"
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=self.hidden,
+            num_attention_heads=4,
+            ffn_hidden_size=self.ffn,
+            moe_ffn_hidden_size=self.ffn,
+            num_moe_experts=self.experts,
+            moe_router_topk=self.topk,
+            moe_token_dispatcher_type=self.dispatcher,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.01,
+            moe_expert_capacity_factor=1.0 if capacity else None,
+            moe_pad_expert_input_to_capacity=self.mode == "capacity",
+            tensor_model_parallel_size=self.tp,
+            sequence_parallel=self.tp > 1,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            params_dtype=torch.float32,
+        )
+
+
+def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext import moe
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
+    layer = layer_spec.submodules.mlp(config=spec.config())
+    if platform.setup().is_cuda:
+        layer = layer.cuda()
+    layer.replaced = moe.install(layer) if ours else 0
+    return layer
+
+
+def rank_inputs(spec: LayerSpec, seq: int = 16, batch: int = 2, seed: int = 0):
+    """This rank's [seq/TP, batch, hidden] input and output-gradient (different on every rank)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    shape = (seq // spec.tp, batch, spec.hidden)
+    device = platform.setup().device
+    x = torch.randn(shape, generator=gen).to(device)
+    g = torch.randn(shape, generator=gen).to(device)
+    return x, g
+
+
+@dataclass
+class LayerRun:
+    out: torch.Tensor
+    dx: torch.Tensor
+    dw: Dict[str, torch.Tensor]
+    syncs_forward: int
+    syncs_backward: int
+    sites: List[str] = field(default_factory=list)
+    replaced: int = 0
+
+
+def host_tensors(dispatcher) -> list:
+    """Tensors the upstream alltoall dispatcher keeps on the host on a CUDA machine too
+    (token_dispatcher.py:424: permute_idx_device is "cpu" without permute fusion)."""
+    if getattr(dispatcher, "permute_idx_device", None) != "cpu":
+        return []
+    return [getattr(dispatcher, a) for a in ("sort_input_by_local_experts", "restore_output_by_local_experts")
+            if hasattr(dispatcher, a)]
+
+
+def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True) -> LayerRun:
+    """One forward + backward of ``layer`` under a :class:`SyncDetector`."""
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    det = SyncDetector()
+    with det if detect else _null():
+        det.mark_host(*host_tensors(layer.token_dispatcher))
+        with det.phase("forward"):
+            out, _ = layer(x)
+        with det.phase("backward"):
+            out.backward(g)
+    dw = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return LayerRun(
+        out=out.detach(),
+        dx=x.grad.detach(),
+        dw=dw,
+        syncs_forward=det.count("forward"),
+        syncs_backward=det.count("backward"),
+        sites=[str(e) for e in det.events],
+        replaced=getattr(layer, "replaced", 0),
+    )
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

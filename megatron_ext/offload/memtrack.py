@@ -1,0 +1,80 @@
+"""An independent tracker of device-resident tensor bytes, for tests and the benchmark.
+
+It does not read the offload code's counters. On CPU (where "device" and "host" are one memory) a
+``TorchDispatchMode`` sees the outputs of every aten op the process runs, forward and backward, and
+keeps a weak reference to each distinct storage it sees; after every op it drops the storages that
+died and sums the live ones. Storages named in ``exclude`` (parameters, gradient buffers, the host
+pool) are not counted, so what is left is activations and temporaries. On CUDA use
+``torch.cuda.max_memory_allocated`` instead (the benchmark does).
+"""
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    def __init__(self, exclude_ptrs=(), device_type: str = "cpu", record_timeline: bool = False):
+        super().__init__()
+        self.exclude = set(exclude_ptrs)
+        self.device_type = device_type
+        self.live: dict = {}  # data_ptr -> (StorageWeakRef, nbytes)
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+        self.timeline: list | None = [] if record_timeline else None
+
+    def _sweep(self) -> None:
+        dead = [ptr for ptr, (ref, _n) in self.live.items() if ref.expired()]
+        for ptr in dead:
+            self.current -= self.live.pop(ptr)[1]
+
+    def _see(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or t.layout != torch.strided:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.exclude:
+            return
+        known = self.live.get(ptr)
+        if known is not None:
+            if known[1] != storage.nbytes():  # resized in place
+                self.current += storage.nbytes() - known[1]
+                self.live[ptr] = (known[0], storage.nbytes())
+            return
+        self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        self.current += storage.nbytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in tree_flatten(out)[0]:
+            self._see(t)
+        self.ops += 1
+        if self.current > self.peak:
+            self.peak = self.current
+        if self.timeline is not None:
+            self.timeline.append(self.current)
+        return out
+
+    def sample(self) -> int:
+        """Live bytes now (frees since the last op included)."""
+        self._sweep()
+        return self.current
+
+
+def model_state_ptrs(model_chunks) -> set:
+    """Storages of parameters and their gradients (.grad / .main_grad), which are not activations."""
+    ptrs = set()
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            ptrs.add(p.untyped_storage().data_ptr())
+            for g in (p.grad, getattr(p, "main_grad", None)):
+                if g is not None:
+                    ptrs.add(g.untyped_storage().data_ptr())
+    return ptrs

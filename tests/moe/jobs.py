@@ -1,0 +1,38 @@
+"""Job functions for tests/dist.py workers (every rank runs them in an initialised gloo world)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.moe import audit
+
+
+def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=None, experts=4, topk=2,
+                      seq=16, batch=2, hidden=32, seed=7):
+    """Standard vs multihot dispatcher on one MoELayer: outputs, input grads, weight grads and the
+    syncs each one causes (forward / backward) on this rank."""
+    from megatron_ext.training import parallel
+
+    parallel.initialize(tensor=tp, expert=ep, expert_tensor=etp)
+    try:
+        spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=experts, topk=topk,
+                               hidden=hidden, tp=tp, ep=ep, etp=etp)
+        x, g = audit.rank_inputs(spec, seq=seq, batch=batch, seed=seed)
+        ref = audit.run_layer(audit.build_layer(spec, seed=seed, ours=False), x, g)
+        ours = audit.run_layer(audit.build_layer(spec, seed=seed, ours=True), x, g)
+        return {
+            "out_equal": torch.equal(ref.out, ours.out),
+            "dx_equal": torch.equal(ref.dx, ours.dx),
+            "dw_equal": all(torch.equal(ref.dw[k], ours.dw[k]) for k in ref.dw),
+            "max_abs_diff": max(
+                [(ref.out - ours.out).abs().max().item(), (ref.dx - ours.dx).abs().max().item()]
+                + [(ref.dw[k] - ours.dw[k]).abs().max().item() for k in ref.dw]
+            ),
+            "same_keys": sorted(ref.dw) == sorted(ours.dw),
+            "syncs_reference": (ref.syncs_forward, ref.syncs_backward),
+            "syncs_ours": (ours.syncs_forward, ours.syncs_backward),
+            "sites_ours": ours.sites,
+            "sites_reference": ref.sites,
+            "replaced": ours.replaced,
+        }
+    finally:
+        parallel.destroy()
