@@ -52,6 +52,8 @@ def setup() -> Platform:
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
             warnings.filterwarnings("ignore", message=".*absl.logging is not installed")
             warnings.filterwarnings("ignore", message="Apex is not installed")
+            warnings.filterwarnings("ignore", message="Only transformer-engine>=1.7.0 supports MoE")
+            warnings.filterwarnings("ignore", message="MimoModelConfig is experimental")
 
             cpu_shims.apply_all()
             _PLATFORM = Platform(torch.device("cpu"), "gloo")

@@ -1,0 +1,38 @@
+# Two commands set up a fresh machine:
+#   make train   # installs into .venv, prepares the stdlib text data, trains recipes/tiny_dense.yaml on CPU
+#   make test    # installs into .venv and runs the test suite (what .ci/run runs)
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+MCORE_SPEC  ?= megatron-core==0.19.2
+RECIPE      ?= recipes/tiny_dense.yaml
+NPROC       ?= 1
+ARGS        ?=
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+DATA        := data/pystdlib_text_document.idx
+
+.PHONY: install data train test clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"
+	touch $(STAMP)
+
+data: $(DATA)
+
+$(DATA): $(STAMP)
+	$(PY) scripts/prepare_data.py --python-stdlib --output-prefix data/pystdlib
+
+train: $(STAMP) $(DATA)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc-per-node $(NPROC) train.py --recipe $(RECIPE) $(ARGS)
+
+test: $(STAMP) $(DATA)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) data
