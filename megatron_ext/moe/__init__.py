@@ -62,6 +62,9 @@ def validate(args) -> None:
         raise ConfigError(f"{on}: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
+installed = 0  # dispatchers replaced in this process (tests check the flag really took effect)
+
+
 def install(model_chunks) -> int:
     """Swap the token dispatcher of every MoELayer in ``model_chunks`` (modules or DDP wrappers).
     Returns how many were replaced."""
@@ -69,6 +72,7 @@ def install(model_chunks) -> int:
 
     from megatron_ext.moe.dispatcher import MultihotTokenDispatcher
 
+    global installed
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     replaced = 0
     for chunk in chunks:
@@ -76,6 +80,7 @@ def install(model_chunks) -> int:
             if isinstance(module, MoELayer) and not isinstance(module.token_dispatcher, MultihotTokenDispatcher):
                 module.token_dispatcher = MultihotTokenDispatcher.replacing(module.token_dispatcher)
                 replaced += 1
+    installed += replaced
     return replaced
 
 

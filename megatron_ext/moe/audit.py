@@ -13,7 +13,7 @@ from megatron_ext import platform
 
 platform.setup()
 
-from megatron_ext.moe.sync_detector import SyncDetector  # noqa: E402
+from megatron_ext.moe.sync_detector import SyncDetector, run_backward  # noqa: E402
 
 MODES = ("dropless", "capacity", "capacity-nopad")
 
@@ -116,7 +116,7 @@ def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True) -> L
         with det.phase("forward"):
             out, _ = layer(x)
         with det.phase("backward"):
-            out.backward(g)
+            run_backward(out, g)
     dw = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
     return LayerRun(
         out=out.detach(),

@@ -126,7 +126,7 @@ class _FunctionSide(TorchFunctionMode):
             # recurse; run the engine directly with the mode active, so code in custom
             # autograd.Function backwards is seen.
             with self:
-                return _run_backward(*args, **kwargs)
+                return run_backward(*args, **kwargs)
         if func in _HOST_READS and args and det.is_device(args[0]):
             det._record("scalar-read" if func is not torch.Tensor.tolist else "d2h-copy", _HOST_READS[func])
             with det._suppressed():
@@ -304,8 +304,12 @@ class SyncDetector:
         return False
 
 
-def _run_backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None, **kw):
-    """torch.autograd.backward without its __torch_function__ hook (torch/autograd/__init__.py)."""
+def run_backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None, **kw):
+    """torch.autograd.backward without its __torch_function__ hook (torch/autograd/__init__.py).
+
+    Also the way to run backward on CPU outside the detector: the platform's CPU redirect mode
+    re-enters itself around Tensor.backward / torch.autograd.backward and recurses without end
+    (megatron's own schedules call the engine directly, like this)."""
     from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
     from torch.autograd.graph import _engine_run_backward
 
