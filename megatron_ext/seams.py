@@ -222,3 +222,131 @@ def offload_targets(layer, names) -> list:
         if mods:
             out.append((name, "module", mods))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded parameters (issue 6)
+#
+# megatron-core's distributed optimizer already keeps every parameter as a view into a contiguous
+# per-(dtype, expert/dense) buffer and communicates per bucket, coalesced:
+#   megatron/core/distributed/param_and_grad_buffer.py:504-521  param all-gather, one
+#     all_gather_into_tensor per bucket written straight into bucket.param_data (params are views
+#     of it: :1288-1302), inside _coalescing_manager (one c10d allgather_into_tensor_coalesced).
+#   param_and_grad_buffer.py:702-730  grad reduce-scatter, one per bucket, coalesced the same way.
+# Measured on our MoE recipes (scripts/bench_gather.py), one thing in that path is per PARAMETER:
+#   param_and_grad_buffer.py:301-337  _ParamAndGradBucketGroup._post_param_sync, run after every
+#     param all-gather (finish_param_sync :592 with overlap_param_gather; via
+#     distributed_data_parallel.py:516-532 _start_bucket_group_param_sync without it), scans every
+#     param of the bucket group with _param_uses_quantized_storage (:81), whose
+#     is_grouped_tensor_with_quantized_storage (megatron/core/fp8_utils.py:144-150) reads
+#     `param.data` (fp8_utils.py:112): one aten.detach per parameter per step, 2 per expert per layer
+#     with SequentialMLP, so host ops grew linearly with the number of experts.
+#   distributed_data_parallel.py:432-466  the forward pre-hook (overlap_param_gather) registered on
+#     EVERY module calls finish_param_sync once per parameter of that module, every micro-batch:
+#     2 calls per expert per layer per micro-batch, almost all of them no-ops after the first.
+# Wrapped (the DeepSpeed lessons: treat a leaf module's many small params as one unit; do no host
+# work per parameter once the gathered buffer is in place):
+#   _post_param_sync: decides once per bucket group whether it holds any quantized param (a param's
+#     storage class does not change after DDP has mapped it into the buffer) and, when none, returns
+#     without the scan. With quantized params, or reuse_grad_buf_for_mxfp8_param_ag, the original
+#     runs unchanged.
+#   DistributedDataParallel._make_forward_pre_hook (:432): the hook maps its module to the distinct
+#     bucket groups of its params once (cached per module), and calls finish_param_sync only for a
+#     group whose all-gather is not finished yet (dispatched with no handle outstanding is exactly
+#     the state in which upstream's call does nothing, :558-592). Same waits, same dispatch order.
+#     Hooks already registered are re-registered by install/remove (enable_forward_pre_hook :400).
+# ---------------------------------------------------------------------------------------------
+def _reregister_forward_pre_hooks(model) -> None:
+    for chunk in model or ():
+        if getattr(chunk, "use_forward_hook", False) and chunk.remove_forward_pre_hook_handles:
+            chunk.disable_forward_pre_hook(param_sync=False)
+            chunk.enable_forward_pre_hook()
+
+
+def _install_forward_pre_hook_seam() -> None:
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+
+    cls = ddp_mod.DistributedDataParallel
+    orig = cls.__dict__["_make_forward_pre_hook"]
+    if getattr(orig, "_megatron_ext_sharded_params", False):
+        return
+
+    def _make_forward_pre_hook(self):
+        groups_of = {}  # module -> distinct bucket groups of its params, in param order
+
+        def hook(module, *unused):
+            assert self.use_forward_hook, "Should use pre-hook only when overlap_param_gather is True"
+            if ddp_mod.is_graph_capturing():
+                return
+            groups = groups_of.get(module)
+            if groups is None:
+                seen = {}
+                for param in module.parameters(recurse=False):
+                    group = self.param_to_bucket_group.get(param)
+                    if group is not None:
+                        assert param.requires_grad
+                        seen.setdefault(id(group), group)
+                groups = groups_of[module] = tuple(seen.values())
+            if not groups:
+                return
+            skip_next = self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
+            for group in groups:
+                if group.param_gather_dispatched and group.param_gather_handle is None:
+                    continue  # gathered already: upstream's finish_param_sync would do nothing
+                group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
+        return hook
+
+    _make_forward_pre_hook._megatron_ext_sharded_params = True
+    _make_forward_pre_hook.__wrapped__ = orig
+    cls._make_forward_pre_hook = _make_forward_pre_hook
+
+
+def install_sharded_params_seams(model=None) -> None:
+    """Idempotent. `model`: DDP chunks built before the install, whose forward pre-hooks are
+    re-registered so they use the seam."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    _install_forward_pre_hook_seam()
+    _reregister_forward_pre_hooks(model)
+
+    cls = pgb._ParamAndGradBucketGroup
+    orig = cls.__dict__["_post_param_sync"]
+    if getattr(orig, "_megatron_ext_sharded_params", False):
+        return
+
+    def _post_param_sync(self):
+        if self.ddp_config.reuse_grad_buf_for_mxfp8_param_ag:
+            return orig(self)
+        quantized = self.__dict__.get("_megatron_ext_has_quantized_params")
+        if quantized is None:
+            quantized = any(
+                pgb._param_uses_quantized_storage(p) for bucket in self.buckets for p in bucket.params_list
+            )
+            self._megatron_ext_has_quantized_params = quantized
+        if quantized:
+            return orig(self)
+        return None
+
+    _post_param_sync._megatron_ext_sharded_params = True
+    _post_param_sync.__wrapped__ = orig
+    cls._post_param_sync = _post_param_sync
+
+
+def remove_sharded_params_seams(model=None) -> None:
+    """Back to megatron-core's own code (for side-by-side measurements)."""
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    for cls, name in ((pgb._ParamAndGradBucketGroup, "_post_param_sync"),
+                      (ddp_mod.DistributedDataParallel, "_make_forward_pre_hook")):
+        fn = cls.__dict__[name]
+        if getattr(fn, "_megatron_ext_sharded_params", False):
+            setattr(cls, name, fn.__wrapped__)
+    _reregister_forward_pre_hooks(model)
+
+
+def sharded_params_seams_installed() -> bool:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    return getattr(pgb._ParamAndGradBucketGroup.__dict__["_post_param_sync"], "_megatron_ext_sharded_params", False)
