@@ -211,6 +211,17 @@ def _fit_defaults_to_platform(args) -> None:
         args.config_sources["no_persist_layer_norm"] = "default (on: no transformer-engine)"
 
 
+def _one_data_source(args) -> None:
+    """--mock-data and --data-path are alternatives: the one given at higher precedence wins."""
+    rank = {"default": 0, "recipe": 1, "cli": 2}
+    mock, path = rank[args.config_sources["mock_data"]], rank[args.config_sources["data_path"]]
+    if args.mock_data and args.data_path and mock != path:
+        if mock > path:
+            args.data_path, args.config_sources["data_path"] = None, "cleared by --mock-data"
+        else:
+            args.mock_data, args.config_sources["mock_data"] = False, "cleared by --data-path"
+
+
 def finalize(args) -> None:
     """Everything megatron's validate_args checks, plus ours, before any compute starts."""
     launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -222,6 +233,7 @@ def finalize(args) -> None:
         )
     args.rank = int(os.environ.get("RANK", "0"))
     _fit_defaults_to_platform(args)
+    _one_data_source(args)
     if not args.mock_data and not args.data_path:
         raise ConfigError("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
     if args.train_iters is None:

@@ -182,8 +182,12 @@ def _mode_rule(rule: str):
 # --------------------------------------------------------------------------------------------
 # 4. CUDA runtime calls with no CPU meaning: streams, events, synchronize, current_device.
 # --------------------------------------------------------------------------------------------
-class CpuStream:
-    """Stand-in for torch.cuda.Stream: CPU work is already ordered, so waits are no-ops."""
+class CpuStream(torch.Stream):
+    """Stand-in for torch.cuda.Stream: CPU work is already ordered, so waits are no-ops. A real
+    (CPU) torch.Stream, so torch's argument parser accepts it (e.g. in Tensor.record_stream)."""
+
+    def __new__(cls, *_, **__):
+        return super().__new__(cls, "cpu")
 
     def __init__(self, *_, **__):
         pass
@@ -256,20 +260,26 @@ def _install_cuda_runtime_stand_ins():
 
 
 # --------------------------------------------------------------------------------------------
-# 6. megatron/core/transformer/moe/moe_utils.py:1184 (maybe_move_tensor_to_cpu) moves split sizes
-#    to the host only for CUDA tensors; gloo's all_to_all_single rejects tensor split sizes.
+# 6. megatron/core/transformer/moe/moe_utils.py:1184 (maybe_move_tensor_to_cpu) turns the alltoall
+#    split sizes into host numpy arrays only for CUDA tensors (token_dispatcher.py:927-943); on CPU
+#    they stay tensors, which megatron's all_to_all (mappings.py) and gloo cannot use as sizes.
 # --------------------------------------------------------------------------------------------
 def _install_host_split_sizes():
-    original = dist.all_to_all_single
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
-        if torch.is_tensor(output_split_sizes):
-            output_split_sizes = output_split_sizes.tolist()
-        if torch.is_tensor(input_split_sizes):
-            input_split_sizes = input_split_sizes.tolist()
-        return original(output, input, output_split_sizes, input_split_sizes, **kw)
+    original = moe_utils.maybe_move_tensor_to_cpu
 
-    return _patch(dist, "all_to_all_single", all_to_all_single)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return _undo_all(
+        [
+            _patch(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu),
+            _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu),
+        ]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,8 +455,8 @@ SHIMS: Dict[str, Shim] = {
         ),
         Shim(
             "host_split_sizes",
-            ["megatron/core/transformer/moe/moe_utils.py:1184"],
-            "alltoall split sizes stay tensors on CPU; gloo's all_to_all_single wants lists",
+            ["megatron/core/transformer/moe/moe_utils.py:1184", "megatron/core/transformer/moe/token_dispatcher.py:927"],
+            "alltoall split sizes stay tensors on CPU; megatron's all_to_all and gloo want host sizes",
             _install_host_split_sizes,
         ),
         Shim(

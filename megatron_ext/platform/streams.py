@@ -29,7 +29,7 @@ class _DeferredQueue:
 
     def run_until(self, mark: int) -> None:
         while self.done < mark:
-            op = self.ops[self.done]
+            op, self.ops[self.done] = self.ops[self.done], None  # run once, then let go of it
             self.done += 1
             op()
 

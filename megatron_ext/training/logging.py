@@ -35,7 +35,8 @@ class TrainingLogger:
     def __init__(self, args):
         self.args = args
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-        self.last = time.perf_counter()
+        self.last = self.interval_start = time.perf_counter()
+        self.interval_iterations = 0
         self.skipped = 0
         self.nan_iterations = 0
         self.writer = self._tensorboard(args) if self.is_logging_rank else None
@@ -62,26 +63,36 @@ class TrainingLogger:
             self.skipped += 1
         if self.is_logging_rank and not math.isfinite(loss):
             self.nan_iterations += 1
-        tokens = args.global_batch_size * args.seq_length
-        tflops = num_floating_point_operations(args, args.global_batch_size) / elapsed / 1e12 / args.world_size
         record = {
             "iteration": iteration,
             "lm loss": loss,
             "grad norm": None if result.grad_norm is None else float(result.grad_norm),
             "learning rate": lr,
-            "elapsed ms": elapsed * 1e3,
-            "tokens/s": tokens / elapsed,
-            "TFLOP/s/GPU": tflops,
+            **self._rates(elapsed),
             **(extra or {}),
         }
         self.history.append(record)
+        self.interval_iterations += 1
         if self.is_logging_rank and (iteration % args.log_interval == 0 or iteration == args.train_iters):
-            print(self.format(record), flush=True)
+            # like Megatron, time and throughput averaged over the iterations since the last line
+            per_iteration = (now - self.interval_start) / self.interval_iterations
+            shown = dict(record, **self._rates(per_iteration))
+            print(self.format(shown), flush=True)
             if self.writer is not None:
-                for key, value in record.items():
-                    if isinstance(value, (int, float)) and value is not None and key != "iteration":
+                for key, value in shown.items():
+                    if isinstance(value, (int, float)) and key != "iteration":
                         self.writer.add_scalar(key, value, iteration)
+            self.interval_start, self.interval_iterations = now, 0
         return record
+
+    def _rates(self, seconds: float) -> dict:
+        args = self.args
+        flops = num_floating_point_operations(args, args.global_batch_size)
+        return {
+            "elapsed ms": seconds * 1e3,
+            "tokens/s": args.global_batch_size * args.seq_length / seconds,
+            "TFLOP/s/GPU": flops / seconds / 1e12 / args.world_size,
+        }
 
     def format(self, r: dict) -> str:
         args = self.args

@@ -1,0 +1,147 @@
+"""Each CPU shim is needed: remove it and the megatron-core call site it names fails; keep it and
+the site works. (The shims are CPU-only: on a CUDA machine this whole module is skipped.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.platform import cpu_shims
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are applied only without CUDA")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_every_shim_names_its_upstream_site_and_is_active():
+    for shim in cpu_shims.SHIMS.values():
+        assert shim.active, shim.name
+        assert shim.upstream and all(":" in site and site.startswith("megatron/") for site in shim.upstream)
+
+
+def test_triton_free_paged_stash():
+    # an import-time shim: probe in a fresh interpreter with every shim but this one
+    code = (
+        "from megatron_ext.platform import cpu_shims\n"
+        "for s in cpu_shims.SHIMS.values():\n"
+        "    s.name != 'triton_free_paged_stash' and s.apply()\n"
+        "import megatron.core.models.gpt\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    without = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert without.returncode != 0 and "triton" in without.stderr
+    import megatron.core.models.gpt  # noqa: F401 - with the shim (this process) the import works
+
+
+def test_cpu_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("probe", 1234)
+    with tracker.fork("probe"):
+        a = torch.rand(3)
+    with tracker.fork("probe"):
+        b = torch.rand(3)
+    assert not torch.equal(a, b)  # the tracker's stream advanced, as it does on CUDA
+    with cpu_shims.without("cpu_rng"), pytest.raises((RuntimeError, AssertionError)):
+        mrandom.CudaRNGStatesTracker().add("probe2", 1)
+
+
+def test_cuda_device_to_cpu():
+    from megatron.core.transformer.utils import get_default_causal_mask
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    assert get_default_causal_mask(4).device.type == "cpu"  # transformer/utils.py:39
+    assert GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "probe").device.type == "cpu"  # utils.py:712
+    get_default_causal_mask.cache_clear() if hasattr(get_default_causal_mask, "cache_clear") else None
+    with cpu_shims.without("cuda_device_to_cpu"), pytest.raises((RuntimeError, AssertionError)):
+        GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "probe")
+
+
+def test_cuda_only_tensor_methods():
+    x = torch.ones(4)
+    x.record_stream(torch.cuda.current_stream())  # fine_grained_callables.py:243
+    assert x.pin_memory() is x
+    with cpu_shims.without("cuda_only_tensor_methods"), pytest.raises(RuntimeError):
+        torch.ones(4).pin_memory()
+
+
+def test_cuda_tensor_type_names():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)  # clip_grads.py:174
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
+    with cpu_shims.without("cuda_tensor_type_names"), pytest.raises(AssertionError):
+        clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+
+
+def test_cuda_runtime_stand_ins():
+    stream = torch.cuda.Stream()  # token_dispatcher.py:469
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()  # p2p_communication.py:419
+    with cpu_shims.without("cuda_runtime_stand_ins"), pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.synchronize()
+
+
+def test_torch_norm_sequence_parallel():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, sequence_parallel=True,
+        tensor_model_parallel_size=2, normalization="RMSNorm", persist_layer_norm=False,
+    )
+    norm = WrappedTorchNorm(config, 8)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())  # grads all-reduced over TP
+    with cpu_shims.without("torch_norm_sequence_parallel"), pytest.raises(AssertionError):
+        WrappedTorchNorm(config, 8)
+
+
+def test_eager_jit_fuser():
+    import torch._dynamo as dynamo
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+    from torch._dynamo.utils import counters
+
+    y = torch.randn(4, 8)
+    before = counters["stats"]["unique_graphs"]
+    swiglu(y)
+    assert counters["stats"]["unique_graphs"] == before  # ran eagerly
+    with cpu_shims.without("eager_jit_fuser"):
+        dynamo.reset()
+        swiglu(torch.randn(5, 8))
+        assert counters["stats"]["unique_graphs"] > before  # jit.py:21 compiles it
+
+
+def test_no_device_arch():
+    import arguments
+    from megatron_ext.errors import ConfigError
+
+    argv = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--tensor-model-parallel-size", "2",
+            "--world-size", "2", "--dry-run"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert arguments.parse(argv, exit_on_dry_run=False).tensor_model_parallel_size == 2
+        with cpu_shims.without("no_device_arch"), pytest.raises(ConfigError):
+            arguments.parse(argv, exit_on_dry_run=False)
+    finally:
+        os.chdir(cwd)
+
+
+def test_uneven_collectives():
+    with_shim = run_distributed(2, "tests.platform.jobs:uneven_gather", without_shim=False)
+    assert with_shim[0] == [[1.0] * 3, [2.0] * 3, [2.0] * 3] == with_shim[1]
+    without = run_distributed(2, "tests.platform.jobs:uneven_gather", without_shim=True)
+    assert all(isinstance(r, str) and r.startswith("error") for r in without)
+
+
+def test_host_split_sizes():
+    with_shim = run_distributed(2, "tests.platform.jobs:host_split_sizes", without_shim=False)
+    assert with_shim[0] == [[0.0, 0.0], [1.0, 1.0]] and with_shim[1] == [[0.0, 0.0], [1.0, 1.0]]
+    without = run_distributed(2, "tests.platform.jobs:host_split_sizes", without_shim=True)
+    assert all(isinstance(r, str) and r.startswith("error") for r in without)
