@@ -225,6 +225,69 @@ def offload_targets(layer, names) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
+# checkpointing (issue 7)
+#
+# megatron_ext/training/checkpointing.py drives megatron.core.dist_checkpointing itself (not
+# megatron.training.checkpointing, which needs megatron's global args). Two places of the
+# distributed optimizer's torch-Adam path (no apex / transformer-engine) need help for a resume that
+# is bit-identical to an uninterrupted run:
+# ---------------------------------------------------------------------------------------------
+def _torch_optimizers(optimizer):
+    """(megatron optimizer, inner torch optimizer) pairs under a possibly chained optimizer."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            yield opt, inner
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer (no step taken yet) its Adam state before the load template is built.
+
+    megatron/core/optimizer/distrib_optimizer.py:837-839 (DistributedOptimizer.state_dict, reached
+    from sharded_state_dict(is_loading=True) at :1460) reads `step` from every param's torch-Adam
+    state and asserts it is one value: a fresh optimizer has no state. The optimizer's own
+    init_state_fn (megatron/core/optimizer/__init__.py:588) creates exp_avg/exp_avg_sq but no
+    `step`; we add step=0 (overwritten by the load). Non-distributed optimizers call init_state_fn
+    themselves (optimizer.py:1362) and are left alone."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt, inner in _torch_optimizers(optimizer):
+        if not isinstance(opt, DistributedOptimizer) or len(inner.state) > 0:
+            continue
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def restore_optimizer_step(optimizer, loaded_state) -> None:
+    """After DistributedOptimizer.load_state_dict, make every param's torch-Adam `step` the
+    checkpoint's step.
+
+    megatron/core/optimizer/distrib_optimizer.py:1040-1047 puts the checkpoint's step (kept in
+    param_groups, :837-845) into the packed state, but the parameter-state load that follows
+    (:1210-1225, via load_parameter_state_from_dp_reshardable :1084) copies every tensor of the
+    current state, `step` included, from the checkpoint's placeholder: Adam's bias correction then
+    uses the wrong step and iterations after a resume drift (~2e-4 on the tiny GPT). The step held in
+    the loaded param_groups is the true one."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    del loaded_state  # the loaded param_groups are already in the inner optimizer
+    for opt, inner in _torch_optimizers(optimizer):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if p in inner.state:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+# ---------------------------------------------------------------------------------------------
 # sharded parameters (issue 6)
 #
 # megatron-core's distributed optimizer already keeps every parameter as a view into a contiguous
@@ -350,3 +413,65 @@ def sharded_params_seams_installed() -> bool:
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     return getattr(pgb._ParamAndGradBucketGroup.__dict__["_post_param_sync"], "_megatron_ext_sharded_params", False)
+
+
+def set_write_results_queue(async_save: bool) -> None:
+    """Choose the queue megatron-core's checkpoint writer reports its results through.
+
+    megatron/core/dist_checkpointing/strategies/filesystem_async.py:53-66 (get_write_results_queue,
+    called at :200 when a save is planned) creates one process-wide `spawn` Manager queue, built for
+    the spawned persistent writer. That starts a server process on the first save (which re-imports
+    the launching script, and which a daemonic process may not start at all). Without the persistent
+    worker we set the module global `_results_queue` before each save: a plain queue.Queue for a
+    synchronous save (the write runs in this process), a fork-context multiprocessing queue for the
+    forked async writer. A writer already in flight keeps the queue it was planned with."""
+    import multiprocessing as mp
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
+
+
+# ---------------------------------------------------------------------------------------------
+# moe (issue 4: sync-free multihot token dispatcher, sync audit)
+#
+# Replaced (per instance, by --moe-sync-free-dispatcher, after the model is built):
+#   MoELayer.token_dispatcher        transformer/moe/moe_layer.py:299-324 (built there; called at
+#                                    :484 dispatch_preprocess, :498 token_dispatch, :541
+#                                    dispatch_postprocess, :562 combine_preprocess, :572
+#                                    token_combine, :583 combine_postprocess) and
+#                                    MoELayer._training_token_dispatcher (:399, restored at :644)
+#     -> megatron_ext.moe.dispatcher.MultihotTokenDispatcher, a subclass of MoETokenDispatcher
+#        (token_dispatcher.py:61) standing in for MoEAllGatherTokenDispatcher (:230) and
+#        MoEAlltoAllTokenDispatcher (:372). It reuses, unchanged: moe_utils.permute (:337),
+#        unpermute (:470), get_capacity (:241); tensor_parallel all_to_all (mappings.py:558),
+#        gather_from_sequence_parallel_region (:522), reduce_scatter_to_sequence_parallel_region (:536).
+# Reference only (called unbound, never replaced): _DeepepManager._indices_to_multihot
+#   (token_dispatcher.py:1328), the bit-equality oracle for megatron_ext.moe.indices_to_multihot.
+# Wrapped only while a SyncDetector is active (CPU only, restored on exit):
+#   token_dispatcher.maybe_move_tensor_to_cpu (imported token_dispatcher.py:39, defined
+#     moe_utils.py:1169): on CPU it never copies; emulated as CUDA's non-blocking D2H copy
+#   torch.cuda.Event / torch.cuda.Stream .synchronize and torch.cuda.synchronize (the platform's
+#     CPU stand-ins; upstream waits at token_dispatcher.py:950): counted as explicit syncs
+# Process-global state reset between jobs of a persistent worker:
+#   MoEAuxLossAutoScaler.main_loss_backward_scale (moe_utils.py:287; created lazily as a 0-d tensor
+#     by a bare MoELayer backward at :316, copied into by the schedule's set_loss_scale at :334 with
+#     a [1] tensor -> a shape error when a training run follows a layer-only run, or vice versa)
+# ---------------------------------------------------------------------------------------------
+def replace_token_dispatcher(moe_layer, make) -> bool:
+    """Swap ``moe_layer``'s token dispatcher for ``make(old_dispatcher)``; False if already ``make``'s."""
+    old = moe_layer.token_dispatcher
+    new = make(old)
+    if new is old:
+        return False
+    moe_layer.token_dispatcher = new
+    if getattr(moe_layer, "_training_token_dispatcher", None) is old:
+        moe_layer._training_token_dispatcher = new
+    return True
+
+
+def reset_moe_aux_loss_scale() -> None:
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

@@ -1,1 +1,144 @@
-"""(being written)"""
+"""Chunked, race-free activation offload (issue 3). See docs/offload.md and ``manager.py``.
+
+Enabled by listing modules: ``--activation-offload-modules core_attention qkv_linear ...`` (recipe key
+``activation_offload_modules``). Our flags are all ``--activation-offload-*``; megatron-core's own
+offload (``--fine-grained-activation-offloading``, ``--offload-modules``, ``--activation-offload-fraction``)
+is a different mechanism and cannot be combined with this one.
+"""
+from __future__ import annotations
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.offload.manager import ALIASES, MODULES, Options, attach, canonical_modules, current, detach
+
+__all__ = ["add_arguments", "validate", "after_model", "options_from_args", "attach", "detach", "current",
+           "MODULES", "ALIASES", "Options"]
+
+# megatron-core recompute module names (--recompute-modules) -> ours they make pointless to offload
+_RECOMPUTE_CONFLICTS = {
+    "core_attn": ("core_attention",),
+    "moe_act": ("moe_act",),
+    "shared_experts": ("shared_experts",),
+    "moe": ("router_fc1", "router_fc2", "moe_act", "shared_experts"),
+}
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("activation offload (megatron_ext.offload)")
+    g.add_argument(
+        "--activation-offload-modules", nargs="+", default=None, metavar="MODULE",
+        help="Offload to host memory what these modules save for backward, and bring it back before "
+        f"backward needs it. Any of: {', '.join(MODULES)} (aliases: "
+        f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}). Not given: offload is off.",
+    )
+    g.add_argument("--activation-offload-pool-mb", type=float, default=1024.0,
+                   help="Size of the host pool (pinned on CUDA) that offloaded bytes live in. When it is "
+                   "full a tensor stays on the device.")
+    g.add_argument("--activation-offload-chunk-mb", type=float, default=4.0,
+                   help="Copies move in chunks of this size (one pool slot each).")
+    g.add_argument("--activation-offload-prefetch-depth", type=int, default=1,
+                   help="In backward, reload this many layers ahead of the one being computed.")
+    g.add_argument("--activation-offload-min-tensor-kb", type=float, default=64.0,
+                   help="Saved tensors (storages) smaller than this stay on the device.")
+    g.add_argument("--activation-offload-debug", action="store_true",
+                   help="Poison released device storage, free pool slots and unfilled reload buffers with "
+                   "NaN bytes (released storage is also resized to 0); on CPU run the copy streams as "
+                   "deferred queues, so a missing wait or early release fails loudly.")
+    return parser
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(args) -> None:
+    names = getattr(args, "activation_offload_modules", None)
+    if not names:
+        return
+    if isinstance(names, str):
+        names = names.split()
+    bad = [n for n in names if ALIASES.get(n, n) not in MODULES]
+    if bad:
+        raise ConfigError(
+            f"--activation-offload-modules={' '.join(names)}: unknown module {bad[0]!r}; valid: "
+            f"{', '.join(MODULES)} (aliases {', '.join(ALIASES)})"
+        )
+    modules = canonical_modules(names)
+    args.activation_offload_modules = list(modules)
+
+    pool, chunk = args.activation_offload_pool_mb, args.activation_offload_chunk_mb
+    if not pool > 0:
+        raise ConfigError(f"--activation-offload-pool-mb={pool}: must be > 0")
+    if not chunk > 0:
+        raise ConfigError(f"--activation-offload-chunk-mb={chunk}: must be > 0")
+    if chunk > pool:
+        raise ConfigError(f"--activation-offload-chunk-mb={chunk}: larger than --activation-offload-pool-mb={pool}")
+    if args.activation_offload_prefetch_depth < 0:
+        raise ConfigError(f"--activation-offload-prefetch-depth={args.activation_offload_prefetch_depth}: must be >= 0")
+    if args.activation_offload_min_tensor_kb < 0:
+        raise ConfigError(f"--activation-offload-min-tensor-kb={args.activation_offload_min_tensor_kb}: must be >= 0")
+
+    mods = " ".join(modules)
+    if getattr(args, "fine_grained_activation_offloading", False):
+        raise ConfigError(
+            "--fine-grained-activation-offloading=True: megatron-core's own activation offload installs "
+            f"saved-tensor hooks on the same modules as --activation-offload-modules={mods}; use one of them"
+        )
+    if getattr(args, "cpu_offloading", False):
+        raise ConfigError(f"--cpu-offloading=True: transformer-engine's layer offload cannot be combined with "
+                          f"--activation-offload-modules={mods}")
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False) \
+            or getattr(args, "external_cuda_graph", False):
+        raise ConfigError(
+            f"--cuda-graph-impl={getattr(args, 'cuda_graph_impl', None)}: a captured graph does not run the "
+            f"Python hooks --activation-offload-modules={mods} relies on"
+        )
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ConfigError(
+            "--overlap-moe-expert-parallel-comm=True: the combined-1F1B plan calls layer sub-modules "
+            "directly (models/common/model_chunk_schedule_plan.py), bypassing the TransformerLayer hooks "
+            f"that delimit offload groups; it cannot be combined with --activation-offload-modules={mods}"
+        )
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "selective" or getattr(args, "moe_layer_recompute", False):
+        recomputed = list(getattr(args, "recompute_modules", None) or ["core_attn"])
+        if getattr(args, "moe_layer_recompute", False):
+            recomputed.append("moe")
+        for r in recomputed:
+            clash = [m for m in _RECOMPUTE_CONFLICTS.get(r, ()) if m in modules]
+            if clash:
+                raise ConfigError(
+                    f"--recompute-modules={' '.join(recomputed)}: {r!r} is recomputed, so {clash[0]} saves "
+                    "nothing in forward (it runs without grad) and is re-run inside backward, where "
+                    f"offloading cannot help; drop it from --activation-offload-modules={mods} or from "
+                    "--recompute-modules"
+                )
+    if granularity == "full":
+        method = getattr(args, "recompute_method", None)
+        n = getattr(args, "recompute_num_layers", None) or 0
+        vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        per_chunk = args.num_layers // max(1, getattr(args, "pipeline_model_parallel_size", 1) * vp)
+        if method == "uniform" or n >= per_chunk:
+            raise ConfigError(
+                f"--recompute-granularity=full with --recompute-method={method} "
+                f"--recompute-num-layers={n}: every layer is recomputed, so no layer saves anything to "
+                f"offload; use --recompute-method=block with fewer than {per_chunk} layers, or drop "
+                f"--activation-offload-modules={mods}"
+            )
+
+
+def options_from_args(args) -> Options:
+    return Options(
+        modules=canonical_modules(args.activation_offload_modules),
+        pool_bytes=int(args.activation_offload_pool_mb * (1 << 20)),
+        chunk_bytes=max(1, int(args.activation_offload_chunk_mb * (1 << 20))),
+        prefetch_depth=args.activation_offload_prefetch_depth,
+        min_tensor_bytes=int(args.activation_offload_min_tensor_kb * 1024),
+        debug=bool(args.activation_offload_debug),
+    )
+
+
+def after_model(args, model) -> None:
+    if getattr(args, "activation_offload_modules", None):
+        attach(model, options_from_args(args))
+    else:
+        detach()

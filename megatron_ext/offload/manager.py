@@ -153,7 +153,7 @@ class OffloadManager:
         self._offloading: list = []
         self._returns: list = []  # (event, slot ids, keep-alive) until the copy out of the slots is done
         self._pushed = 0
-        self._faults: set = set()  # tests only: {"skip_h2d_wait", "early_release", "early_slot_return"}
+        self._faults: set = set()  # tests only: skip_h2d_wait, early_release, early_slot_return, reload_in_flight
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     # ------------------------------------------------------------------ attach
@@ -399,12 +399,13 @@ class OffloadManager:
     def _reload(self, records, group: _Group | None) -> None:
         current = None
         for rec in records:
-            if rec.state == COPYING:  # D2H still in flight: the device storage is still ours, use it
+            if rec.state == COPYING and "reload_in_flight" not in self._faults:
+                # D2H still in flight: the device storage is still ours, use it (never read the slots)
                 rec.state = KEPT
                 self.stats["served_in_flight_bytes"] += rec.nbytes
                 self._returns.append((rec.d2h_event, rec.slots, None))
                 rec.slots = None
-            elif rec.state == OFFLOADED:
+            elif rec.state in (OFFLOADED, COPYING):
                 if current is None:
                     current = streams.Stream.current()
                 dst = torch.empty(rec.nbytes, dtype=torch.uint8, device=rec.device)  # compute-stream memory
