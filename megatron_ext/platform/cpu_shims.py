@@ -8,6 +8,7 @@ The installed package is never edited.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import types
 from dataclasses import dataclass, field
@@ -96,10 +97,20 @@ def _install_triton_free_paged_stash():
 # 2. RNG: megatron/core/tensor_parallel/random.py:118 (_get_cuda_rng_state), :165-174
 #    (_set_cuda_rng_state), :303-306 (CudaRNGStatesTracker.add), :490 (model_parallel_cuda_manual_seed)
 #    use the CUDA generator. On CPU the "CUDA" generator is the CPU default generator, so the
-#    tracker's fork/restore keeps its meaning (per-TP-rank dropout streams).
+#    tracker's fork/restore keeps its meaning (per-TP-rank dropout streams). Its check that the
+#    CPU state is unchanged inside a fork (random.py:332) then always fires: filtered, as it is
+#    by construction here.
 # --------------------------------------------------------------------------------------------
+class _DropForkWarning(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def _install_cpu_rng():
     from megatron.core.tensor_parallel import random as mrandom
+
+    log, fork_warning = logging.getLogger(mrandom.__name__), _DropForkWarning()
+    log.addFilter(fork_warning)
 
     def get_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -114,6 +125,7 @@ def _install_cpu_rng():
             _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed)),
             _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
             _patch(torch.cuda, "set_rng_state", lambda s, device="cuda": torch.set_rng_state(s)),
+            lambda: log.removeFilter(fork_warning),
         ]
     )
 
