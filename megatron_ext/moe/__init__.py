@@ -70,15 +70,18 @@ def install(model_chunks) -> int:
     Returns how many were replaced."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_ext import seams
     from megatron_ext.moe.dispatcher import MultihotTokenDispatcher
+
+    def make(old):
+        return old if isinstance(old, MultihotTokenDispatcher) else MultihotTokenDispatcher.replacing(old)
 
     global installed
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     replaced = 0
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, MoELayer) and not isinstance(module.token_dispatcher, MultihotTokenDispatcher):
-                module.token_dispatcher = MultihotTokenDispatcher.replacing(module.token_dispatcher)
+            if isinstance(module, MoELayer) and seams.replace_token_dispatcher(module, make):
                 replaced += 1
     installed += replaced
     return replaced

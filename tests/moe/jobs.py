@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext import seams
 from megatron_ext.moe import audit
 
 
@@ -13,6 +14,7 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
     from megatron_ext.training import parallel
 
     parallel.initialize(tensor=tp, expert=ep, expert_tensor=etp)
+    seams.reset_moe_aux_loss_scale()
     try:
         spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=experts, topk=topk,
                                hidden=hidden, tp=tp, ep=ep, etp=etp)
@@ -35,6 +37,7 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
             "replaced": ours.replaced,
         }
     finally:
+        seams.reset_moe_aux_loss_scale()
         parallel.destroy()
 
 
@@ -45,5 +48,9 @@ def train(argv):
     from megatron_ext import moe
 
     before = moe.installed
-    history = entry.main(list(argv))
+    seams.reset_moe_aux_loss_scale()
+    try:
+        history = entry.main(list(argv))
+    finally:
+        seams.reset_moe_aux_loss_scale()
     return {"history": history, "installed": moe.installed - before}
