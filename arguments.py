@@ -184,7 +184,7 @@ def _te_available() -> bool:
 # the printed configuration; an explicit request is left for megatron to refuse.
 _FUSION_DEFAULTS = (
     "apply_rope_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
-    "bias_dropout_fusion", "bias_activation_fusion", "cross_entropy_loss_fusion",
+    "bias_dropout_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "cross_entropy_loss_fusion",
 )
 _NEED_TE_KERNELS = ("apply_rope_fusion", "gradient_accumulation_fusion")
 
@@ -202,7 +202,10 @@ def _fit_defaults_to_platform(args) -> None:
     cpu = not platform.setup().is_cuda
     for name in _FUSION_DEFAULTS:
         needs_te = name in _NEED_TE_KERNELS and not te
-        if getattr(args, name, False) and args.config_sources.get(name) == "default" and (cpu or needs_te):
+        source = args.config_sources.get(name)
+        if getattr(args, name, False) and needs_te and source in ("recipe", "cli"):
+            raise ConfigError(f"{name}=True ({source}) needs transformer-engine kernels, not importable here")
+        if getattr(args, name, False) and source == "default" and (cpu or needs_te):
             setattr(args, name, False)
             args.config_sources[name] = "default (off: " + ("CPU" if cpu else "no transformer-engine") + ")"
     # persistent LayerNorm is an apex/TE kernel; torch's norm refuses it (torch_norm.py:48)

@@ -1,0 +1,130 @@
+"""arguments.py: Megatron's flags, recipes (defaults < recipe < cli), errors before compute, --dry-run."""
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+import arguments
+from megatron_ext.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes", "tiny_dense.yaml")
+
+
+def parse(*argv, world_size=None):
+    extra = ["--world-size", str(world_size), "--dry-run"] if world_size else []
+    return arguments.parse(["--recipe", TINY, "--mock-data", *argv, *extra], exit_on_dry_run=False)
+
+
+def recipe(tmp_path, text: str) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_precedence_and_sources():
+    args = parse("--hidden-size", "128", "--num-attention-heads", "8")
+    assert args.hidden_size == 128 and args.config_sources["hidden_size"] == "cli"
+    assert args.num_layers == 4 and args.config_sources["num_layers"] == "recipe"
+    assert args.adam_beta1 == 0.9 and args.config_sources["adam_beta1"] == "default"
+
+
+def test_megatron_flags_keep_their_meaning():
+    args = parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", world_size=4)
+    assert args.data_parallel_size == 1  # computed by megatron's own validate_args
+    assert args.ffn_hidden_size == 256 and args.swiglu is True
+
+
+def test_flag_spelling_keys_in_recipes(tmp_path):
+    base = open(TINY).read()
+    args = arguments.parse(["--recipe", recipe(tmp_path, base), "--mock-data"], exit_on_dry_run=False)
+    assert args.add_bias_linear is False  # `disable_bias_linear: true` sets the store_false dest
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    path = recipe(tmp_path, "num_layer: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'num_layer'.*did you mean 'num_layers'"):
+        arguments.parse(["--recipe", path, "--mock-data"], exit_on_dry_run=False)
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("num_layers: two\n", r"'num_layers' \(--num-layers\) expects int"),
+        ("num_layers: 2.5\n", r"'num_layers' \(--num-layers\) expects int"),
+        ("swiglu: 1\n", r"'swiglu' \(--swiglu\) expects true or false"),
+        ("lr: [1, 2]\n", r"'lr' \(--lr\) expects a single value"),
+        ("moe_token_dispatcher_type: teleport\n", r"expects one of"),
+    ],
+)
+def test_wrong_types_name_key_and_flag(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        arguments.parse(["--recipe", recipe(tmp_path, text), "--mock-data"], exit_on_dry_run=False)
+
+
+def test_yaml_scientific_notation_is_a_float(tmp_path):
+    path = recipe(tmp_path, open(TINY).read() + "min_lr: 1e-5\n")
+    assert arguments.parse(["--recipe", path, "--mock-data"], exit_on_dry_run=False).min_lr == 1e-5
+
+
+@pytest.mark.parametrize(
+    "argv,world,match",
+    [
+        (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible"),
+        (["--lr-warmup-iters", "500"], None, r"--lr-warmup-iters=500"),
+        (["--transformer-impl", "transformer_engine"], None, r"--transformer-impl=transformer_engine"),
+        (["--recipe", "nope.yaml"], None, r"--recipe=nope.yaml: no such file"),
+    ],
+)
+def test_bad_flags_fail_before_compute(argv, world, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(*argv, world_size=world)
+
+
+def test_no_data_source_is_an_error(tmp_path):
+    text = "\n".join(l for l in open(TINY).read().splitlines() if not l.startswith(("data_path", "split")))
+    with pytest.raises(ConfigError, match="no training data"):
+        arguments.parse(["--recipe", recipe(tmp_path, text)], exit_on_dry_run=False)
+
+
+def test_mock_data_on_the_cli_replaces_the_recipe_data_path():
+    args = parse()
+    assert args.mock_data and args.data_path is None
+    assert args.config_sources["data_path"] == "cleared by --mock-data"
+
+
+def test_real_run_refuses_a_world_size_the_launcher_did_not_start(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="--world-size=2: the launcher started 1"):
+        arguments.parse(["--recipe", TINY, "--mock-data", "--world-size", "2"], exit_on_dry_run=False)
+
+
+def test_dry_run_prints_sources_and_exits(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        arguments.parse(["--recipe", TINY, "--mock-data", "--dry-run", "--hidden-size", "96",
+                         "--num-attention-heads", "4"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "resolved configuration" in out
+    lines = {l.split()[0]: l for l in out.splitlines()[1:] if l.strip()}
+    assert lines["hidden_size"].endswith("[cli]") and "96" in lines["hidden_size"]
+    assert lines["num_layers"].endswith("[recipe]")
+    assert lines["adam_beta1"].endswith("[default]")
+    assert "default (off: CPU)" in lines["bias_swiglu_fusion"]
+
+
+def test_cpu_fusion_defaults_are_switched_off_but_explicit_requests_are_kept(tmp_path):
+    args = parse()
+    assert args.bias_swiglu_fusion is False and args.apply_rope_fusion is False
+    path = recipe(tmp_path, open(TINY).read() + "apply_rope_fusion: true\n")
+    with pytest.raises(Exception, match="apply_rope_fusion"):  # explicit: megatron refuses it without TE
+        arguments.parse(["--recipe", path, "--mock-data"], exit_on_dry_run=False)
+
+
+@pytest.mark.parametrize("name", ["tiny_dense.yaml", "tiny_moe.yaml"])
+def test_tiny_recipes_dry_run(name):
+    args = arguments.parse(["--recipe", os.path.join(ROOT, "recipes", name), "--dry-run", "--mock-data"],
+                           exit_on_dry_run=False)
+    assert args.train_iters > 0
