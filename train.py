@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.training import data, model as models, optimizer as optim, parallel, run, step
+    from megatron_ext.training import checkpointing, data, model as models, optimizer as optim, parallel, run, step
     from megatron_ext.training.logging import TrainingLogger
 
     run.initialize_parallel(args)
@@ -26,14 +26,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = models.build_model(args, config)
         optimizer, scheduler = optim.build_optimizer(args, model)
         step.configure_schedule_hooks(args, config, model, optimizer)
-        start = 0
+        ckpt = checkpointing.Checkpointer(args, model, optimizer, scheduler)
+        start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
         iterators = data.build_train_iterators(args, len(model), consumed_samples=start * args.global_batch_size)
+        ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
         forward_backward = get_forward_backward_func()
         logger = TrainingLogger(args)
 
         for iteration in range(start + 1, args.train_iters + 1):
             result = step.train_step(args, model, optimizer, scheduler, iterators, forward_backward)
             logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+            ckpt.after_step(iteration)  # saves every --save-interval
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                break
+        ckpt.close(iteration)  # saves at exit, waits for async saves
         return logger.history
     finally:
         parallel.destroy()

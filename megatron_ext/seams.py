@@ -228,9 +228,9 @@ def offload_targets(layer, names) -> list:
 # checkpointing (issue 7)
 #
 # megatron_ext/training/checkpointing.py drives megatron.core.dist_checkpointing itself (not
-# megatron.training.checkpointing, which needs megatron's global args). Two places of the
-# distributed optimizer's torch-Adam path (no apex / transformer-engine) need help for a resume that
-# is bit-identical to an uninterrupted run:
+# megatron.training.checkpointing, which needs megatron's global args). Replaced or wrapped:
+#   distrib_optimizer.py:838 / :1032 / :1193-1225  torch-Adam `step` handling (the two functions below)
+#   filesystem_async.py:53-66 (get_write_results_queue)  the writer's result queue (set_write_results_queue)
 # ---------------------------------------------------------------------------------------------
 def _torch_optimizers(optimizer):
     """(megatron optimizer, inner torch optimizer) pairs under a possibly chained optimizer."""
@@ -243,7 +243,7 @@ def _torch_optimizers(optimizer):
 def ensure_optimizer_state(optimizer) -> None:
     """Give a fresh optimizer (no step taken yet) its Adam state before the load template is built.
 
-    megatron/core/optimizer/distrib_optimizer.py:837-839 (DistributedOptimizer.state_dict, reached
+    megatron/core/optimizer/distrib_optimizer.py:838-840 (DistributedOptimizer.state_dict, reached
     from sharded_state_dict(is_loading=True) at :1460) reads `step` from every param's torch-Adam
     state and asserts it is one value: a fresh optimizer has no state. The optimizer's own
     init_state_fn (megatron/core/optimizer/__init__.py:588) creates exp_avg/exp_avg_sq but no
@@ -266,12 +266,13 @@ def restore_optimizer_step(optimizer, loaded_state) -> None:
     """After DistributedOptimizer.load_state_dict, make every param's torch-Adam `step` the
     checkpoint's step.
 
-    megatron/core/optimizer/distrib_optimizer.py:1040-1047 puts the checkpoint's step (kept in
-    param_groups, :837-845) into the packed state, but the parameter-state load that follows
-    (:1210-1225, via load_parameter_state_from_dp_reshardable :1084) copies every tensor of the
-    current state, `step` included, from the checkpoint's placeholder: Adam's bias correction then
-    uses the wrong step and iterations after a resume drift (~2e-4 on the tiny GPT). The step held in
-    the loaded param_groups is the true one."""
+    megatron/core/optimizer/distrib_optimizer.py:1032 puts the checkpoint's step (saved in
+    param_groups, :838) into the packed state, but the parameter-state load that follows (:1084
+    load_parameter_state_from_dp_reshardable -> :1193-1225 _set_main_param_and_optimizer_states)
+    copies every tensor of the current per-param state, `step` included, from the loaded shards, and
+    the per-param step does not come back as the true one: without this, the tiny GPT's losses after
+    a resume differ from iteration 2 after the resume on (measured). The step held in the loaded
+    param_groups is the true one."""
     import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

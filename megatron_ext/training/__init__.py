@@ -10,10 +10,21 @@ def add_arguments(parser):
         help="Initialise every parameter from its global checkpoint key and --seed, so every "
         "TP/PP/VPP/EP/DP layout starts from identical weights (for comparing layouts).",
     )
+    group.add_argument(
+        "--save-keep-last",
+        type=int,
+        default=None,
+        help="Keep only the newest K complete checkpoints under --save (older ones are deleted after "
+        "each successful save; multiples of megatron's --save-retain-interval are kept too). "
+        "Default: keep all.",
+    )
     return parser
 
 
 def validate(args) -> None:
+    from megatron_ext.training.checkpointing import validate as validate_checkpointing
+
+    validate_checkpointing(args)
     if args.layout_invariant_init and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
         raise ConfigError(
             "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
