@@ -166,10 +166,43 @@ class _CpuRedirectMode(TorchFunctionMode):
                 kwargs["pin_memory"] = False
         if "tensor_type_names" in rules and func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        if func in (torch.autograd.backward, torch.Tensor.backward):
-            with self:  # the mode is suspended inside its own handler; backward must see it
-                return func(*args, **kwargs)
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            # The mode is suspended inside its own handler, but the Python backward functions of
+            # megatron's autograd Functions must see it: run the engine directly, mode on.
+            with self:
+                return _run_backward(func, *args, **kwargs)
         return func(*args, **kwargs)
+        if func is torch.Tensor.backward:  # re-entering the mode around Tensor.backward would recurse
+            tensor, *rest = args
+            names = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), rest), **kwargs)
+            with self:
+                return torch.autograd.backward(
+                    tensor, names.get("gradient"), names.get("retain_graph"),
+                    names.get("create_graph", False), inputs=names.get("inputs"),
+                )
+        return func(*args, **kwargs)
+
+
+def _run_backward(func, *args, **kwargs):
+    """torch.autograd.backward / Tensor.backward without re-dispatching to the mode (which would
+    recurse): the same argument handling, then the autograd engine itself."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    if func is torch.Tensor.backward:
+        bound = dict(zip(("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs"), args))
+        bound.update({"grad_tensors" if k == "gradient" else k: v for k, v in kwargs.items()})
+    else:
+        bound = dict(zip(("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs"), args))
+        bound.update(kwargs)
+    tensors = (bound["tensors"],) if torch.is_tensor(bound["tensors"]) else tuple(bound["tensors"])
+    grads = _tensor_or_tensors_to_tuple(bound.get("grad_tensors"), len(tensors))
+    grads = _make_grads(tensors, grads, is_grads_batched=False)
+    create_graph = bool(bound.get("create_graph"))
+    retain_graph = create_graph if bound.get("retain_graph") is None else bound["retain_graph"]
+    inputs = bound.get("inputs")
+    inputs = () if inputs is None else ((inputs,) if torch.is_tensor(inputs) else tuple(inputs))
+    _engine_run_backward(tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 _MODE: _CpuRedirectMode | None = None

@@ -145,3 +145,24 @@ def test_host_split_sizes():
     assert with_shim[0] == [[0.0, 0.0], [1.0, 1.0]] and with_shim[1] == [[0.0, 0.0], [1.0, 1.0]]
     without = run_distributed(2, "tests.platform.jobs:host_split_sizes", without_shim=True)
     assert all(isinstance(r, str) and r.startswith("error") for r in without)
+
+
+def test_backward_runs_with_the_device_rewrite_active():
+    """Megatron's autograd Functions allocate on 'cuda' inside backward (mappings.py:145); the mode
+    must be active there, and Tensor.backward / torch.autograd.backward must not recurse into it."""
+
+    class AllocatesOnCuda(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad + torch.ones(grad.shape, device=torch.cuda.current_device())
+
+    x = torch.ones(3, requires_grad=True)
+    AllocatesOnCuda.apply(x).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+    y = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(AllocatesOnCuda.apply(y), grad_tensors=torch.full((3,), 2.0))
+    assert y.grad.tolist() == [3.0, 3.0, 3.0]
