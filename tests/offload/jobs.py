@@ -106,7 +106,7 @@ def run_step(chunks, config, c, step: int = 0, tracker=None):
     iters = [iter(list(batches)) for _ in chunks]
     fb = get_forward_backward_func()
     ctx = tracker if tracker is not None else _null()
-    with ctx:
+    with (_engine_backward() if c["recompute"] else _null()), ctx:
         losses = fb(
             forward_step_func=_forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=c["microbatches"],
@@ -115,6 +115,37 @@ def run_step(chunks, config, c, step: int = 0, tracker=None):
     loss_vals = [x["lm loss"].item() for x in losses] if losses else []
     grads = {(i, n): p.grad.clone() for i, ch in enumerate(chunks) for n, p in ch.named_parameters()}
     return loss_vals, grads
+
+
+class _engine_backward:
+    """Test-side workaround, only for recompute runs: megatron-core's recompute
+    (tensor_parallel/random.py:656, CheckpointFunction.backward) calls torch.autograd.backward, which
+    the CPU shim's TorchFunctionMode (megatron_ext/platform/cpu_shims.py:157-159) re-enters forever
+    (RecursionError, with or without offload; reported to the lead). Run that one call on the autograd
+    engine directly, as megatron's own custom_backward (schedules.py:220) does."""
+
+    def __enter__(self):
+        from torch.autograd import Variable
+
+        self._orig = torch.autograd.backward
+
+        def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+            tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+            if grad_tensors is None:
+                grad_tensors = [torch.ones_like(t) for t in tensors]
+            elif isinstance(grad_tensors, torch.Tensor):
+                grad_tensors = (grad_tensors,)
+            Variable._execution_engine.run_backward(
+                tensors, tuple(grad_tensors), bool(retain_graph or create_graph), create_graph,
+                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True,
+            )
+
+        torch.autograd.backward = backward
+        return self
+
+    def __exit__(self, *a):
+        torch.autograd.backward = self._orig
+        return False
 
 
 class _null:
@@ -138,8 +169,18 @@ def offload_options(modules, **kw):
     return Options(modules=canonical_modules(modules), **o)
 
 
+def theory_group_bytes(modules, c) -> int:
+    from megatron_ext.offload import theory
+    from megatron_ext.offload.manager import canonical_modules
+
+    return theory.group_bytes(
+        canonical_modules(modules), c["model"] == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
+        heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"],
+    )
+
+
 def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 2, offload_kw=None,
-            faults=(), **model_kw):
+            faults=(), track: bool = False, timeline: bool = False, **model_kw):
     """Offload off vs on for `steps` steps: bitwise losses and grads, stats, resident-bytes peaks."""
     from megatron_ext.offload import manager as om
     from megatron_ext.offload.memtrack import LiveBytesTracker, model_state_ptrs
@@ -148,12 +189,13 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
     try:
         base = [run_step(chunks, config, c, step=s) for s in range(steps)]
         state = model_state_ptrs(chunks)
-        t_off = LiveBytesTracker(state)
-        run_step(chunks, config, c, step=0, tracker=t_off)
+        t_off = LiveBytesTracker(state, record_timeline=timeline) if track else None
+        if track:
+            run_step(chunks, config, c, step=0, tracker=t_off)
 
         mgr = om.attach(chunks, offload_options(modules, **(offload_kw or {})))
         mgr._faults = set(faults)
-        t_on = LiveBytesTracker(state | mgr.pool.storage_ptrs())
+        t_on = LiveBytesTracker(state | mgr.pool.storage_ptrs(), record_timeline=timeline) if track else None
         on = []
         for s in range(steps):
             tr = t_on if s == 0 else None
@@ -166,7 +208,10 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             losses_off=[b[0] for b in base], losses_on=[o[0] for o in on],
             stats=stats, pool_all_free=free_after,
-            peak_off=t_off.peak, peak_on=t_on.peak,
+            peak_off=t_off.peak if track else None, peak_on=t_on.peak if track else None,
+            timeline_off=t_off.timeline if track else None, timeline_on=t_on.timeline if track else None,
+            theory_group_bytes=theory_group_bytes(modules, c), config=c,
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             nan_grads=any(not torch.isfinite(g).all() for o in on for g in o[1].values()),
         )
         eq = [_same(b[1], o[1]) for b, o in zip(base, on)]
@@ -177,3 +222,51 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
     finally:
         om.detach()
         parallel.destroy()
+
+
+def _manual_step(chunks, c, before_backward=None):
+    from torch.autograd import Variable
+
+    for p in chunks[0].parameters():
+        p.grad.zero_()
+    b = _batches(c, 0)[0]
+    out = chunks[0](b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]).float().mean()
+    if before_backward is not None:
+        before_backward()
+    Variable._execution_engine.run_backward((out,), (torch.ones_like(out),), False, False, (),
+                                            allow_unreachable=True, accumulate_grad=True)
+    return {n: p.grad.clone() for n, p in chunks[0].named_parameters()}
+
+
+def reload_in_flight():
+    """A group whose D2H copy is still in flight when its reload is asked for (forced here: on CPU the
+    offload is reaped at once). Ours: served from the device storage it still holds. With the fault
+    'reload_in_flight' (upstream #7398's behaviour) the H2D reads pool slots the D2H has not filled."""
+    from megatron_ext.offload import manager as om
+
+    results = []
+    for faults in ((), ("reload_in_flight",)):
+        chunks, config, c = build(layers=2, microbatches=1)
+        try:
+            base = _manual_step(chunks, c)
+            mgr = om.attach(chunks, offload_options(("core_attention", "qkv_linear", "attn_proj")))
+            mgr._faults = set(faults)
+
+            def force():
+                g = mgr._pending
+                mgr._pending = None
+                mgr._offload(g)
+                assert g.state == "offloading"
+                mgr._reload(list(g.records.values()), g)
+
+            got = _manual_step(chunks, c, force)
+            results.append(dict(
+                equal=all(torch.equal(base[k], got[k]) for k in base),
+                nan=any(not torch.isfinite(v).all() for v in got.values()),
+                served_in_flight_bytes=mgr.stats["served_in_flight_bytes"],
+                reloaded_bytes=mgr.stats["reloaded_bytes"],
+            ))
+        finally:
+            om.detach()
+            parallel.destroy()
+    return results

@@ -1,0 +1,59 @@
+"""What offload should save, from the model's shapes and the schedule alone (no measurement).
+
+``group_bytes``: bytes one layer's chosen modules save for backward, per micro-batch, for the
+configuration the tests and the benchmark use: local layer spec, multi-head attention (no GQA, no
+rotary: q/k/v stay views of the fused QKV output), no attention dropout, non-gated GELU experts
+(SequentialMLP, probabilities applied after the activation), dropless routing with TP=EP=1.
+
+``inflight_passes``: (chunk, micro-batch) forward passes whose activations are all alive when the
+first backward of the step starts on a PP rank (megatron-core's schedules: no pipelining 1;
+1F1B min(pp - rank, M); interleaved warm-up (pp - rank - 1) * 2 + (vpp - 1) * pp, plus one).
+
+``theoretical_saving`` = group_bytes x (in-flight passes x layers per chunk - K), K the groups that
+must be on the device at the peak: on the last PP stage the peak is the loss/logits gradient, when
+only the last layer of the pass being back-propagated is resident (it is never offloaded, K = 1); on
+other stages the peak is inside the first layer's backward, when that layer and the prefetch window
+are resident again (K = 1 + prefetch depth).
+"""
+from __future__ import annotations
+
+
+def module_bytes(name: str, *, seq, mbs, hidden, heads, topk=0, moe_ffn=0, shared_ffn=0, dtype_bytes=4) -> int:
+    t = seq * mbs
+    b = dtype_bytes
+    table = {
+        "qkv_linear": t * hidden * b,                                    # linear_qkv input
+        "core_attention": t * 3 * hidden * b + mbs * heads * seq * seq * b,  # fused qkv + softmax probs
+        "attn_proj": t * hidden * b,                                     # linear_proj input
+        "router_fc1": t * topk * hidden * b,                             # permuted tokens
+        "moe_act": 2 * t * topk * moe_ffn * b,                           # gelu input + gelu output (x probs)
+        "router_fc2": t * topk * moe_ffn * b,                            # fc2 input
+        "shared_experts": 2 * t * shared_ffn * b,                        # fc1 output + fc2 input
+    }
+    return table[name]
+
+
+def group_bytes(modules, moe: bool, **shape) -> int:
+    moe_only = {"router_fc1", "moe_act", "router_fc2", "shared_experts"}
+    total = 0
+    for m in modules:
+        if m in moe_only and (not moe or (m == "shared_experts" and not shape.get("shared_ffn"))):
+            continue
+        total += module_bytes(m, **shape)
+    return total
+
+
+def inflight_passes(pp: int, vpp: int | None, pp_rank: int, microbatches: int) -> int:
+    if pp == 1:
+        return 1
+    if not vpp:
+        return min(pp - pp_rank, microbatches)
+    warmup = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp
+    return min(warmup + 1, microbatches * vpp)
+
+
+def theoretical_saving(group: int, pp: int, vpp: int | None, pp_rank: int, microbatches: int,
+                       layers_per_chunk: int, prefetch_depth: int) -> int:
+    passes = inflight_passes(pp, vpp, pp_rank, microbatches)
+    resident = 1 if pp_rank == pp - 1 else 1 + prefetch_depth
+    return group * max(0, passes * layers_per_chunk - resident)
