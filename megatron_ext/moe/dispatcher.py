@@ -21,8 +21,9 @@ alltoall (upstream: token_dispatcher.py:372)
     ``output_size``), turned into a ``[M, E_local]`` multihot map and permuted with the argsort
     permute: no host split sizes. Dropless: one batched device-to-host read (a2a split sizes and
     per-expert counts: variable sizes need them on the host). Capacity (with or without
-    pad-to-capacity): fixed shapes everywhere, zero syncs (upstream syncs without padding,
-    token_dispatcher.py:553 and the tensor slice in moe_utils.py:458).
+    pad-to-capacity): every chunk has C rows, so the expert-major order is a fixed transpose (as
+    upstream); fixed shapes everywhere, zero syncs (upstream syncs when it does not pad: the
+    token count it reads at token_dispatcher.py:553 via the event at :950).
 
 Padding to capacity is done here, not by the router: with ``--moe-expert-capacity-factor`` every
 local expert gets exactly ``min(C, T) * TP * EP`` rows (``C`` = upstream ``get_capacity``), the
@@ -71,7 +72,7 @@ def routing_map_to_indices(routing_map: torch.Tensor, probs: torch.Tensor, topk:
     by the dispatcher."""
     key = routing_map & (probs != 0) if capacity else routing_map
     k = min(topk, key.shape[1])
-    _, idx = torch.topk(key.to(torch.int8 if key.is_cuda else torch.float32), k, dim=1)
+    _, idx = torch.topk(key.to(torch.float32), k, dim=1)
     selected = key.gather(1, idx)
     indices = idx.masked_fill(~selected, -1)
     return indices, probs.gather(1, idx)
@@ -150,9 +151,16 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
 
     # ------------------------------------------------------------------------------ combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        hidden_states = self.up.unpermute(
-            hidden_states, self.local_sorted_indices, restore_shape=self.local_shape
-        )
+        if self.local_sorted_indices is None:  # alltoall with capacity: undo the fixed transpose
+            L, sources = self.num_local_experts, self.tp_size * self.ep_size
+            hidden_states = (
+                hidden_states.view(L, sources, self.capacity, -1).transpose(0, 1).reshape(self.local_shape)
+            )
+        else:
+            hidden_states = self.up.unpermute(
+                hidden_states, self.local_sorted_indices, restore_shape=self.local_shape
+            )
+        self.local_sorted_indices = None
         if self.comm == "alltoall" and self.tp_size > 1:
             hidden_states = self.up.reduce_scatter(
                 hidden_states.to(self.probs_dtype), group=self.tp_group, input_split_sizes=self.output_splits_tp
@@ -255,15 +263,20 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             hidden_states = self.up.gather(hidden_states, group=self.tp_group, output_split_sizes=self.output_splits_tp)
             probs = self.up.gather(probs, group=self.tp_group, output_split_sizes=self.output_splits_tp)
         rows = hidden_states.shape[0]
+        self.local_shape = hidden_states.shape
+        if self.capacity is not None:
+            # Every (source, local expert) chunk has C rows: the expert-major order is a fixed
+            # transpose ([tp*ep, L, C] -> [L, tp*ep, C]), no index computation needed.
+            self.local_sorted_indices = None
+            shape = (tp * ep, L, self.capacity)
+            hidden_states = hidden_states.view(*shape, -1).transpose(0, 1).reshape(rows, -1)
+            probs = probs.view(shape).transpose(0, 1).reshape(rows)
+            return hidden_states, torch.tensor(self.tokens_per_local_expert, dtype=torch.long), probs
         # Local expert of every received row: chunks arrive as [tp][ep][local expert].
         labels = torch.arange(L, device=hidden_states.device).repeat(tp * ep)
-        if self.rows_per_chunk is None:
-            expert_of_row = labels.repeat_interleave(self.capacity)
-        else:
-            expert_of_row = labels.repeat_interleave(self.rows_per_chunk, output_size=rows)
+        expert_of_row = labels.repeat_interleave(self.rows_per_chunk, output_size=rows)
         local_map, local_probs = indices_to_multihot(expert_of_row.unsqueeze(1), probs.unsqueeze(1), L)
         self.rows_per_chunk = None
-        self.local_shape = hidden_states.shape
         permuted, permuted_probs, self.local_sorted_indices, _, _ = self.up.permute(
             hidden_states, local_map, probs=local_probs, num_out_tokens=rows
         )

@@ -1,0 +1,222 @@
+"""Benchmark + sync audit: megatron_ext's sync-free multihot conversion and token dispatcher against
+megatron-core's own.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384]
+
+Part 1 (one process): indices_to_multihot vs megatron-core's _DeepepManager._indices_to_multihot:
+syncs counted by the CPU SyncDetector (on CUDA additionally torch.cuda.set_sync_debug_mode("error")
+around ours), bit equality over random inputs of many shapes, median time ratio.
+Part 2 (--ep processes, gloo or NCCL): one MoELayer forward+backward per dispatcher and mode, the
+syncs the detector finds on rank 0 (each site listed with --sites), and the median step time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_ext import platform  # noqa: E402
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({os.cpu_count()} cores), not measured on GPU"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, reps, device):
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_multihot(tokens: int, topk: int, experts: int, reps: int) -> dict:
+    from megatron_ext.moe.multihot import indices_to_multihot, reference_indices_to_multihot
+    from megatron_ext.moe.sync_detector import SyncDetector
+
+    device = platform.setup().device
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(T, K, E, masked=0.3):
+        idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K] if T else torch.empty(0, K, dtype=torch.long)
+        idx = idx.masked_fill(torch.rand(T, K, generator=gen) < masked, -1)
+        return idx.to(device), torch.rand(T, K, generator=gen).to(device)
+
+    # bit equality over many shapes
+    equal, cases = True, 0
+    for T, K, E in [(0, 2, 4), (1, 1, 1), (7, 4, 4), (33, 6, 16), (128, 8, 256), (1000, 2, 8), (4096, 8, 64)]:
+        for masked in (0.0, 0.3, 1.0):
+            idx, probs = inputs(T, K, E, masked)
+            rm, rp = reference_indices_to_multihot(idx, probs, E)
+            om, op = indices_to_multihot(idx, probs, E, out_dtype=torch.float32)
+            equal &= torch.equal(rm, om) and torch.equal(rp.view(torch.int32), op.view(torch.int32))
+            cases += 1
+
+    idx, probs = inputs(tokens, topk, experts)
+    with SyncDetector() as det:
+        reference_indices_to_multihot(idx, probs, experts)
+    syncs_ref, sites_ref = det.count(), det.sites()
+    with SyncDetector() as det:
+        indices_to_multihot(idx, probs, experts)
+    syncs_ours = det.count()
+    cuda_debug_ok = None
+    if device.type == "cuda":  # the real thing: any sync in ours raises
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            indices_to_multihot(idx, probs, experts)
+            cuda_debug_ok = True
+        except RuntimeError:
+            cuda_debug_ok = False
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    t_ref = _median_time(lambda: reference_indices_to_multihot(idx, probs, experts), reps, device)
+    t_ours = _median_time(lambda: indices_to_multihot(idx, probs, experts), reps, device)
+    out = {
+        "syncs_reference": syncs_ref,
+        "syncs_ours": syncs_ours,
+        "bitwise_equal": bool(equal),
+        "cases": cases,
+        "time_ours_over_reference": round(t_ours / t_ref, 3),
+        "time_reference_ms": round(t_ref * 1e3, 3),
+        "time_ours_ms": round(t_ours * 1e3, 3),
+        "shape": {"tokens": tokens, "topk": topk, "experts": experts},
+        "sites_reference": sites_ref,
+    }
+    if cuda_debug_ok is not None:
+        out["cuda_sync_debug_mode_error_passed"] = cuda_debug_ok
+    return out
+
+
+CONFIGS = [(d, m) for d in ("alltoall", "allgather") for m in ("dropless", "capacity", "capacity-nopad")]
+
+
+def _layer_worker(rank, world, port, queue, opts):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from megatron_ext import seams
+    from megatron_ext.moe import audit
+    from megatron_ext.moe.sync_detector import run_backward
+    from megatron_ext.training import parallel
+
+    rows = []
+    try:
+        parallel.initialize(expert=opts["ep"])
+        for dispatcher, mode in CONFIGS:
+            spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=opts["experts"], topk=opts["topk"],
+                                   hidden=opts["hidden"], ffn=2 * opts["hidden"], ep=opts["ep"])
+            x, g = audit.rank_inputs(spec, seq=opts["seq"], batch=2, seed=1)
+            for ours in (False, True):
+                seams.reset_moe_aux_loss_scale()
+                layer = audit.build_layer(spec, seed=1, ours=ours)
+                run = audit.run_layer(layer, x, g)
+
+                def step():
+                    xx = x.clone().requires_grad_(True)
+                    out, _ = layer(xx)
+                    run_backward(out, g)
+
+                torch.distributed.barrier()
+                t = _median_time(step, opts["reps"], x.device)
+                rows.append({
+                    "dispatcher": ("multihot-" if ours else "megatron-") + dispatcher,
+                    "mode": mode,
+                    "syncs_forward": run.syncs_forward,
+                    "syncs_backward": run.syncs_backward,
+                    "step_ms": round(t * 1e3, 2),
+                    "sites": run.sites,
+                })
+        seams.reset_moe_aux_loss_scale()
+    finally:
+        parallel.destroy()
+    if rank == 0:
+        queue.put(rows)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def bench_layers(opts) -> list:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_layer_worker, args=(r, opts["ep"], port, queue, opts)) for r in range(opts["ep"])]
+    for p in procs:
+        p.start()
+    rows = queue.get()
+    for p in procs:
+        p.join()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--sites", action="store_true", help="list every sync site found (tables mode)")
+    ap.add_argument("--tokens", type=int, default=16384, help="T for the multihot timing")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64, help="E (local experts) for the multihot timing")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ep", type=int, default=2, help="processes (= expert-parallel size) for the layer audit")
+    ap.add_argument("--layer-experts", type=int, default=8)
+    ap.add_argument("--layer-topk", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layer-reps", type=int, default=5)
+    a = ap.parse_args(argv)
+
+    platform.setup()
+    result = {"device": device_name()}
+    result["multihot"] = bench_multihot(a.tokens, a.topk, a.experts, a.reps)
+    result["moe_layer"] = bench_layers({"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk,
+                                        "hidden": a.hidden, "seq": a.seq, "reps": a.layer_reps})
+    result["moe_layer_setup"] = {"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk,
+                                 "hidden": a.hidden, "tokens_per_rank": a.seq * 2, "syncs_counted_on": "rank 0"}
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return result
+    m = result["multihot"]
+    print(f"device: {result['device']}")
+    print(f"\nindices_to_multihot  T={a.tokens} K={a.topk} E={a.experts}")
+    print(f"{'':24}{'syncs':>6}{'time ms':>10}")
+    print(f"{'megatron-core reference':24}{m['syncs_reference']:>6}{m['time_reference_ms']:>10.3f}")
+    print(f"{'megatron_ext (ours)':24}{m['syncs_ours']:>6}{m['time_ours_ms']:>10.3f}")
+    print(f"bit-identical on {m['cases']} random cases: {m['bitwise_equal']}; "
+          f"time ours/reference = {m['time_ours_over_reference']}")
+    print(f"\nMoE layer forward+backward, EP{a.ep}, {a.layer_experts} experts top-{a.layer_topk}, "
+          f"{a.seq * 2} tokens/rank (syncs on rank 0)")
+    print(f"{'dispatcher':24}{'mode':16}{'fwd syncs':>10}{'bwd syncs':>10}{'step ms':>10}")
+    for r in result["moe_layer"]:
+        print(f"{r['dispatcher']:24}{r['mode']:16}{r['syncs_forward']:>10}{r['syncs_backward']:>10}{r['step_ms']:>10.2f}")
+        if a.sites:
+            for s in r["sites"]:
+                print(f"{'':26}{s}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
