@@ -190,13 +190,13 @@ def current_lane() -> Optional["Lane"]:
 def _rng_snapshot():
     from megatron.core import tensor_parallel
 
-    state = [torch.get_rng_state(), None, None]
+    state = [torch.get_rng_state(), None, None, None]
     if torch.cuda.is_available():
         state[1] = torch.cuda.get_rng_state()
-    try:
-        state[2] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # noqa: BLE001 - tracker not initialised: nothing to keep
-        state[2] = None
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if getattr(tracker, "states_", None) is not None:
+        state[2] = tracker.get_states()
+        state[3] = getattr(tracker, "_current_state_name", None)
     return state
 
 
@@ -207,7 +207,10 @@ def _rng_restore(state) -> None:
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1])
     if state[2] is not None:
-        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state[2]))
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states(dict(state[2]))
+        if state[3] is not None:
+            tracker._current_state_name = state[3]
 
 
 class Lane:

@@ -154,7 +154,7 @@ def forward_backward_overlap(
         return 1 + (kind * chunks + chunk) * num_microbatches + mb
 
     # ---- p2p ---------------------------------------------------------------------------------
-    pending_sends, act_sends, fresh_outputs = [], [], []
+    pending_sends, act_sends, unsent_outputs = [], {}, set()
 
     def recv_act(mb, c):
         if is_first_virtual(c):
@@ -165,20 +165,29 @@ def forward_backward_overlap(
 
     def send_act(out, mb, c):
         if is_last_virtual(c):
+            unsent_outputs.add((mb, c))
             return
         dst_chunk = c if not last_stage else c + 1
-        act_sends.append((dist.isend(out.detach().contiguous(), dst=next_rank, group=pp_group,
-                                     tag=tag(0, dst_chunk, mb)), out))
+        act_sends[(mb, c)] = dist.isend(out.detach().contiguous(), dst=next_rank, group=pp_group,
+                                        tag=tag(0, dst_chunk, mb))
 
-    def release_outputs():
-        # megatron frees an output's data once it is sent (deallocate_pipeline_outputs); its
-        # backward then needs only the graph. Wait for the sends first.
-        for work, _ in act_sends:
-            work.wait()
-        act_sends.clear()
-        for key in fresh_outputs:
+    def release_outputs(force_key=None):
+        """megatron frees an output's data once it is sent (deallocate_pipeline_outputs); its
+        backward then needs only the graph. Sends are never waited on eagerly (a rank blocked on
+        a send its peer receives later would deadlock the interleaved order): completed ones are
+        released here, and the one a backward is about to use is waited for (its receiver has
+        consumed it: our gradient for it comes from there)."""
+        for key in list(act_sends):
+            work = act_sends[key]
+            if key == force_key:
+                work.wait()
+            elif not work.is_completed():
+                continue
+            del act_sends[key]
             S.deallocate_output_tensor(outputs[key], config.deallocate_pipeline_outputs)
-        fresh_outputs.clear()
+        if force_key is not None and force_key in unsent_outputs:
+            unsent_outputs.discard(force_key)
+            S.deallocate_output_tensor(outputs[force_key], config.deallocate_pipeline_outputs)
 
     def recv_grad(mb, c):
         if is_last_virtual(c):
@@ -259,7 +268,6 @@ def forward_backward_overlap(
             )
         inputs[(mb, c)] = input_tensor
         outputs[(mb, c)] = out
-        fresh_outputs.append((mb, c))
         send_act(out, mb, c)
         return num_tokens
 
@@ -284,6 +292,7 @@ def forward_backward_overlap(
         elif ev[0] == "B":
             mb, c = bwd_id(ev[1])
             g = recv_grad(mb, c)
+            release_outputs(force_key=(mb, c))
             before_backward(ev[1])
             run_backward(ev[1], g)
             disable_grad_sync()
@@ -293,6 +302,7 @@ def forward_backward_overlap(
             mbb, cb = bwd_id(vb)
             x = recv_act(mbf, cf)
             g = recv_grad(mbb, cb)
+            release_outputs(force_key=(mbb, cb))
             before_backward(vb)
             pair = lanes.Pair(
                 f"F{mbf}" + (f".c{cf}" if chunks > 1 else ""),
@@ -311,6 +321,7 @@ def forward_backward_overlap(
     for work, _keep in pending_sends:
         work.wait()
     pending_sends.clear()
+    assert not act_sends and not unsent_outputs, "every output is released before its backward"
 
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(

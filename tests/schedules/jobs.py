@@ -89,7 +89,8 @@ def _summary(rec):
     }
 
 
-def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None = None, extra=()):
+def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None = None, extra=(),
+                  only: str | None = None, debug_after: float = 0):
     """Plain megatron schedule vs ours on the same model, data and seed: every loss and every
     gradient compared bit for bit, plus counts of what the overlap did."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -97,10 +98,20 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
     from megatron_ext.schedules import lanes
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
+    from megatron_ext import seams
+
+    seams.install_schedules_seams()  # so the plain schedule's collectives are recorded too
     args, config, model, data = build(argv_for(kind, tp, pp, vpp, extra))
     out = {}
     runs = {}
+    if debug_after:
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(debug_after, exit=True, file=sys.stderr)
     for name, schedule in (("plain", get_forward_backward_func()), ("ours", forward_backward_overlap)):
+        if only and name != only:
+            continue
         rec = lanes.Recorder(count_flops=True)
         lanes.set_recorder(rec)
         lanes.set_groups()
@@ -112,6 +123,8 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
             lanes.set_recorder(None)
         out[f"{name}_time"] = time.perf_counter() - t0
         out[name] = _summary(rec)
+    if only:
+        return out
     (lp, gp, rp), (lo, go, ro) = runs["plain"], runs["ours"]
     out["losses_plain"], out["losses_ours"] = lp, lo
     out["losses_equal"] = lp == lo
