@@ -45,25 +45,35 @@ GROUPS = _Groups()
 
 
 def set_groups() -> None:
-    """Read the current layout's TP / expert groups from megatron's parallel_state."""
+    """Read the current layout's TP / expert groups from megatron's parallel_state. A group is
+    "tp" if its ranks are a tensor-parallel group's (expert-TP, or expert groups with EP=1), and
+    "ep" if it spans expert-parallel ranks."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    tp, ep = [], []
-    for getter, out in (
-        (ps.get_tensor_model_parallel_group, tp),
-        (getattr(ps, "get_expert_tensor_parallel_group", None), tp),
-        (getattr(ps, "get_expert_model_parallel_group", None), ep),
-        (getattr(ps, "get_expert_tensor_and_model_parallel_group", None), ep),
-    ):
+    def get(name):
+        getter = getattr(ps, name, None)
         if getter is None:
-            continue
+            return None
         try:
             g = getter(check_initialized=False)
         except TypeError:
             g = getter()
-        if g is not None and g.size() > 1 and g not in out:
-            out.append(g)
-    GROUPS.tp, GROUPS.ep = tuple(tp), tuple(g for g in ep if g not in tp)
+        return g if g is not None and g.size() > 1 else None
+
+    tp_group = get("get_tensor_model_parallel_group")
+    tp_ranks = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else None
+    tp, ep = [], []
+    for name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group",
+                 "get_expert_model_parallel_group", "get_expert_tensor_and_model_parallel_group"):
+        g = get(name)
+        if g is None or any(g is x for x in tp + ep):
+            continue
+        same_as_tp = tp_ranks is not None and sorted(dist.get_process_group_ranks(g)) == tp_ranks
+        is_tp = same_as_tp or name in ("get_tensor_model_parallel_group",
+                                       "get_expert_tensor_parallel_group")
+        (tp if is_tp else ep).append(g)
+    GROUPS.tp, GROUPS.ep = tuple(tp), tuple(ep)
 
 
 def group_kind(group) -> Optional[str]:

@@ -133,3 +133,33 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
     out["grads_nonzero"] = sum(1 for g in gp.values() if g.abs().sum() > 0)
     out["rng_equal"] = torch.equal(rp, ro)
     return out
+
+
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+
+
+def check_without_rng_swap():
+    """Negative control: full recompute re-runs each layer's forward (with its TP collectives and
+    dropout) inside the backward, setting the RNG to the saved forward state; without the per-lane
+    RNG swap the other lane's forward draws from that state and results change."""
+    from megatron_ext.schedules import lanes
+
+    original = lanes._rng_restore
+    lanes._rng_restore = lambda state: None
+    try:
+        return check_bitwise("dense", tp=2, extra=RECOMPUTE)
+    finally:
+        lanes._rng_restore = original
+
+
+def which_schedule():
+    import argparse
+
+    from megatron_ext.schedules import get_forward_backward_func
+    from megatron_ext.training import parallel
+
+    parallel.initialize(tensor=2)
+    on = get_forward_backward_func(argparse.Namespace(overlap_tp_comm_1f1b=True))
+    off = get_forward_backward_func(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    return {"on": on.__name__, "off": off.__name__}
