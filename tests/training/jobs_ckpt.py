@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 
@@ -35,10 +36,12 @@ def train_with_crash_mid_save(argv: list[str], save_dir: str, crash_iteration: i
                  forked writer process, so the trainer survives to see the failure.
     Returns what the run raised and what is on disk afterwards."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.api import CheckpointException
 
     original = filesystem_async._write_item
     target = f"iter_{crash_iteration:07d}"
 
+    @functools.wraps(original)  # megatron inspects its signature (filesystem_async.py:390)
     def failing_write_item(*args, **kwargs):
         result = original(*args, **kwargs)
         stream = next(a for a in args if hasattr(a, "write") and hasattr(a, "name"))
@@ -56,7 +59,7 @@ def train_with_crash_mid_save(argv: list[str], save_dir: str, crash_iteration: i
 
         with _may_start_processes():
             entry.main(argv)
-    except Exception as e:  # noqa: BLE001 - the test inspects it
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = f"{type(e).__name__}: {e}"
     finally:
         filesystem_async._write_item = original
