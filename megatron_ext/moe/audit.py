@@ -106,15 +106,16 @@ def host_tensors(dispatcher) -> list:
             if hasattr(dispatcher, a)]
 
 
-def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True) -> LayerRun:
-    """One forward + backward of ``layer`` under a :class:`SyncDetector`."""
+def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True, padding_mask=None) -> LayerRun:
+    """One forward + backward of ``layer`` under a :class:`SyncDetector`. ``padding_mask``:
+    [batch, seq] bool, True = padding (megatron's MoELayer.forward argument)."""
     x = x.clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     det = SyncDetector()
     with det if detect else _null():
         det.mark_host(*host_tensors(layer.token_dispatcher))
         with det.phase("forward"):
-            out, _ = layer(x)
+            out, _ = layer(x, padding_mask=padding_mask)
         with det.phase("backward"):
             run_backward(out, g)
     dw = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
@@ -127,6 +128,44 @@ def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True) -> L
         sites=[str(e) for e in det.events],
         replaced=getattr(layer, "replaced", 0),
     )
+
+
+class ShapeTrace:
+    """Every aten op a block runs, with its output shapes, forward and backward. Two runs with
+    different routings giving the same trace = nothing in the layer depends on the data's routing:
+    what a CUDA graph needs, checked without a GPU."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        trace = self.ops = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outs = out if isinstance(out, (list, tuple)) else [out]
+                trace.append((str(func), tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))))
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def trace_layer(layer, x: torch.Tensor, g: torch.Tensor) -> list:
+    """Trace of one forward+backward. Call once untraced first: the first backward creates
+    megatron's aux-loss scale (moe_utils.py:316); grads are reset so none is accumulated."""
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    with ShapeTrace() as tr:
+        out, _ = layer(x)
+        run_backward(out, g)
+    return tr.ops
 
 
 class _null:

@@ -245,7 +245,7 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             self.output_splits = per_rank[self.tp_rank]
             self.output_splits_tp = [sum(r) for r in per_rank]
             self.tokens_per_local_expert = meta[ep + tp * ep :]
-            num_out = self.num_tokens * self.topk
+            num_out = sum(self.input_splits)  # = T*K unless a padding mask left rows unrouted
             if ep == 1 and tp == 1:
                 self.input_splits = self.output_splits = self.output_splits_tp = None
         permuted, permuted_probs, self.sorted_indices, _, _ = self.up.permute(

@@ -47,7 +47,7 @@ def indices_to_multihot(
 
     idx = indices.long()
     rows = torch.arange(num_tokens, device=device, dtype=torch.long).unsqueeze(1) * num_experts
-    flat = torch.where(idx != -1, rows + idx, torch.full_like(idx, spare)).reshape(-1)
+    flat = torch.where(idx != -1, rows + idx, spare).reshape(-1)
 
     routing = torch.zeros(flat_size + 1, dtype=torch.bool, device=device)
     routing.scatter_(0, flat, True)

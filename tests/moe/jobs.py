@@ -8,7 +8,7 @@ from megatron_ext.moe import audit
 
 
 def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=None, experts=4, topk=2,
-                      seq=16, batch=2, hidden=32, seed=7):
+                      seq=16, batch=2, hidden=32, seed=7, padded_tail=0):
     """Standard vs multihot dispatcher on one MoELayer: outputs, input grads, weight grads and the
     syncs each one causes (forward / backward) on this rank."""
     from megatron_ext.training import parallel
@@ -19,8 +19,13 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
         spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=experts, topk=topk,
                                hidden=hidden, tp=tp, ep=ep, etp=etp)
         x, g = audit.rank_inputs(spec, seq=seq, batch=batch, seed=seed)
-        ref = audit.run_layer(audit.build_layer(spec, seed=seed, ours=False), x, g)
-        ours = audit.run_layer(audit.build_layer(spec, seed=seed, ours=True), x, g)
+        mask = None
+        if padded_tail:  # the last `padded_tail` positions of this rank's sequence are padding
+            mask = torch.zeros(batch, x.shape[0], dtype=torch.bool)
+            mask[:, -padded_tail:] = True
+        ref = audit.run_layer(audit.build_layer(spec, seed=seed, ours=False), x, g, padding_mask=mask)
+        seams.reset_moe_aux_loss_scale()
+        ours = audit.run_layer(audit.build_layer(spec, seed=seed, ours=True), x, g, padding_mask=mask)
         return {
             "out_equal": torch.equal(ref.out, ours.out),
             "dx_equal": torch.equal(ref.dx, ours.dx),
@@ -54,3 +59,23 @@ def train(argv):
     finally:
         seams.reset_moe_aux_loss_scale()
     return {"history": history, "installed": moe.installed - before}
+
+
+def shape_trace(dispatcher="alltoall", mode="capacity", ep=2, tp=1, ours=True, seed=11):
+    """Run one layer twice on inputs with different routings; are the op/shape traces identical?"""
+    from megatron_ext.training import parallel
+
+    parallel.initialize(tensor=tp, expert=ep)
+    seams.reset_moe_aux_loss_scale()
+    try:
+        spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, tp=tp, ep=ep)
+        layer = audit.build_layer(spec, seed=seed, ours=ours)
+        traces = []
+        audit.trace_layer(layer, *audit.rank_inputs(spec, seed=seed * 10))  # warm-up
+        for s in (1, 2):
+            x, g = audit.rank_inputs(spec, seed=seed * 10 + s)
+            traces.append(audit.trace_layer(layer, x, g))
+        return {"same": traces[0] == traces[1], "ops": len(traces[0])}
+    finally:
+        seams.reset_moe_aux_loss_scale()
+        parallel.destroy()

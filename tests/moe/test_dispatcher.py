@@ -49,6 +49,30 @@ def test_ep2_uneven_load_more_experts(dispatcher):
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_ep2_padding_mask(dispatcher, mode):
+    """Padded positions route nowhere (rows with fewer than K experts)."""
+    res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode=mode, ep=2,
+                          padded_tail=5)
+    check(res, dispatcher, mode)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_ep4(dispatcher, mode):
+    res = run_distributed(4, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode=mode, ep=4,
+                          experts=8, topk=2, seq=24)
+    check(res, dispatcher, mode)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_topk_equals_experts(dispatcher):
+    res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode="dropless", ep=2,
+                          experts=4, topk=4)
+    check(res, dispatcher, "dropless")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_tp2_sequence_parallel(dispatcher):
     res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode="dropless",
                           ep=1, tp=2)
@@ -62,3 +86,17 @@ def test_ep2_tp2(dispatcher, mode, etp):
     res = run_distributed(4, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode=mode,
                           ep=2, tp=2, etp=etp)
     check(res, dispatcher, mode)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_capacity_layer_is_shape_static(dispatcher):
+    """With a capacity factor every op of our layer (fwd+bwd, collectives included) has the same
+    output shapes whatever the routing — graph-capturable; dropless does not (the test can fail)."""
+    for mode in ("capacity", "capacity-nopad"):
+        res = run_distributed(2, "tests.moe.jobs:shape_trace", dispatcher=dispatcher, mode=mode)
+        assert all(r["same"] and r["ops"] > 100 for r in res), (mode, res)
+    res = run_distributed(2, "tests.moe.jobs:shape_trace", dispatcher=dispatcher, mode="dropless")
+    assert not all(r["same"] for r in res)
+    # upstream without padding is not static (it syncs to learn the routed count)
+    res = run_distributed(2, "tests.moe.jobs:shape_trace", dispatcher=dispatcher, mode="capacity-nopad", ours=False)
+    assert not all(r["same"] for r in res)
