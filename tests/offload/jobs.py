@@ -270,3 +270,18 @@ def reload_in_flight():
             om.detach()
             parallel.destroy()
     return results
+
+
+def train_losses(argv):
+    """train.main on this rank; returns its per-iteration history (losses on the last PP stage)."""
+    import train
+
+    from megatron_ext import offload
+
+    try:
+        history = train.main(list(argv))
+        mgr = offload.current()
+        stats = dict(mgr.stats) if mgr is not None else None
+    finally:
+        offload.detach()
+    return dict(history=history, stats=stats, pp_rank=None)
