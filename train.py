@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.training import checkpointing, data, model as models, optimizer as optim, parallel, run, step
+    from megatron_ext.training import checkpointing, data, model as models, observability, optimizer as optim
+    from megatron_ext.training import parallel, run, step
     from megatron_ext.training.logging import TrainingLogger
 
     run.initialize_parallel(args)
@@ -32,13 +33,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
         forward_backward = get_forward_backward_func()
         logger = TrainingLogger(args)
+        observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
 
         for iteration in range(start + 1, args.train_iters + 1):
+            observer.before_step(iteration)
             result = step.train_step(args, model, optimizer, scheduler, iterators, forward_backward)
             logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+            observer.after_step(iteration, result)
             ckpt.after_step(iteration)  # saves every --save-interval
             if args.exit_interval and iteration % args.exit_interval == 0:
                 break
+        observer.close()
         ckpt.close(iteration)  # saves at exit, waits for async saves
         return logger.history
     finally:

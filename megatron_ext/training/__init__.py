@@ -25,6 +25,9 @@ def validate(args) -> None:
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
 
     validate_checkpointing(args)
+    from megatron_ext.training.observability import validate as validate_observability
+
+    validate_observability(args)
     if args.layout_invariant_init and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
         raise ConfigError(
             "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
