@@ -101,6 +101,7 @@ class CollectiveRecord:
     t_wait1: float = 0.0    # wait returned
     t_done: float = 0.0     # completion seen by the communication library (callback), if known
     flops_between: int = 0  # matmul FLOPs issued on this rank between issue and wait
+    attn_flops_between: int = 0  # the part of it in bmm/baddbmm (attention scores / context)
     handed_off: bool = False  # the other lane ran between issue and wait
     issued_async_by_upstream: bool = False  # megatron itself asked for async_op=True
 
@@ -123,6 +124,7 @@ class Recorder:
     segments: List[Segment] = field(default_factory=list)
     count_flops: bool = False
     flops: int = 0
+    attn_flops: int = 0
 
     def exposed(self, group: str = "tp") -> float:
         return sum(c.exposed for c in self.collectives if c.group == group)
@@ -186,7 +188,10 @@ class FlopCounter(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rec = RECORDER
         if rec is not None and rec.count_flops:
-            rec.flops += _mm_flops(func, args)
+            f = _mm_flops(func, args)
+            rec.flops += f
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                rec.attn_flops += f
         return func(*args, **(kwargs or {}))
 
 
@@ -405,6 +410,7 @@ def _finish(work, rec: Optional[CollectiveRecord], lane: Optional[Lane]) -> None
         rec.t_wait0, rec.t_wait1 = t0, t1
         rec.handed_off = handed
         rec.flops_between = _flops_now() - rec.flops_between
+        rec.attn_flops_between = RECORDER.attn_flops - rec.attn_flops_between if RECORDER else 0
         if not rec.t_done:
             rec.t_done = t1
 
@@ -421,7 +427,8 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
     if RECORDER is not None:
         rec = CollectiveRecord(
             op, kind, nbytes, owner_label(), lane.name if lane else "-", time.perf_counter(),
-            flops_between=_flops_now(), issued_async_by_upstream=async_op,
+            flops_between=_flops_now(), attn_flops_between=RECORDER.attn_flops,
+            issued_async_by_upstream=async_op,
         )
         RECORDER.collectives.append(rec)
     work = start()

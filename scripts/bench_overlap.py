@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Benchmark: TP communication left exposed under megatron's plain schedule vs ours
+(--overlap-tp-comm-1f1b), on this machine (CPU + gloo), plus a structural figure.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py [--steps 7] [--json] [--out docs/overlap]
+
+Per layout (TP=2 on 2 processes; TP=2 x PP=2 on 4), in one run, alternating the two schedules step
+by step on the same model, data and seed (no optimizer update, so every step computes the same):
+  * exposed TP comm per step: time the host was blocked waiting on TP collectives (sum over the
+    step, mean over ranks), median over steps, for plain and ours; their ratio;
+  * step time: the forward-backward call (incl. finalize_model_grads, excl. the optimizer step),
+    slowest rank per step, median over steps; ours / plain;
+  * grads_bitwise_equal: every gradient of the last plain step == the last overlapped step's;
+  * structural: one step of each with a FLOP counter: for every TP collective, the matmul FLOPs
+    issued between its start and its wait, and with the link models of
+    megatron_ext/schedules/costmodel.py the fraction of TP communication hidden on a GPU cluster,
+    at the shape run here and at a GPT-3 13B-like layer shape (same structure, re-sized).
+  * a Chrome trace and a PNG timeline of one step (plain vs ours) per layout, under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LAYOUTS = {
+    "tp2": dict(world=2, tp=2, pp=1),
+    "tp2xpp2": dict(world=4, tp=2, pp=2),
+}
+TARGET_SHAPE = {"name": "GPT-3 13B-like layer (hidden 5120, seq 2048, mbs 1)",
+                "hidden": 5120, "seq": 2048, "mbs": 1}
+
+
+def _argv(tp, pp, shape):
+    return [
+        "--recipe", "recipes/tiny_dense.yaml",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+        "--ffn-hidden-size", str(4 * shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
+        "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
+        "--micro-batch-size", str(shape["mbs"]), "--global-batch-size", str(shape["mbs"] * shape["mb"]),
+    ]
+
+
+def job(tp, pp, steps, shape):
+    """Runs on every rank."""
+    import logging
+
+    import torch
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    import arguments
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext import seams
+    from megatron_ext.schedules import lanes, trace
+    from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
+    from megatron_ext.training import data, model as models, parallel, run, step
+
+    seams.install_schedules_seams()
+    args = arguments.parse(_argv(tp, pp, shape), exit_on_dry_run=False)
+    run.initialize_parallel(args)
+    config = models.transformer_config(args)
+    model = models.build_model(args, config)
+    config.finalize_model_grads_func = finalize_model_grads
+    lanes.set_groups()
+    num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    world = torch.distributed.group.WORLD
+
+    def one(schedule_name, count_flops=False):
+        schedule = forward_backward_overlap if schedule_name == "ours" else get_forward_backward_func()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        parallel.set_seed(4321)
+        iters = data.build_train_iterators(args, len(model))
+        rec = lanes.Recorder(count_flops=count_flops)
+        label = seams.label_plain_schedule_passes() if schedule_name == "plain" else _null()
+        flop_ctx = lanes.FlopCounter() if count_flops else _null()
+        torch.distributed.barrier(group=world)
+        lanes.set_recorder(rec)
+        t0 = time.perf_counter()
+        try:
+            with label, flop_ctx:
+                schedule(forward_step_func=step.forward_step, data_iterator=iters[0], model=model[0],
+                         num_microbatches=num_mb, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, forward_only=False)
+        finally:
+            t1 = time.perf_counter()
+            lanes.set_recorder(None)
+        return t1 - t0, rec, t0
+
+    one("plain"), one("ours")  # warm-up
+    times = {"plain": [], "ours": []}
+    exposed = {"plain": [], "ours": []}
+    last = {}
+    for i in range(steps):
+        for name in (("plain", "ours") if i % 2 == 0 else ("ours", "plain")):
+            dt, rec, t0 = one(name)
+            times[name].append(dt)
+            exposed[name].append(rec.exposed("tp"))
+            last[name] = trace.to_dicts(rec, t0)
+            if i == steps - 1:
+                grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
+                last[name + "_grads"] = grads
+    equal = all(torch.equal(a, b) for a, b in zip(last.pop("plain_grads"), last.pop("ours_grads")))
+
+    structural = {}
+    for name in ("plain", "ours"):
+        _, rec, _ = one(name, count_flops=True)
+        structural[name] = [
+            {"op": c.op, "owner": c.owner, "lane": c.lane, "nbytes": c.nbytes,
+             "flops_between": c.flops_between, "flops_attn": c.attn_flops_between,
+             "flops_linear": c.flops_between - c.attn_flops_between, "handed_off": c.handed_off,
+             "upstream_async": c.issued_async_by_upstream}
+            for c in rec.collectives if c.group == "tp"
+        ]
+    return {
+        "rank": torch.distributed.get_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "times": times, "exposed": exposed, "grads_equal": equal,
+        "timeline": last, "structural": structural, "num_microbatches": num_mb,
+    }
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def summarize(layout, results, shape):
+    from megatron_ext.schedules import costmodel
+
+    steps = len(results[0]["times"]["plain"])
+    per_step = {}
+    for name in ("plain", "ours"):
+        per_step[name] = {
+            "step_s": [max(r["times"][name][i] for r in results) for i in range(steps)],
+            "exposed_s": [statistics.mean(r["exposed"][name][i] for r in results) for i in range(steps)],
+        }
+    med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}
+    run_shape = {"hidden": shape["hidden"], "seq": shape["seq"], "mbs": shape["mbs"]}
+    modeled = {}
+    for name in ("plain", "ours"):
+        recs = [c for r in results for c in r["structural"][name]]
+        for link in costmodel.LINKS:
+            key = "nvlink" if link is costmodel.NVLINK else "infiniband"
+            modeled[f"{name}_{key}_as_run"] = costmodel.modeled_hidden(recs, link)["hidden_fraction"]
+            modeled[f"{name}_{key}_13b_shape"] = costmodel.modeled_hidden(
+                recs, link, scale=costmodel.shape_scale(run_shape, TARGET_SHAPE))["hidden_fraction"]
+    ours_recs = [c for r in results for c in r["structural"]["ours"]]
+    plain_recs = [c for r in results for c in r["structural"]["plain"]]
+    case = {
+        "layout": layout,
+        "processes": len(results),
+        "num_microbatches": results[0]["num_microbatches"],
+        "steps": steps,
+        "exposed_comm_plain_s": med["plain"]["exposed_s"],
+        "exposed_comm_ours_s": med["ours"]["exposed_s"],
+        "exposed_ratio": med["ours"]["exposed_s"] / med["plain"]["exposed_s"],
+        "hidden_fraction": 1.0 - med["ours"]["exposed_s"] / med["plain"]["exposed_s"],
+        "step_time_plain_s": med["plain"]["step_s"],
+        "step_time_ours_s": med["ours"]["step_s"],
+        "step_time_ratio": med["ours"]["step_s"] / med["plain"]["step_s"],
+        "modeled_hidden_fraction": modeled["ours_nvlink_13b_shape"],
+        "modeled": modeled,
+        "tp_collectives_per_step": len(ours_recs),
+        "collectives_with_compute_between": {
+            "plain": sum(1 for c in plain_recs if c["flops_between"] > 0),
+            "ours": sum(1 for c in ours_recs if c["flops_between"] > 0),
+        },
+        "flops_between_per_step": {
+            "plain": sum(c["flops_between"] for c in plain_recs),
+            "ours": sum(c["flops_between"] for c in ours_recs),
+        },
+        "grads_bitwise_equal": all(r["grads_equal"] for r in results),
+        "per_step": per_step,
+    }
+    return case
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=7, help="measured steps per schedule (median)")
+    p.add_argument("--layouts", default="tp2,tp2xpp2")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--out", default=None, help="folder for the Chrome traces and PNGs")
+    p.add_argument("--json", action="store_true", help="print the JSON result only")
+    a = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_ext import platform
+
+    platform.setup()
+    from megatron_ext.schedules import costmodel, trace
+    from tests.dist import run_distributed
+
+    shape = {"hidden": a.hidden, "heads": a.heads, "seq": a.seq, "layers": a.layers, "mbs": a.mbs,
+             "mb": a.microbatches}
+    cases = []
+    for layout in a.layouts.split(","):
+        lay = LAYOUTS[layout]
+        results = run_distributed(lay["world"], "scripts.bench_overlap:job", timeout=900,
+                                  tp=lay["tp"], pp=lay["pp"], steps=a.steps, shape=shape)
+        cases.append(summarize(layout, results, shape))
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            steps = {n: {r["rank"]: r["timeline"][n] for r in results} for n in ("plain", "ours")}
+            trace.chrome_trace(steps, os.path.join(a.out, f"trace_{layout}.json"))
+            trace.png(steps, os.path.join(a.out, f"timeline_{layout}.png"), rank=0,
+                      title=f"{layout}: one step, {results[0]['num_microbatches']} micro-batches, "
+                            f"hidden {a.hidden}, seq {a.seq}, {a.layers} layers (CPU + gloo)")
+    out = {
+        "device": "cpu (2 cores, gloo); not measured on GPU",
+        "model": shape,
+        "link_models": [vars(link) for link in costmodel.LINKS],
+        "modeled_target_shape": TARGET_SHAPE,
+        "cases": cases,
+    }
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return out
+    hdr = (f"{'layout':9} {'exposed plain':>13} {'exposed ours':>12} {'ratio':>6} {'hidden':>7} "
+           f"{'step plain':>10} {'step ours':>9} {'ours/plain':>10} {'modeled NVL/IB (13B shape)':>27} "
+           f"{'as run NVL':>10} {'bitwise':>7}")
+    print(f"device: {out['device']}; model: {shape}")
+    print(hdr)
+    for c in cases:
+        m = c["modeled"]
+        print(f"{c['layout']:9} {c['exposed_comm_plain_s'] * 1e3:11.1f}ms {c['exposed_comm_ours_s'] * 1e3:10.1f}ms "
+              f"{c['exposed_ratio']:6.2f} {c['hidden_fraction']:7.1%} {c['step_time_plain_s'] * 1e3:8.1f}ms "
+              f"{c['step_time_ours_s'] * 1e3:7.1f}ms {c['step_time_ratio']:10.3f} "
+              f"{m['ours_nvlink_13b_shape']:>12.1%} / {m['ours_infiniband_13b_shape']:<12.1%} "
+              f"{m['ours_nvlink_as_run']:10.1%} {str(c['grads_bitwise_equal']):>7}")
+    print("modeled, plain schedule (megatron's dgrad/wgrad overlap only):",
+          ", ".join(f"{c['layout']}: NVL {c['modeled']['plain_nvlink_13b_shape']:.1%} / "
+                    f"IB {c['modeled']['plain_infiniband_13b_shape']:.1%} (13B shape)" for c in cases))
+    return out
+
+
+if __name__ == "__main__":
+    main()
