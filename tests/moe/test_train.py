@@ -4,7 +4,8 @@ import pytest
 
 from tests.dist import run_distributed
 
-BASE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--expert-model-parallel-size", "2"]
+BASE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--global-batch-size", "4",
+        "--expert-model-parallel-size", "2"]
 LAYOUTS = {
     "ep2": (2, []),
     "ep2xtp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
