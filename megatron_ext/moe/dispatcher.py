@@ -23,7 +23,7 @@ alltoall (upstream: token_dispatcher.py:372)
     per-expert counts: variable sizes need them on the host). Capacity (with or without
     pad-to-capacity): every chunk has C rows, so the expert-major order is a fixed transpose (as
     upstream); fixed shapes everywhere, zero syncs (upstream syncs when it does not pad: the
-    token count it reads at token_dispatcher.py:553 via the event at :950).
+    token count it reads at token_dispatcher.py:545 via the event at :950).
 
 Padding to capacity is done here, not by the router: with ``--moe-expert-capacity-factor`` every
 local expert gets exactly ``min(C, T) * TP * EP`` rows (``C`` = upstream ``get_capacity``), the
@@ -229,7 +229,7 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             if ep > 1 or tp > 1:
                 with torch.no_grad():
                     gathered = self.up.gather(counts, group=self.tp_ep_group)
-                # [ep, tp, E] -> [tp, ep, E], the same rank order as upstream (token_dispatcher.py:563)
+                # [ep, tp, E] -> [tp, ep, E], the same rank order as upstream (token_dispatcher.py:568)
                 gathered = gathered.reshape(ep, tp, E).transpose(0, 1)
             else:
                 gathered = counts.reshape(1, 1, E)

@@ -32,7 +32,7 @@ def indices_to_multihot(
     """``(routing_map bool [T, E], multihot_probs [T, E])`` from ``indices``/``probs`` ``[T, K]``.
 
     ``out_dtype`` defaults to ``probs.dtype``. The upstream function always returns float32 (the
-    DeepEP path feeds it float32 probs only, see token_dispatcher.py:1306); pass
+    DeepEP path feeds it float32 probs only, see token_dispatcher.py:1309); pass
     ``out_dtype=torch.float32`` for its exact output with any input dtype.
 
     No host-device synchronisation, no data-dependent shapes, no fused kernels: CUDA-graph safe.
