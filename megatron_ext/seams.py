@@ -319,6 +319,14 @@ def restore_optimizer_step(optimizer, loaded_state) -> None:
 #     group whose all-gather is not finished yet (dispatched with no handle outstanding is exactly
 #     the state in which upstream's call does nothing, :558-592). Same waits, same dispatch order.
 #     Hooks already registered are re-registered by install/remove (enable_forward_pre_hook :400).
+#   megatron/core/optimizer/distrib_optimizer.py:3129-3156
+#     DistributedOptimizer.start_param_sync_for_bucket_group_subset, the synchronous param
+#     all-gather after the step (without overlap_param_gather, :3158-3190): it all-gathers EVERY
+#     bucket group of its model chunks. An MoE model has two distributed optimizers on the same
+#     chunk (dense and expert, chained: optimizer.py:1635-1644), so every buffer was all-gathered
+#     twice per step (measured: 4 all-gathers for 2 buffers), the first time before its own
+#     optimizer had updated it. Wrapped: each optimizer gathers only the bucket groups whose buckets
+#     belong to its own buffers (self.buffers, :710); the layer-wise exclusion is kept.
 # ---------------------------------------------------------------------------------------------
 def _reregister_forward_pre_hooks(model) -> None:
     for chunk in model or ():
@@ -366,12 +374,39 @@ def _install_forward_pre_hook_seam() -> None:
     cls._make_forward_pre_hook = _make_forward_pre_hook
 
 
+def _install_own_buffers_param_sync_seam() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer.__dict__["start_param_sync_for_bucket_group_subset"]
+    if getattr(orig, "_megatron_ext_sharded_params", False):
+        return
+
+    def start_param_sync_for_bucket_group_subset(self) -> None:
+        own = {id(bucket) for buffer in getattr(self, "buffers", ()) for bucket in buffer.buckets}
+        if not own:
+            return orig(self)
+        from megatron.core.optimizer.layer_wise_optimizer import _bucket_is_managed_by_layer_wise_optimizer
+
+        for model_chunk in self.model_chunks:
+            for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
+                if not bucket_group.buckets or id(bucket_group.buckets[0]) not in own:
+                    continue
+                if _bucket_is_managed_by_layer_wise_optimizer(bucket_group.buckets[0], default_for_untagged=False):
+                    continue
+                model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
+
+    start_param_sync_for_bucket_group_subset._megatron_ext_sharded_params = True
+    start_param_sync_for_bucket_group_subset.__wrapped__ = orig
+    DistributedOptimizer.start_param_sync_for_bucket_group_subset = start_param_sync_for_bucket_group_subset
+
+
 def install_sharded_params_seams(model=None) -> None:
     """Idempotent. `model`: DDP chunks built before the install, whose forward pre-hooks are
     re-registered so they use the seam."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     _install_forward_pre_hook_seam()
+    _install_own_buffers_param_sync_seam()
     _reregister_forward_pre_hooks(model)
 
     cls = pgb._ParamAndGradBucketGroup
@@ -401,9 +436,11 @@ def remove_sharded_params_seams(model=None) -> None:
     """Back to megatron-core's own code (for side-by-side measurements)."""
     from megatron.core.distributed import distributed_data_parallel as ddp_mod
     from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for cls, name in ((pgb._ParamAndGradBucketGroup, "_post_param_sync"),
-                      (ddp_mod.DistributedDataParallel, "_make_forward_pre_hook")):
+                      (ddp_mod.DistributedDataParallel, "_make_forward_pre_hook"),
+                      (DistributedOptimizer, "start_param_sync_for_bucket_group_subset")):
         fn = cls.__dict__[name]
         if getattr(fn, "_megatron_ext_sharded_params", False):
             setattr(cls, name, fn.__wrapped__)

@@ -229,11 +229,17 @@ def buffer_report(model: list) -> dict:
 # ---------------------------------------------------------------------------------------------
 # One measured run of train.main (called on every rank)
 # ---------------------------------------------------------------------------------------------
-def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams: bool = True) -> dict:
+DDP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "ddp_num_buckets", "ddp_bucket_size")
+
+
+def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams: bool = True,
+            ddp_defaults: bool = False) -> dict:
     """Run train.main(argv) for 1 warm-up + counted + timed iterations with the probe installed.
 
     seams=False runs megatron-core's own code paths (our seams removed) for the side-by-side
-    comparison; seams=True installs them (as train.py does through the training package's hook)."""
+    comparison; seams=True installs them (as train.py does through the training package's hook).
+    ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
+    parsing (the distributed optimizer stays on)."""
     import train
     from megatron_ext import seams as seam_mod
     from megatron_ext.training import model as models, step
@@ -242,6 +248,17 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     argv = list(argv) + ["--train-iters", str(iters)]
     result: dict = {}
     orig_build, orig_wrap, orig_step = models.build_model, models.wrap_ddp, step.train_step
+    import arguments
+
+    orig_parse = arguments.parse
+
+    def parse(*a, **k):
+        args = orig_parse(*a, **k)
+        if ddp_defaults:
+            args.overlap_grad_reduce = args.overlap_param_gather = False
+            args.ddp_num_buckets = args.ddp_bucket_size = None
+            args.use_distributed_optimizer = True
+        return args
     installed_before = seam_mod.sharded_params_seams_installed()
 
     def build_model(args, config, wrap_with_ddp=True):
@@ -292,11 +309,13 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
         return r
 
     models.build_model, models.wrap_ddp, step.train_step = build_model, wrap_ddp, train_step
+    arguments.parse = parse
     try:
         with probe:
             history = train.main(argv)
     finally:
         models.build_model, models.wrap_ddp, step.train_step = orig_build, orig_wrap, orig_step
+        arguments.parse = orig_parse
         if installed_before:
             seam_mod.install_sharded_params_seams()
         else:
