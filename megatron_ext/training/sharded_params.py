@@ -245,7 +245,7 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     from megatron_ext.training import model as models, step
 
     iters = 1 + counted_steps + timed_steps
-    argv = list(argv) + ["--train-iters", str(iters)]
+    argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1000000"]  # quiet stdout (--json)
     result: dict = {}
     orig_build, orig_wrap, orig_step = models.build_model, models.wrap_ddp, step.train_step
     import arguments
