@@ -24,21 +24,23 @@ MOE = ["qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act", "ro
 MODEL = dict(layers=8, hidden=64, heads=4, seq=64, mbs=2, vocab=8192, ffn=256, experts=4, topk=2, moe_ffn=128,
              microbatches=4)
 SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=2, vpp=2)}
-OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False)
+OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False,
+               cross_pass_prefetch=False)
 
 
-def run_case(schedule: str, model: str, timeline: bool = False):
+def run_case(schedule: str, model: str, timeline: bool = False, offload=None):
     """Job (every rank): offload off vs on on the same model and data."""
     from megatron_ext.offload import theory
     from tests.offload import jobs
 
     moe = model == "moe"
     kw = dict(MODEL, **SCHEDULES[schedule], model=model, shared=128 if moe else 0)
-    r = jobs.compare(modules=MOE if moe else DENSE, steps=1, offload_kw=OFFLOAD, track=True, timeline=timeline, **kw)
+    offload = offload or OFFLOAD
+    r = jobs.compare(modules=MOE if moe else DENSE, steps=2, offload_kw=offload, track=True, timeline=timeline, **kw)
     pp, vpp = kw["pp"], kw.get("vpp")
     per_chunk = kw["layers"] // (pp * (vpp or 1))
     theo = theory.theoretical_saving(
-        r["theory_group_bytes"], pp, vpp, r["pp_rank"], kw["microbatches"], per_chunk, OFFLOAD["prefetch_depth"]
+        r["theory_group_bytes"], pp, vpp, r["pp_rank"], kw["microbatches"], per_chunk, offload["prefetch_depth"]
     )
     saved = r["peak_off"] - r["peak_on"]
     out = dict(
@@ -47,7 +49,8 @@ def run_case(schedule: str, model: str, timeline: bool = False):
         grads_bitwise_equal=bool(r["grads_equal"] and r["losses_equal"]), group_bytes=r["theory_group_bytes"],
         inflight_passes=theory.inflight_passes(pp, vpp, r["pp_rank"], kw["microbatches"]),
         layers_per_chunk=per_chunk, offloaded_bytes=r["stats"]["offloaded_bytes"],
-        kept_last_bytes=r["stats"]["kept_last_bytes"], step_time="not measured on GPU",
+        kept_last_bytes=r["stats"]["kept_last_bytes"], prefetched_groups=r["stats"]["prefetched_groups"],
+        on_demand_groups=r["stats"]["on_demand_groups"], step_time="not measured on GPU",
     )
     if timeline:
         out["timeline_off"], out["timeline_on"] = r["timeline_off"], r["timeline_on"]
@@ -79,7 +82,10 @@ def main(argv=None):
     ap.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or '-' for stdout)")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "offload_timeline.png"))
     ap.add_argument("--timeline-case", default="PP=2xVPP=2:moe")
+    ap.add_argument("--cross-pass-prefetch", action="store_true",
+                    help="measure with --activation-offload-cross-pass-prefetch (one more layer resident on non-last stages)")
     a = ap.parse_args(argv)
+    OFFLOAD["cross_pass_prefetch"] = a.cross_pass_prefetch
 
     import torch
 
@@ -92,7 +98,7 @@ def main(argv=None):
         for model in ("dense", "moe"):
             want_tl = a.timeline_case == f"{schedule}:{model}"
             cases += run_distributed(world, "scripts.bench_offload:run_case", timeout=900,
-                                     schedule=schedule, model=model, timeline=want_tl)
+                                     schedule=schedule, model=model, timeline=want_tl, offload=OFFLOAD)
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)

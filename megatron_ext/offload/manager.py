@@ -64,6 +64,7 @@ class Options:
     prefetch_depth: int = 1
     min_tensor_bytes: int = 64 << 10
     debug: bool = False
+    cross_pass_prefetch: bool = False
 
 
 # record states
@@ -101,10 +102,11 @@ class _Saved:
 
 
 class _Pass:
-    __slots__ = ("chunk", "index", "groups")
+    __slots__ = ("chunk", "index", "groups", "listed", "started")
 
     def __init__(self, chunk, index):
         self.chunk, self.index, self.groups = chunk, index, []
+        self.listed = self.started = False
 
 
 class _Group:
@@ -147,6 +149,17 @@ class OffloadManager:
         self._handles = []
         self._param_ptrs: set = set()
         self._pass: _Pass | None = None
+        # backward order, observed: passes waiting for backward (forward order); for each pass that
+        # started backward in this "epoch" (until none waits), its index among those not started yet.
+        # The previous epoch's log predicts the next pass to run backward, so prefetch can cross passes.
+        # The event sequence ("F" a pass forwarded, "B" a pass started backward) tells whether the
+        # next thing after a forward pass or a finished backward pass is a backward (only then is a
+        # cross-pass prefetch issued, so a prefetched layer never waits through a whole forward).
+        self._outstanding: list = []
+        self._epoch_log: list = []
+        self._prev_log: list = []
+        self._events: list = []
+        self._prev_events: list = []
         self._pass_counter: dict = {}
         self._group: _Group | None = None
         self._pending: _Group | None = None
@@ -169,6 +182,7 @@ class OffloadManager:
                     self._param_ptrs.add(p.main_grad.untyped_storage().data_ptr())
             root = seams.offload_unwrap(chunk)
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
+            self._handles.append(root.register_forward_hook(self._end_pass))
             for layer in seams.offload_layers(root):
                 targets = seams.offload_targets(layer, modules)
                 if not targets:
@@ -214,6 +228,10 @@ class OffloadManager:
             self._begin_pass(chunk_idx, None, None)
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
         self._pass.groups.append(group)
+        if not self._pass.listed:
+            self._pass.listed = True
+            self._outstanding.append(self._pass)
+            self._events.append("F")
         self._group = group
 
     def _push(self, *_):
@@ -290,12 +308,23 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ backward hook
     def _on_backward(self, group: _Group, _grad):
-        groups = group.pass_.groups
+        pass_ = group.pass_
+        if not pass_.started and pass_ in self._outstanding:
+            waiting = [p for p in self._outstanding if not p.started]
+            self._epoch_log.append(waiting.index(pass_))
+            self._events.append("B")
+            pass_.started = True
+        groups = pass_.groups
         before = []
         if group in groups:
             i = groups.index(group)
             before = groups[:i]
             del groups[i]
+        if not groups and pass_ in self._outstanding:
+            self._outstanding.remove(pass_)
+            if not self._outstanding:  # every forwarded pass is back-propagated: an epoch ends
+                self._prev_log, self._epoch_log = self._epoch_log, []
+                self._prev_events, self._events = self._events, []
         if group is self._pending:
             self._cancel(group)
         else:
@@ -306,12 +335,45 @@ class OffloadManager:
             if group.state in ("offloading", "offloaded"):
                 self._reload(list(group.records.values()), group)
                 self.stats["on_demand_groups"] += 1
-        # prefetch the groups that backward reaches next in this pass (its earlier layers)
-        ahead = [g for g in reversed(before) if g.state in ("offloading", "offloaded")]
-        for g in ahead[: self.options.prefetch_depth]:
-            self._reload(list(g.records.values()), g)
-            self.stats["prefetched_groups"] += 1
+        # prefetch window: the next `depth` groups backward will reach: this pass's earlier layers,
+        # then (if fewer remain) the last layers of the pass predicted to run backward next
+        window = list(reversed(before))[: self.options.prefetch_depth]
+        if len(window) < self.options.prefetch_depth and self._next_is_backward():
+            nxt = self._predict_next_pass(pass_)
+            if nxt is not None:
+                window += list(reversed(nxt.groups))[: self.options.prefetch_depth - len(window)]
+        self._prefetch(window)
         return None
+
+    def _prefetch(self, groups) -> None:
+        for g in groups:
+            if g.state in ("offloading", "offloaded"):
+                self._reload(list(g.records.values()), g)
+                self.stats["prefetched_groups"] += 1
+
+    def _end_pass(self, _module, _args, _output):
+        """A chunk's forward returned: if backward comes next (as in the last epoch), prefetch the
+        last layers of the pass predicted to run backward next, overlapping the pipeline's
+        send/recv wait instead of holding them through another forward."""
+        if self._active() and self._events and self._events[-1] == "F" and self._next_is_backward():
+            nxt = self._predict_next_pass(None)
+            if nxt is not None:
+                self._reap()
+                self._prefetch(list(reversed(nxt.groups))[: self.options.prefetch_depth])
+
+    def _next_is_backward(self) -> bool:
+        if not self.options.cross_pass_prefetch:
+            return False
+        n = len(self._events)
+        return n < len(self._prev_events) and self._prev_events[:n] == self._events and self._prev_events[n] == "B"
+
+    def _predict_next_pass(self, current):
+        k = len(self._epoch_log)
+        if k >= len(self._prev_log):
+            return None
+        waiting = [p for p in self._outstanding if not p.started and p is not current]
+        j = self._prev_log[k]
+        return waiting[j] if j < len(waiting) else None
 
     def _cancel(self, group: _Group) -> None:
         """The group's backward comes before its offload was issued: it never leaves the device."""

@@ -4,7 +4,9 @@ It does not read the offload code's counters. On CPU (where "device" and "host" 
 ``TorchDispatchMode`` sees the outputs of every aten op the process runs, forward and backward, and
 keeps a weak reference to each distinct storage it sees; after every op it drops the storages that
 died and sums the live ones. Storages named in ``exclude`` (parameters, gradient buffers, the host
-pool) are not counted, so what is left is activations and temporaries. On CUDA use
+pool) and storages already alive when tracking starts (found through the garbage collector: the
+step's input batches, for instance) are not counted, so what is left is the activations and
+temporaries the step itself allocates. On CUDA use
 ``torch.cuda.max_memory_allocated`` instead (the benchmark does).
 """
 from __future__ import annotations
@@ -25,6 +27,25 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak = 0
         self.ops = 0
         self.timeline: list | None = [] if record_timeline else None
+        self.baseline: dict = {}
+
+    def __enter__(self):
+        import gc
+        import warnings
+
+        self.baseline = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance() pokes deprecated module attributes
+            objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for obj in objects:
+            try:
+                if obj.device.type == self.device_type and obj.layout == torch.strided:
+                    st = obj.untyped_storage()
+                    if st.data_ptr():
+                        self.baseline[st.data_ptr()] = StorageWeakRef(st)
+            except Exception:  # noqa: BLE001 - exotic tensor subclasses: not activations
+                continue
+        return super().__enter__()
 
     def _sweep(self) -> None:
         dead = [ptr for ptr, (ref, _n) in self.live.items() if ref.expired()]
@@ -41,6 +62,11 @@ class LiveBytesTracker(TorchDispatchMode):
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.exclude:
             return
+        base = self.baseline.get(ptr)
+        if base is not None:
+            if not base.expired():
+                return  # alive before the step: not the step's activation
+            del self.baseline[ptr]  # its address was freed and reused by a new storage
         known = self.live.get(ptr)
         if known is not None:
             if known[1] != storage.nbytes():  # resized in place

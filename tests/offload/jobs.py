@@ -189,16 +189,17 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
     try:
         base = [run_step(chunks, config, c, step=s) for s in range(steps)]
         state = model_state_ptrs(chunks)
-        t_off = LiveBytesTracker(state, record_timeline=timeline) if track else None
-        if track:
-            run_step(chunks, config, c, step=0, tracker=t_off)
+        dev = platform.setup().device.type
+        t_off = LiveBytesTracker(state, dev, record_timeline=timeline) if track else None
+        if track:  # the tracked step is the last one (offload on has learned the backward order by then)
+            run_step(chunks, config, c, step=steps - 1, tracker=t_off)
 
         mgr = om.attach(chunks, offload_options(modules, **(offload_kw or {})))
         mgr._faults = set(faults)
-        t_on = LiveBytesTracker(state | mgr.pool.storage_ptrs(), record_timeline=timeline) if track else None
+        t_on = LiveBytesTracker(state | mgr.pool.storage_ptrs(), dev, record_timeline=timeline) if track else None
         on = []
         for s in range(steps):
-            tr = t_on if s == 0 else None
+            tr = t_on if s == steps - 1 else None
             on.append(run_step(chunks, config, c, step=s, tracker=tr))
             mgr.synchronize()
         stats = dict(mgr.stats)
@@ -285,3 +286,4 @@ def train_losses(argv):
     finally:
         offload.detach()
     return dict(history=history, stats=stats, pp_rank=None)
+

@@ -201,6 +201,15 @@ def test_pp2_vpp2_moe_exact_two_iterations():
     assert res[0]["stats"]["on_demand_groups"] > 0 or res[0]["stats"]["prefetched_groups"] > 0
 
 
+def test_cross_pass_prefetch_learns_backward_order_and_stays_exact():
+    plain = run_distributed(2, JOB, pp=2, layers=4, modules=DENSE, steps=3)
+    cross = run_distributed(2, JOB, pp=2, layers=4, modules=DENSE, steps=3, offload_kw=dict(cross_pass_prefetch=True))
+    _check_exact(cross)
+    # stage 0: after the first step, the first layer of every micro-batch's backward is prefetched
+    assert cross[0]["stats"]["on_demand_groups"] < plain[0]["stats"]["on_demand_groups"]
+    assert cross[0]["stats"]["prefetched_groups"] > plain[0]["stats"]["prefetched_groups"]
+
+
 def test_tp2_moe_sequence_parallel_exact():
     _check_exact(run_distributed(2, JOB, tp=2, model="moe", modules=MOE, shared=64, steps=1))
 
@@ -221,7 +230,8 @@ def test_train_tiny_moe_pp2_vpp2_same_losses_with_offload():
     base = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--pipeline-model-parallel-size", "2",
             "--num-virtual-stages-per-pipeline-rank", "2"]
     on = base + ["--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj", "router_fc1",
-                 "router_fc2", "moe_act", "--activation-offload-min-tensor-kb", "1", "--activation-offload-debug"]
+                 "router_fc2", "moe_act", "--activation-offload-min-tensor-kb", "1", "--activation-offload-debug",
+                 "--activation-offload-cross-pass-prefetch"]
     off_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=base, timeout=900)
     on_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=on, timeout=900)
     assert all(r["stats"] is None for r in off_res)
