@@ -143,7 +143,18 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=None, choices=["mcore-default", "mcore-overlap", "ours"])
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    out = run(a.experts, ep=a.ep, num_buckets=a.num_buckets, which=a.configs)
+    # The worker processes inherit fd 1 and log there: send theirs to stderr, keep ours for the result.
+    sys.stdout.flush()
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        out = run(a.experts, ep=a.ep, num_buckets=a.num_buckets, which=a.configs)
+    finally:
+        from tests.dist import close_all
+
+        close_all()
+        sys.stdout.flush()
+        os.dup2(result_fd, 1)
     if a.json:
         for group in [out["cases"], *out["baselines"].values()]:
             for c in group:
