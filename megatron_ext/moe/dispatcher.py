@@ -95,6 +95,14 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.capacity_factor = config.moe_expert_capacity_factor
+        # Token-level all-to-all where it keeps upstream's floating-point sums bit for bit:
+        # dropless, no expert-TP reduce-scatter between the expert sums and the combine, and top-k
+        # <= 2 (with 3+ experts per token, summing per rank first re-associates the per-token sum of
+        # expert outputs, and of input gradients: c1 + (c2 + c3) vs (c1 + c2) + c3; measured ~1e-9).
+        self.token_level = (
+            self.comm == "alltoall" and self.capacity_factor is None and self.tp_size == 1 and self.topk <= 2
+        )
+        self.rows_sent = 0  # rows this rank put into the last dispatch all-to-all (tests, bench)
         self.cudagraph_attrs = []
 
     @classmethod
@@ -129,6 +137,8 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         if self.comm == "allgather":
             self.indices, probs = routing_map_to_indices(routing_map, probs, self.topk, self.capacity is not None)
             return hidden_states, probs
+        if self.token_level:
+            return self._token_preprocess(hidden_states, routing_map, probs)
         return self._a2a_preprocess(hidden_states, routing_map, probs)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -142,11 +152,14 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         if self.ep_size > 1:
             hidden_states = self.up.all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits)
             probs = self.up.all_to_all(self.ep_group, probs, self.output_splits, self.input_splits)
+            if self.token_level:
+                with torch.no_grad():
+                    self.indices = self.up.all_to_all(self.ep_group, self.indices, self.output_splits, self.input_splits)
         return hidden_states, probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.comm == "allgather":
-            return self._allgather_postprocess(hidden_states, probs)
+        if self.comm == "allgather" or self.token_level:
+            return self._multihot_postprocess(hidden_states, probs)
         return self._a2a_postprocess(hidden_states, probs)
 
     # ------------------------------------------------------------------------------ combine
@@ -179,7 +192,12 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        if self.comm == "alltoall":
+        if self.token_level:  # sum each token's rows from every destination rank, in rank order
+            hidden_states = self.up.unpermute(
+                hidden_states, self.send_token_ids, restore_shape=(self.num_tokens, self.hidden_shape[-1])
+            )
+            self.send_token_ids = None
+        elif self.comm == "alltoall":
             hidden_states = self.up.unpermute(
                 hidden_states,
                 self.sorted_indices,
@@ -190,15 +208,24 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             self.routing_map = None
         return hidden_states.view(self.hidden_shape)
 
-    # ------------------------------------------------------------------------------ allgather
-    def _allgather_postprocess(self, hidden_states, probs):
+    # ------------------------------------------------------------------------------ allgather, token-level a2a
+    def _multihot_postprocess(self, hidden_states, probs):
+        """Received rows carry top-k expert indices [N, K] (-1 = none): multihot map of the local
+        experts, then one permute of tokens and probs by local expert."""
         L, lo = self.num_local_experts, self._lo
         indices = self.indices
-        local = torch.where((indices >= lo) & (indices < lo + L), indices - lo, torch.full_like(indices, -1))
+        if self.token_level:  # already local indices (the sender subtracted its offset)
+            local = indices
+        else:
+            local = torch.where((indices >= lo) & (indices < lo + L), indices - lo, torch.full_like(indices, -1))
         local_map, local_probs = indices_to_multihot(local, probs, L)
         self.indices = None
         self.local_shape = hidden_states.shape
-        if self.capacity is None:
+        if self.token_level:  # read with the split sizes, in the one transfer of _token_preprocess
+            tokens_per_expert = self.tokens_per_local_expert
+            num_out = sum(tokens_per_expert)
+            drop_and_pad = False
+        elif self.capacity is None:
             # The one unavoidable read: SequentialMLP splits by these counts on the host.
             tokens_per_expert = local_map.sum(dim=0).tolist()
             num_out = sum(tokens_per_expert)
@@ -214,6 +241,38 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         return permuted, torch.tensor(tokens_per_expert, dtype=torch.long), permuted_probs
 
     # ------------------------------------------------------------------------------ alltoall
+    def _token_preprocess(self, hidden_states, routing_map, probs):
+        """Token-level all-to-all (dropless, expert-TP 1): each token goes once to each rank that
+        hosts one of its experts, with its top-k indices made local to that rank (-1 elsewhere);
+        the receiver expands it with indices_to_multihot. A token with several experts on one
+        rank crosses the wire once, not once per expert (upstream's per-pair rows)."""
+        T, E, L, ep = self.num_tokens, self.num_experts, self.num_local_experts, self.ep_size
+        indices, probs = routing_map_to_indices(routing_map, probs, self.topk, capacity=False)
+        rank_map = routing_map.view(T, ep, L).any(dim=2)  # [T, ep]: token t sends to rank r
+        counts = torch.cat([rank_map.sum(dim=0), routing_map.sum(dim=0)]).long()  # [ep + E]
+        if ep > 1:
+            with torch.no_grad():
+                gathered = self.up.gather(counts, group=self.ep_group).view(ep, ep + E)
+        else:
+            gathered = counts.view(1, ep + E)
+        lo = self._lo
+        meta = torch.cat([counts[:ep], gathered[:, self.ep_rank], gathered[:, ep + lo : ep + lo + L].sum(dim=0)])
+        # The one unavoidable read in dropless mode (see _a2a_preprocess), one transfer.
+        meta = meta.tolist()
+        self.input_splits, self.output_splits = meta[:ep], meta[ep : 2 * ep]
+        self.tokens_per_local_expert = meta[2 * ep :]
+        num_send = self.rows_sent = sum(self.input_splits)
+        # (rank, token) pairs, rank-major, tokens in order: fixed-size argsort, as moe_utils.permute
+        flat = rank_map.T.reshape(-1).argsort(descending=True, stable=True)[:num_send]
+        dest = flat // T
+        self.send_token_ids = flat % T
+        sent = indices.index_select(0, self.send_token_ids)
+        local = sent - (dest * L).unsqueeze(1)
+        self.indices = torch.where((sent >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1))
+        if ep == 1:
+            self.input_splits = self.output_splits = None
+        return hidden_states.index_select(0, self.send_token_ids), probs.index_select(0, self.send_token_ids)
+
     def _a2a_preprocess(self, hidden_states, routing_map, probs):
         E, L, lo = self.num_experts, self.num_local_experts, self._lo
         tp, ep = self.tp_size, self.ep_size
@@ -223,7 +282,7 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             self.input_splits = self.output_splits = self.output_splits_tp = None
             self.rows_per_chunk = None  # every (source rank, local expert) chunk has C rows
             self.tokens_per_local_expert = [C * tp * ep] * L
-            num_out = C * E
+            num_out = self.rows_sent = C * E
         else:
             counts = routing_map.sum(dim=0).long()  # [E]
             if ep > 1 or tp > 1:
@@ -245,7 +304,7 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
             self.output_splits = per_rank[self.tp_rank]
             self.output_splits_tp = [sum(r) for r in per_rank]
             self.tokens_per_local_expert = meta[ep + tp * ep :]
-            num_out = sum(self.input_splits)  # = T*K unless a padding mask left rows unrouted
+            num_out = self.rows_sent = sum(self.input_splits)  # = T*K unless a padding mask left rows unrouted
             if ep == 1 and tp == 1:
                 self.input_splits = self.output_splits = self.output_splits_tp = None
         permuted, permuted_probs, self.sorted_indices, _, _ = self.up.permute(

@@ -23,9 +23,15 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
         if padded_tail:  # the last `padded_tail` positions of this rank's sequence are padding
             mask = torch.zeros(batch, x.shape[0], dtype=torch.bool)
             mask[:, -padded_tail:] = True
-        ref = audit.run_layer(audit.build_layer(spec, seed=seed, ours=False), x, g, padding_mask=mask)
+        ref_layer = audit.build_layer(spec, seed=seed, ours=False)
+        ref = audit.run_layer(ref_layer, x, g, padding_mask=mask)
+        # (token, expert) rows upstream's alltoall sends: its input splits
+        splits = getattr(ref_layer.token_dispatcher, "input_splits", None)
+        ref_pairs = sum(int(v) for v in splits) if splits is not None else -1
         seams.reset_moe_aux_loss_scale()
-        ours = audit.run_layer(audit.build_layer(spec, seed=seed, ours=True), x, g, padding_mask=mask)
+        layer = audit.build_layer(spec, seed=seed, ours=True)
+        ours = audit.run_layer(layer, x, g, padding_mask=mask)
+        dispatcher_ = layer.token_dispatcher
         return {
             "out_equal": torch.equal(ref.out, ours.out),
             "dx_equal": torch.equal(ref.dx, ours.dx),
@@ -35,11 +41,15 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
                 + [(ref.dw[k] - ours.dw[k]).abs().max().item() for k in ref.dw]
             ),
             "same_keys": sorted(ref.dw) == sorted(ours.dw),
+            "dw_differ": [k for k in ref.dw if not torch.equal(ref.dw[k], ours.dw[k])],
             "syncs_reference": (ref.syncs_forward, ref.syncs_backward),
             "syncs_ours": (ours.syncs_forward, ours.syncs_backward),
             "sites_ours": ours.sites,
             "sites_reference": ref.sites,
             "replaced": ours.replaced,
+            "token_level": getattr(dispatcher_, "token_level", None),
+            "rows_sent": getattr(dispatcher_, "rows_sent", None),
+            "pairs": int(ref_pairs),
         }
     finally:
         seams.reset_moe_aux_loss_scale()

@@ -28,6 +28,9 @@ def check(results, dispatcher, mode, bitwise=True):
             assert r["max_abs_diff"] < 1e-5, (rank, r["max_abs_diff"])
         assert tuple(r["syncs_ours"]) == our_syncs, (rank, r["sites_ours"])
         assert tuple(r["syncs_reference"]) == ref_syncs, (rank, r["sites_reference"])
+    for r in results:  # which alltoall path ran, and what it sent
+        if r["token_level"]:
+            assert 0 < r["rows_sent"] <= r["pairs"], r
     if our_syncs[0] == 1:  # the one dropless sync is ours, in the dispatcher, and a host read
         assert all("megatron_ext/moe/dispatcher.py" in r["sites_ours"][0] for r in results)
 
@@ -38,6 +41,23 @@ def test_ep2(dispatcher, mode):
     res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher=dispatcher, mode=mode, ep=2)
     # capacity without padding: upstream runs only the routed rows, we pad; equal to rounding
     check(res, dispatcher, mode, bitwise=mode != "capacity-nopad")
+
+
+def test_token_level_alltoall_sends_fewer_rows():
+    """Dropless top-2 alltoall (expert-TP 1): each token crosses once per destination rank. With 8
+    experts on 2 ranks many tokens have both experts on one rank, so fewer rows than upstream's
+    (token, expert) pairs; outputs and gradients still bit-identical (check)."""
+    res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher="alltoall", mode="dropless", ep=2,
+                          experts=8, topk=2, seq=40)
+    check(res, "alltoall", "dropless")
+    assert all(r["token_level"] for r in res)
+    assert sum(r["rows_sent"] for r in res) < sum(r["pairs"] for r in res), res
+    # top-3 keeps per-pair rows (bitwise order of the per-token sums), also checked
+    res = run_distributed(2, "tests.moe.jobs:layer_equivalence", dispatcher="alltoall", mode="dropless", ep=2,
+                          experts=8, topk=3, seq=40)
+    check(res, "alltoall", "dropless")
+    assert not any(r["token_level"] for r in res)
+    assert all(r["rows_sent"] == r["pairs"] for r in res)
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
