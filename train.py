@@ -15,8 +15,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     platform.init_distributed(args.distributed_timeout_minutes * 60)
     logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
 
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    from megatron_ext import schedules
     from megatron_ext.training import checkpointing, data, model as models, observability, optimizer as optim
     from megatron_ext.training import parallel, run, step
     from megatron_ext.training.logging import TrainingLogger
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
         iterators = data.build_train_iterators(args, len(model), consumed_samples=start * args.global_batch_size)
         ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
-        forward_backward = get_forward_backward_func()
+        forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
         logger = TrainingLogger(args)
         observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
 

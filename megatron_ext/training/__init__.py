@@ -36,6 +36,9 @@ def validate(args) -> None:
 
 
 def after_model(args, model) -> None:
+    from megatron_ext.seams import install_sharded_params_seams
+
+    install_sharded_params_seams(model)  # per-bucket, not per-parameter, host work (docs/sharded_params.md)
     if args.layout_invariant_init:
         from megatron_ext.training.init import layout_invariant_init
 
