@@ -321,7 +321,13 @@ class Pair:
         self.turn: Optional[Lane] = None
         self.switches = 0
 
+    # Diagnostics only: run the pair's forward then its backward in the calling thread, no hand-off
+    # (same schedule order, no interleaving).
+    SERIAL = False
+
     def run(self, fwd: Callable, bwd: Callable):
+        if Pair.SERIAL:
+            return fwd(), bwd()
         start_rng = _rng_snapshot()
         parent = _capture_thread_state()
         results = {}

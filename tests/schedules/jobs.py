@@ -69,6 +69,19 @@ def one_step(args, model, data, schedule, seed: int = 4321):
     return [float(x["lm loss"]) for x in losses], grads, torch.get_rng_state()
 
 
+def _offload_stats():
+    """Bytes the team's activation offload moved in this run (None when it is off)."""
+    from megatron_ext import offload
+
+    manager = offload.current()
+    if manager is None:
+        return None
+    manager.synchronize()
+    stats = dict(manager.stats)
+    manager.reset_stats()
+    return stats
+
+
 def _summary(rec):
     from megatron_ext.schedules.lanes import Recorder  # noqa: F401
 
@@ -90,7 +103,8 @@ def _summary(rec):
 
 
 def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None = None, extra=(),
-                  only: str | None = None, debug_after: float = 0):
+                  only: str | None = None, debug_after: float = 0, second: str = "ours",
+                  serial_pairs: bool = False):
     """Plain megatron schedule vs ours on the same model, data and seed: every loss and every
     gradient compared bit for bit, plus counts of what the overlap did."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -109,7 +123,9 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
         import sys
 
         faulthandler.dump_traceback_later(debug_after, exit=True, file=sys.stderr)
-    for name, schedule in (("plain", get_forward_backward_func()), ("ours", forward_backward_overlap)):
+    lanes.Pair.SERIAL = serial_pairs
+    second_schedule = forward_backward_overlap if second == "ours" else get_forward_backward_func()
+    for name, schedule in (("plain", get_forward_backward_func()), ("ours", second_schedule)):
         if only and name != only:
             continue
         rec = lanes.Recorder(count_flops=True)
@@ -123,6 +139,8 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
             lanes.set_recorder(None)
         out[f"{name}_time"] = time.perf_counter() - t0
         out[name] = _summary(rec)
+        out[name]["offload"] = _offload_stats()
+    lanes.Pair.SERIAL = False
     if only:
         return out
     (lp, gp, rp), (lo, go, ro) = runs["plain"], runs["ours"]
@@ -130,6 +148,7 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
     out["losses_equal"] = lp == lo
     out["n_grads"] = len(gp)
     out["grad_mismatch"] = [k for k in gp if not torch.equal(gp[k], go[k])]
+    out["max_abs_diff"] = max([float((gp[k] - go[k]).abs().max()) for k in gp] + [0.0])
     out["grads_nonzero"] = sum(1 for g in gp.values() if g.abs().sum() > 0)
     out["rng_equal"] = torch.equal(rp, ro)
     return out
