@@ -228,10 +228,6 @@ class OffloadManager:
             self._begin_pass(chunk_idx, None, None)
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
         self._pass.groups.append(group)
-        if not self._pass.listed:
-            self._pass.listed = True
-            self._outstanding.append(self._pass)
-            self._events.append("F")
         self._group = group
 
     def _push(self, *_):
@@ -258,6 +254,11 @@ class OffloadManager:
                 group.pass_.groups.remove(group)
             return
         self.stats["groups"] += 1
+        pass_ = group.pass_
+        if not pass_.listed:  # the pass now waits for backward
+            pass_.listed = True
+            self._outstanding.append(pass_)
+            self._events.append("F")
         group.state = "pending"
         self._pending = group
         hidden.register_hook(functools.partial(self._on_backward, group))

@@ -204,11 +204,12 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             mgr.synchronize()
         stats = dict(mgr.stats)
         free_after = mgr.pool.free_slots == mgr.pool.num_slots
+        idle = mgr._pending is None and not mgr._outstanding and not mgr._offloading and not mgr._returns
         om.detach()
         result = dict(
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             losses_off=[b[0] for b in base], losses_on=[o[0] for o in on],
-            stats=stats, pool_all_free=free_after,
+            stats=stats, pool_all_free=free_after, manager_idle=idle,
             peak_off=t_off.peak if track else None, peak_on=t_on.peak if track else None,
             timeline_off=t_off.timeline if track else None, timeline_on=t_on.timeline if track else None,
             theory_group_bytes=theory_group_bytes(modules, c), config=c,

@@ -23,6 +23,7 @@ def _check_exact(results, offloaded=True):
         assert r["grads_equal"], r["bad_grads"]
         assert not r["nan_grads"]
         assert r["pool_all_free"], "every pool slot must come back"
+        assert r["manager_idle"], "after a step nothing may stay pending, outstanding or in flight"
         if offloaded:
             assert r["stats"]["offloaded_bytes"] > 0
             assert r["stats"]["reloaded_bytes"] == r["stats"]["offloaded_bytes"]
