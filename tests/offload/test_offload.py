@@ -143,6 +143,8 @@ def test_pp1_moe_all_modules_chunked_exact():
     assert s["d2h_chunks"] > s["groups"]  # chunk 16 KiB: large storages moved in several chunks
     assert s["h2d_chunks"] == s["d2h_chunks"]
     assert s["kept_shared_bytes"] > 0  # the shared experts' input is also the router's: it stays
+    # every layer but the last (kept: its backward comes first), 4 micro-batches: the shape formula
+    assert s["offloaded_bytes"] == 4 * 3 * r["theory_group_bytes"]
 
 
 def test_pool_exhausted_and_tiny_tensors_stay_on_device():
