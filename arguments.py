@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import io
 import os
+import re
 import sys
 
 import yaml
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
     )
     features.add_arguments(parser)
+    for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
+        if action.help:
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
     return parser
 
 

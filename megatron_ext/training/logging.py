@@ -40,7 +40,8 @@ class TrainingLogger:
         self.skipped = 0
         self.nan_iterations = 0
         self.writer = self._tensorboard(args) if self.is_logging_rank else None
-        self.history: list[dict] = []
+        self._records: list[dict] = []
+        self._unread = 0  # trailing records whose loss is still a device tensor
 
     @staticmethod
     def _tensorboard(args):
@@ -58,22 +59,21 @@ class TrainingLogger:
         args = self.args
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
-        loss = float(result.lm_loss)  # host read happens here, once per iteration, for the log
         if not result.update_successful:
             self.skipped += 1
-        if self.is_logging_rank and not math.isfinite(loss):
-            self.nan_iterations += 1
         record = {
             "iteration": iteration,
-            "lm loss": loss,
+            "lm loss": result.lm_loss.detach(),  # read on the host only when a line is printed
             "grad norm": None if result.grad_norm is None else float(result.grad_norm),
             "learning rate": lr,
             **self._rates(elapsed),
             **(extra or {}),
         }
-        self.history.append(record)
+        self._records.append(record)
+        self._unread += 1
         self.interval_iterations += 1
         if self.is_logging_rank and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
             per_iteration = (now - self.interval_start) / self.interval_iterations
             shown = dict(record, **self._rates(per_iteration))
@@ -84,6 +84,23 @@ class TrainingLogger:
                         self.writer.add_scalar(key, value, iteration)
             self.interval_start, self.interval_iterations = now, 0
         return record
+
+    def _read_losses(self) -> None:
+        """One host read per log line (not per iteration) for the losses since the last line."""
+        pending = self._records[len(self._records) - self._unread:]
+        if pending:
+            values = torch.stack([r["lm loss"].float().cpu() for r in pending]).tolist()
+            for record, value in zip(pending, values):
+                record["lm loss"] = value
+                if self.is_logging_rank and not math.isfinite(value):
+                    self.nan_iterations += 1
+        self._unread = 0
+
+    @property
+    def history(self) -> list[dict]:
+        """Every iteration's record, losses as floats."""
+        self._read_losses()
+        return self._records
 
     def _rates(self, seconds: float) -> dict:
         args = self.args
