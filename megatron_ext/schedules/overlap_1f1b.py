@@ -35,6 +35,9 @@ import torch.distributed as dist
 from megatron_ext.schedules import lanes
 
 
+STATS = {"calls": 0, "pairs": 0}  # how often the overlapped schedule ran (tests, logs)
+
+
 def _warmup(pp: int, rank: int, chunks: int, group: int, total: int) -> int:
     return min(total, 2 * (pp - rank - 1) + (chunks - 1) * group + 1)
 
@@ -99,6 +102,7 @@ def forward_backward_overlap(
 
     from megatron_ext import seams
 
+    STATS["calls"] += 1
     seams.install_schedules_seams()
     lanes.set_groups()
 
@@ -308,6 +312,7 @@ def forward_backward_overlap(
                 f"F{mbf}" + (f".c{cf}" if chunks > 1 else ""),
                 f"B{mbb}" + (f".c{cb}" if chunks > 1 else ""),
             )
+            STATS["pairs"] += 1
             num_tokens, _ = pair.run(lambda: run_forward(vf, x), lambda: run_backward(vb, g))
             total_num_tokens += num_tokens
             release_outputs()

@@ -182,3 +182,19 @@ def which_schedule():
     on = get_forward_backward_func(argparse.Namespace(overlap_tp_comm_1f1b=True))
     off = get_forward_backward_func(argparse.Namespace(overlap_tp_comm_1f1b=False))
     return {"on": on.__name__, "off": off.__name__}
+
+
+def train_losses(argv: list) -> dict:
+    """train.main(argv) (the team's training loop) and how often our schedule ran."""
+    import train as entry
+
+    from megatron_ext.schedules import overlap_1f1b
+
+    before = dict(overlap_1f1b.STATS)
+    history = entry.main(list(argv))
+    return {
+        "losses": [h["lm loss"] for h in history],
+        "grad_norms": [h["grad norm"] for h in history],
+        "calls": overlap_1f1b.STATS["calls"] - before["calls"],
+        "pairs": overlap_1f1b.STATS["pairs"] - before["pairs"],
+    }
