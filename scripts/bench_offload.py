@@ -82,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or '-' for stdout)")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "offload_timeline.png"))
     ap.add_argument("--timeline-case", default="PP=2xVPP=2:moe")
+    ap.add_argument("--overhead", action="store_true",
+                    help="also time steps with/without offload (GPU only; on CPU: 'not measured on GPU')")
     ap.add_argument("--cross-pass-prefetch", action="store_true",
                     help="measure with --activation-offload-cross-pass-prefetch (one more layer resident on non-last stages)")
     a = ap.parse_args(argv)
@@ -99,6 +101,11 @@ def main(argv=None):
             want_tl = a.timeline_case == f"{schedule}:{model}"
             cases += run_distributed(world, "scripts.bench_offload:run_case", timeout=900,
                                      schedule=schedule, model=model, timeline=want_tl, offload=OFFLOAD)
+    overhead = {"step_time": "not measured on GPU"}
+    if a.overhead and torch.cuda.is_available():
+        big = dict(MODEL, layers=8, hidden=1024, heads=16, seq=2048, mbs=1, vocab=32000, ffn=4096, microbatches=4)
+        overhead = run_distributed(1, "tests.offload.jobs:time_steps", timeout=900, modules=DENSE,
+                                   offload_kw=dict(OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10), **big)[0]
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)
@@ -116,8 +123,9 @@ def main(argv=None):
               f"{c['saved_bytes'] / 2**20:>10.3f} {c['R']:>7.4f} {str(c['grads_bitwise_equal']):>8}")
     if a.png and timelines:
         print(f"timeline: {a.png}")
+    print(f"overhead: {overhead}")
     if a.json:
-        doc = json.dumps({"device": device, "cases": cases}, indent=1)
+        doc = json.dumps({"device": device, "cases": cases, "overhead": overhead}, indent=1)
         if a.json == "-":
             print(doc)
         else:

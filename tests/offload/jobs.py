@@ -79,7 +79,8 @@ def _batches(c, step: int):
     out = []
     for _ in range(c["microbatches"]):
         tokens = torch.randint(0, c["vocab"], (c["mbs"], c["seq"] + 1), generator=g)
-        out.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos, attention_mask=mask))
+        b = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos, attention_mask=mask)
+        out.append({k: v.to(platform.setup().device) for k, v in b.items()})
     return out
 
 
@@ -288,3 +289,47 @@ def train_losses(argv):
         offload.detach()
     return dict(history=history, stats=stats, pp_rank=None)
 
+
+
+def time_steps(modules, steps: int = 10, warmup: int = 3, offload_kw=None, **model_kw):
+    """Step time with offload off and on (CUDA only: on CPU host and device are one memory), the bytes
+    offloaded per step and the measured host-link bandwidth (pinned D2H copy)."""
+    import time
+
+    from megatron_ext.offload import manager as om
+    from megatron_ext.platform import streams
+
+    if not torch.cuda.is_available():
+        return dict(step_time="not measured on GPU")
+    chunks, config, c = build(**model_kw)
+
+    def timed(n):
+        for s in range(warmup):
+            run_step(chunks, config, c, step=s)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(n):
+            run_step(chunks, config, c, step=s)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    try:
+        t_off = timed(steps)
+        mgr = om.attach(chunks, offload_options(modules, **dict(dict(debug=False), **(offload_kw or {}))))
+        t_on = timed(steps)
+        per_step = mgr.stats["offloaded_bytes"] / (steps + warmup)
+        om.detach()
+        src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        dst = streams.host_empty(src.numel())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        bw = 5 * src.numel() / (time.perf_counter() - t0)
+        return dict(step_time_off_s=t_off, step_time_on_s=t_on, overhead=(t_on - t_off) / t_off,
+                    offloaded_bytes_per_step=per_step, host_link_bytes_per_s=bw,
+                    copy_time_per_step_s=2 * per_step / bw)
+    finally:
+        om.detach()
+        parallel.destroy()
