@@ -39,8 +39,10 @@ def reset_megatron_globals() -> None:
 #   layers.dist_all_gather_func / dist_reduce_scatter_func (bound at layers.py:85-86; used at
 #     :571 fwd SP all-gather, :617 bwd SP all-gather, :650 bwd SP reduce-scatter)
 #   torch.distributed.all_to_all_single (mappings.py:450/460 _AllToAll; EP token dispatch)
-#   torch.distributed.all_gather / reduce_scatter list forms (mappings.py:154/197, uneven splits):
-#     recorded only (run inline, as upstream)
+#   torch.distributed.all_gather list form (mappings.py:154, uneven splits of the MoE token
+#     dispatch): padded, gathered async into one buffer, sliced back (a copy: bit-identical)
+#   torch.distributed.reduce_scatter list form (mappings.py:197): recorded only (run inline, as
+#     upstream; a different reduction primitive could change the summation order for TP > 2)
 #   get_global_memory_buffer in mappings.py:5, layers.py:20 and parallel_state.py:2480: one
 #     buffer per lane, since the "mpu" scratch buffer (layers.py:570/614, mappings.py:143-192)
 #     is held across a collective and the other lane would overwrite it.
@@ -116,6 +118,31 @@ def install_schedules_seams() -> None:
 
         return _mark(fn, orig)
 
+    gather_into_tensor = getattr(dist.all_gather_into_tensor, "__wrapped__", dist.all_gather_into_tensor)
+
+    def _wrap_list_all_gather(orig):
+        # mappings.py:154 (_gather_along_first_dim with output_split_sizes, the MoE token dispatch
+        # under TP): uneven pieces, which gloo cannot gather. In a lane: pad each piece to the
+        # largest, gather async into one flat buffer (a pure copy, so bit-identical), slice back.
+        def all_gather(tensor_list, tensor, group=None, async_op=False):
+            if lanes.active() and not async_op and lanes.group_kind(group) is not None:
+                pad = max(t.shape[0] for t in tensor_list)
+                rest = tuple(tensor.shape[1:])
+                padded = tensor.new_zeros((pad,) + rest)
+                padded[: tensor.shape[0]] = tensor
+                flat = tensor.new_empty((len(tensor_list) * pad,) + rest)
+                got = lanes.collective(
+                    "all_gather", group, _nbytes(flat),
+                    lambda: gather_into_tensor(flat, padded, group=group, async_op=True), False,
+                )
+                if got is not None:
+                    for i, out in enumerate(tensor_list):
+                        out.copy_(flat[i * pad: i * pad + out.shape[0]])
+                    return None
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+
+        return _mark(all_gather, orig)
+
     orig_get_buffer = getattr(parallel_state.get_global_memory_buffer, "__wrapped__",
                               parallel_state.get_global_memory_buffer)
 
@@ -129,7 +156,7 @@ def install_schedules_seams() -> None:
     if not _ours(dist.all_to_all_single):
         dist.all_to_all_single = _wrap_a2a(dist.all_to_all_single)
     if not _ours(dist.all_gather):
-        dist.all_gather = _wrap_record_only("all_gather_list", dist.all_gather)
+        dist.all_gather = _wrap_list_all_gather(dist.all_gather)
     if not _ours(dist.reduce_scatter):
         dist.reduce_scatter = _wrap_record_only("reduce_scatter_list", dist.reduce_scatter)
     for mod in (mappings, layers):
@@ -141,6 +168,41 @@ def install_schedules_seams() -> None:
             mod.get_global_memory_buffer = get_global_memory_buffer
     if not _ours(parallel_state.get_global_memory_buffer):
         parallel_state.get_global_memory_buffer = get_global_memory_buffer
+
+
+def label_plain_schedule_passes():
+    """Benchmark-only context: wrap megatron's per-micro-batch passes
+    (megatron/core/pipeline_parallel/schedules.py:397 forward_step and :532 backward_step, looked up
+    as module globals by every plain schedule) so recorded segments and collectives name their
+    micro-batch ("F3" / "B1"), for the timeline of the plain schedule."""
+    import contextlib
+
+    from megatron.core.pipeline_parallel import schedules as S
+
+    from megatron_ext.schedules import lanes
+
+    @contextlib.contextmanager
+    def ctx():
+        fwd, bwd = S.forward_step, S.backward_step
+        count = {"b": 0}
+
+        def forward_step(*args, **kwargs):
+            with lanes.owner(f"F{kwargs.get('current_microbatch', '?')}"):
+                return fwd(*args, **kwargs)
+
+        def backward_step(*args, **kwargs):
+            label = f"B{count['b']}"
+            count["b"] += 1
+            with lanes.owner(label):
+                return bwd(*args, **kwargs)
+
+        S.forward_step, S.backward_step = forward_step, backward_step
+        try:
+            yield
+        finally:
+            S.forward_step, S.backward_step = fwd, bwd
+
+    return ctx()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def _summary(rec):
             1 for c in tp if c.issued_async_by_upstream and c.flops_between > 0
         ),
         "ep_collectives": sum(1 for c in rec.collectives if c.group == "ep"),
+        "ep_handed_off": sum(1 for c in rec.collectives if c.group == "ep" and c.handed_off),
         "flops_between_total": sum(c.flops_between for c in tp),
         "per_owner_lane": sorted({(c.owner, c.lane) for c in tp}),
         "exposed_s": rec.exposed("tp"),

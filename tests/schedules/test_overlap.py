@@ -51,7 +51,9 @@ def test_bitwise_equal_and_overlapped(kind, layout):
         assert ours["upstream_async_with_compute"] == ours["upstream_async"], where
         # ... and hands TP collectives to the other micro-batch, with its compute in between
         assert ours["tp_handed_off"] > 0, where
-        assert ours["tp_handed_off_with_compute"] >= 0.8 * ours["tp_handed_off"], where
+        # (some hand-offs land on a stretch of the other micro-batch without GEMMs, e.g. the MoE
+        # token permutation between two dispatch collectives)
+        assert ours["tp_handed_off_with_compute"] >= 0.6 * ours["tp_handed_off"], where
         assert ours["flops_between_total"] > plain["flops_between_total"], where
         lanes_seen = {lane for _, lane in ours["per_owner_lane"]}
         assert {"F", "B"} <= lanes_seen, where
@@ -59,6 +61,17 @@ def test_bitwise_equal_and_overlapped(kind, layout):
         # without pipelining every micro-batch but the first forward / last backward is paired
         owners = dict((o, lane) for o, lane in results[0]["ours"]["per_owner_lane"] if lane != "-")
         assert {"F1", "F2", "F3", "B0", "B1", "B2"} <= set(owners), owners
+
+
+def test_moe_tp2_ep2_hands_off_expert_all_to_all():
+    """MoE with TP2 x EP2 (alltoall dispatcher): bit-identical, and the EP all-to-alls are hand-off
+    points too (what megatron's --overlap-moe-expert-parallel-comm hides, done by our lanes)."""
+    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", timeout=240, kind="moe", tp=2,
+                              extra=["--expert-model-parallel-size", "2"])
+    for r in results:
+        assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
+        assert r["ours"]["ep_collectives"] == r["plain"]["ep_collectives"] > 0
+        assert r["ours"]["ep_handed_off"] > 0 and r["ours"]["tp_handed_off"] > 0
 
 
 def test_bitwise_equal_with_full_recompute():
