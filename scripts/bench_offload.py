@@ -25,7 +25,7 @@ MODEL = dict(layers=8, hidden=64, heads=4, seq=64, mbs=2, vocab=8192, ffn=256, e
              microbatches=4)
 SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=2, vpp=2)}
 OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False,
-               cross_pass_prefetch=False)
+               cross_pass_prefetch="after-forward")
 
 
 def run_case(schedule: str, model: str, timeline: bool = False, offload=None):
@@ -84,8 +84,8 @@ def main(argv=None):
     ap.add_argument("--timeline-case", default="PP=2xVPP=2:moe")
     ap.add_argument("--overhead", action="store_true",
                     help="also time steps with/without offload (GPU only; on CPU: 'not measured on GPU')")
-    ap.add_argument("--cross-pass-prefetch", action="store_true",
-                    help="measure with --activation-offload-cross-pass-prefetch (one more layer resident on non-last stages)")
+    ap.add_argument("--cross-pass-prefetch", choices=("off", "after-forward", "always"), default="after-forward",
+                    help="as --activation-offload-cross-pass-prefetch")
     a = ap.parse_args(argv)
     OFFLOAD["cross_pass_prefetch"] = a.cross_pass_prefetch
 

@@ -37,11 +37,13 @@ def add_arguments(parser):
                    help="Copies move in chunks of this size (one pool slot each).")
     g.add_argument("--activation-offload-prefetch-depth", type=int, default=1,
                    help="In backward, reload this many layers ahead of the one being computed.")
-    g.add_argument("--activation-offload-cross-pass-prefetch", action="store_true",
-                   help="Also prefetch the last layers of the micro-batch predicted (from the previous "
-                   "step's observed backward order) to run backward next, when backward comes next. "
-                   "Overlaps their reload with the pipeline's wait, at the cost of one more layer "
-                   "resident at the peak of non-last pipeline stages.")
+    g.add_argument("--activation-offload-cross-pass-prefetch", choices=("off", "after-forward", "always"),
+                   default="after-forward",
+                   help="Also prefetch the last layers of the micro-batch predicted (from the previous step's "
+                   "observed order) to run backward next: after-forward = when a chunk's forward returns "
+                   "and a backward comes next (overlaps the pipeline wait; no extra peak measured); always = "
+                   "also at the end of a micro-batch's backward when another backward follows (one more "
+                   "layer resident at non-last stages' peak).")
     g.add_argument("--activation-offload-min-tensor-kb", type=float, default=64.0,
                    help="Saved tensors (storages) smaller than this stay on the device.")
     g.add_argument("--activation-offload-debug", action="store_true",
@@ -139,7 +141,7 @@ def options_from_args(args) -> Options:
         prefetch_depth=args.activation_offload_prefetch_depth,
         min_tensor_bytes=int(args.activation_offload_min_tensor_kb * 1024),
         debug=bool(args.activation_offload_debug),
-        cross_pass_prefetch=bool(getattr(args, "activation_offload_cross_pass_prefetch", False)),
+        cross_pass_prefetch=getattr(args, "activation_offload_cross_pass_prefetch", "after-forward"),
     )
 
 

@@ -64,7 +64,9 @@ class Options:
     prefetch_depth: int = 1
     min_tensor_bytes: int = 64 << 10
     debug: bool = False
-    cross_pass_prefetch: bool = False
+    # prefetch into the pass predicted to run backward next: "off"; "after-forward" (when a chunk's
+    # forward returns and backward comes next); "always" (also at the end of a pass's backward)
+    cross_pass_prefetch: str = "after-forward"
 
 
 # record states
@@ -339,7 +341,8 @@ class OffloadManager:
         # prefetch window: the next `depth` groups backward will reach: this pass's earlier layers,
         # then (if fewer remain) the last layers of the pass predicted to run backward next
         window = list(reversed(before))[: self.options.prefetch_depth]
-        if len(window) < self.options.prefetch_depth and self._next_is_backward():
+        if (len(window) < self.options.prefetch_depth and self.options.cross_pass_prefetch == "always"
+                and self._next_is_backward()):
             nxt = self._predict_next_pass(pass_)
             if nxt is not None:
                 window += list(reversed(nxt.groups))[: self.options.prefetch_depth - len(window)]
@@ -363,7 +366,7 @@ class OffloadManager:
                 self._prefetch(list(reversed(nxt.groups))[: self.options.prefetch_depth])
 
     def _next_is_backward(self) -> bool:
-        if not self.options.cross_pass_prefetch:
+        if self.options.cross_pass_prefetch in ("off", None, False):
             return False
         n = len(self._events)
         return n < len(self._prev_events) and self._prev_events[:n] == self._events and self._prev_events[n] == "B"

@@ -205,12 +205,13 @@ def test_pp2_vpp2_moe_exact_two_iterations():
 
 
 def test_cross_pass_prefetch_learns_backward_order_and_stays_exact():
-    plain = run_distributed(2, JOB, pp=2, layers=4, modules=DENSE, steps=3)
-    cross = run_distributed(2, JOB, pp=2, layers=4, modules=DENSE, steps=3, offload_kw=dict(cross_pass_prefetch=True))
-    _check_exact(cross)
-    # stage 0: after the first step, the first layer of every micro-batch's backward is prefetched
-    assert cross[0]["stats"]["on_demand_groups"] < plain[0]["stats"]["on_demand_groups"]
-    assert cross[0]["stats"]["prefetched_groups"] > plain[0]["stats"]["prefetched_groups"]
+    runs = {m: run_distributed(2, JOB, pp=2, layers=4, modules=DENSE, steps=3, offload_kw=dict(cross_pass_prefetch=m))
+            for m in ("off", "after-forward", "always")}
+    for res in runs.values():
+        _check_exact(res)
+    # stage 0: from the 2nd step on, the first layer of a micro-batch's backward is prefetched
+    on_demand = {m: res[0]["stats"]["on_demand_groups"] for m, res in runs.items()}
+    assert on_demand["always"] < on_demand["after-forward"] < on_demand["off"], on_demand
 
 
 def test_tp2_moe_sequence_parallel_exact():
@@ -234,7 +235,7 @@ def test_train_tiny_moe_pp2_vpp2_same_losses_with_offload():
             "--num-virtual-stages-per-pipeline-rank", "2"]
     on = base + ["--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj", "router_fc1",
                  "router_fc2", "moe_act", "--activation-offload-min-tensor-kb", "1", "--activation-offload-debug",
-                 "--activation-offload-cross-pass-prefetch"]
+                 "--activation-offload-cross-pass-prefetch", "always"]
     off_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=base, timeout=900)
     on_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=on, timeout=900)
     assert all(r["stats"] is None for r in off_res)
