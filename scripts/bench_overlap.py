@@ -101,12 +101,13 @@ def job(tp, pp, steps, shape):
     times = {"plain": [], "ours": []}
     exposed = {"plain": [], "ours": []}
     last = {}
+    timelines = {"plain": [], "ours": []}
     for i in range(steps):
         for name in (("plain", "ours") if i % 2 == 0 else ("ours", "plain")):
             dt, rec, t0 = one(name)
             times[name].append(dt)
             exposed[name].append(rec.exposed("tp"))
-            last[name] = trace.to_dicts(rec, t0)
+            timelines[name].append(trace.to_dicts(rec, t0))
             if i == steps - 1:
                 grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
                 last[name + "_grads"] = grads
@@ -126,7 +127,7 @@ def job(tp, pp, steps, shape):
         "rank": torch.distributed.get_rank(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
         "times": times, "exposed": exposed, "grads_equal": equal,
-        "timeline": last, "structural": structural, "num_microbatches": num_mb,
+        "timelines": timelines, "structural": structural, "num_microbatches": num_mb,
     }
 
 
@@ -219,7 +220,12 @@ def main(argv=None):
         cases.append(summarize(layout, results, shape))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            steps = {n: {r["rank"]: r["timeline"][n] for r in results} for n in ("plain", "ours")}
+            # the pictures show each schedule's median step (by slowest-rank step time)
+            steps = {}
+            for n in ("plain", "ours"):
+                st = cases[-1]["per_step"][n]["step_s"]
+                i = sorted(range(len(st)), key=st.__getitem__)[len(st) // 2]
+                steps[n] = {r["rank"]: r["timelines"][n][i] for r in results}
             trace.chrome_trace(steps, os.path.join(a.out, f"trace_{layout}.json"))
             trace.png(steps, os.path.join(a.out, f"timeline_{layout}.png"), rank=0,
                       title=f"{layout}: one step, {results[0]['num_microbatches']} micro-batches, "

@@ -20,9 +20,9 @@ Each pass is megatron's own `forward_step` / `backward_step` on the same inputs;
 in the plain order (B0, B1, ... per chunk) and never overlap each other, so every gradient is
 accumulated into main_grad in the same order as in the plain schedule: bit-identical results.
 
-Pipeline p2p: each activation/gradient message carries a tag naming (kind, receiving chunk,
-micro-batch), so the order of messages between two ranks does not matter (on gloo). Receives are
-posted before a pair starts; sends are issued as soon as a pass ends and waited at the end.
+Pipeline p2p: activations and gradients travel on two communicators of their own (_p2p_groups),
+each message also tagged with (kind, receiving chunk, micro-batch). Receives are posted before a
+pair starts; sends are issued as soon as a pass ends and never waited on eagerly.
 """
 from __future__ import annotations
 
@@ -36,6 +36,24 @@ from megatron_ext.schedules import lanes
 
 
 STATS = {"calls": 0, "pairs": 0}  # how often the overlapped schedule ran (tests, logs)
+_P2P_GROUPS: dict = {}
+
+
+def _p2p_groups(pp_group):
+    """Two communicators over the ranks of this pipeline: one for activations, one for gradients.
+    Within one of them, messages between two ranks flow in one direction per kind and in the same
+    order on both sides, so they match without tags (NCCL ignores tags; gloo uses them too).
+    Every rank creates every pipeline's pair, in the same order (new_group is collective)."""
+    world = dist.get_world_size()
+    mine = tuple(dist.get_process_group_ranks(pp_group))
+    key = (world, mine)
+    if key not in _P2P_GROUPS:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        for ranks in sorted(set(gathered)):
+            pair = (dist.new_group(list(ranks)), dist.new_group(list(ranks)))
+            _P2P_GROUPS[(world, ranks)] = pair
+    return _P2P_GROUPS[key]
 
 
 def _warmup(pp: int, rank: int, chunks: int, group: int, total: int) -> int:
@@ -131,6 +149,7 @@ def forward_backward_overlap(
     first_stage, last_stage = rank == 0, rank == pp - 1
     next_rank = parallel_state.get_pipeline_model_parallel_next_rank() if pp > 1 else None
     prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
+    act_group, grad_group = _p2p_groups(pp_group) if pp > 1 else (None, None)
 
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
     seq = seq // cp_group.size()
@@ -164,7 +183,7 @@ def forward_backward_overlap(
         if is_first_virtual(c):
             return None
         t = torch.empty(p2p_shape, dtype=p2p_dtype, device=device, requires_grad=True)
-        dist.recv(t, src=prev_rank, group=pp_group, tag=tag(0, c, mb))
+        dist.recv(t, src=prev_rank, group=act_group, tag=tag(0, c, mb))
         return t
 
     def send_act(out, mb, c):
@@ -172,7 +191,7 @@ def forward_backward_overlap(
             unsent_outputs.add((mb, c))
             return
         dst_chunk = c if not last_stage else c + 1
-        act_sends[(mb, c)] = dist.isend(out.detach().contiguous(), dst=next_rank, group=pp_group,
+        act_sends[(mb, c)] = dist.isend(out.detach().contiguous(), dst=next_rank, group=act_group,
                                         tag=tag(0, dst_chunk, mb))
 
     def release_outputs(force_key=None):
@@ -197,7 +216,7 @@ def forward_backward_overlap(
         if is_last_virtual(c):
             return None
         t = torch.empty(p2p_shape, dtype=p2p_dtype, device=device)
-        dist.recv(t, src=next_rank, group=pp_group, tag=tag(1, c, mb))
+        dist.recv(t, src=next_rank, group=grad_group, tag=tag(1, c, mb))
         return t
 
     def send_grad(g, mb, c):
@@ -205,7 +224,7 @@ def forward_backward_overlap(
             return
         dst_chunk = c if not first_stage else c - 1
         g = g.contiguous()
-        pending_sends.append((dist.isend(g, dst=prev_rank, group=pp_group, tag=tag(1, dst_chunk, mb)), g))
+        pending_sends.append((dist.isend(g, dst=prev_rank, group=grad_group, tag=tag(1, dst_chunk, mb)), g))
 
     # ---- grad sync (DDP no_sync), as megatron's schedules do it ------------------------------
     no_sync_func = config.no_sync_func
