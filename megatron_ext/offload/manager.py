@@ -23,8 +23,9 @@ Life of a group (one layer of one micro-batch)::
   the H2D stream waits for an event recorded after that allocation; the compute stream waits for the
   H2D event before the tensor is handed to autograd; (4) a pool slot is returned only after the last
   copy out of it has completed.
-- A storage is offloaded only if nothing else holds it when the copy is issued (checked with the
-  storage's use count), so releasing it really frees device memory; otherwise it stays (counted).
+- A storage is offloaded only if nothing else holds it when the copy is issued (C++ use count and
+  Python references, see ``_solely_ours``), so releasing it really frees device memory; otherwise it
+  stays (counted).
 - Debug mode: on CPU the two copy streams are deferred queues (``streams.Stream(deferred=True)``)
   that run as late as a device could; released storages, free pool slots and not-yet-filled reload
   buffers are filled with NaN bytes and released storages are resized to 0, so a missing wait or an
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import weakref
 
 import torch
@@ -127,6 +129,15 @@ def _bytes_view(storage, device) -> torch.Tensor:
 
 def _use_count(storage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _solely_ours(rec) -> bool:
+    """Nothing but this record holds the storage: no tensor (the C++ use count is 1, the Python
+    storage object's own reference) and no other Python reference to that object. torch hands out
+    one Python object per storage, so another group's record of the same storage (the attention
+    mask, saved by every layer) shows up only in the Python reference count (here: the record's
+    slot and getrefcount's argument)."""
+    return _use_count(rec.storage) == 1 and sys.getrefcount(rec.storage) == 2
 
 
 def _in_backward() -> bool:
@@ -395,7 +406,7 @@ class OffloadManager:
         for rec in group.records.values():
             if rec.state != PACKED:
                 continue
-            if _use_count(rec.storage) != 1:  # someone else holds it: releasing ours frees nothing
+            if not _solely_ours(rec):  # someone else holds it: releasing ours frees nothing
                 rec.state = KEPT
                 self.stats["kept_shared_bytes"] += rec.nbytes
                 continue

@@ -104,7 +104,9 @@ def run_step(chunks, config, c, step: int = 0, tracker=None):
         for p in ch.parameters():
             p.grad.zero_()
     batches = _batches(c, step)
-    iters = [iter(list(batches)) for _ in chunks]
+    # each micro-batch is a fresh copy that only the forward holds (as a real data loader's): a
+    # tensor shared by several layers (the attention mask) is then referenced by saved tensors only
+    iters = [({k: v.clone() for k, v in b.items()} for b in batches) for _ in chunks]
     fb = get_forward_backward_func()
     ctx = tracker if tracker is not None else _null()
     with (_engine_backward() if c["recompute"] else _null()), ctx:
