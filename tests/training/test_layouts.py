@@ -52,8 +52,11 @@ def dense_reference():
         (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
              "--tensor-model-parallel-size", "2"]),
         (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+        (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity", "selective"]),
     ],
-    ids=["dp2", "dp2-distopt-overlap", "tp2", "tp2-sp", "pp2", "tp2-pp2", "tp2-pp2-vpp2", "pp2-dp2-distopt"],
+    ids=["dp2", "dp2-distopt-overlap", "tp2", "tp2-sp", "pp2", "tp2-pp2", "tp2-pp2-vpp2", "pp2-dp2-distopt",
+         "recompute-full", "tp2-recompute-selective"],
 )
 def test_dense_layouts_match_single_process(dense_reference, world_size, layout):
     assert_close(losses(world_size, DENSE + layout), dense_reference)
