@@ -150,3 +150,29 @@ def after_model(args, model) -> None:
         attach(model, options_from_args(args))
     else:
         detach()
+
+
+_LOGGED: dict = {}
+
+
+def log_counters() -> dict:
+    """Activation bytes offloaded / kept on the device since the previous log line."""
+    from megatron_ext.offload.manager import current
+
+    manager = current()
+    if manager is None:
+        return {}
+    if _LOGGED.get("manager") is not manager:  # a new run (persistent workers run several)
+        _LOGGED.clear()
+        _LOGGED["manager"] = manager
+    stats = dict(manager.stats)
+    kept = sum(v for k, v in stats.items() if k.startswith("kept_"))
+    delta = {
+        "offloaded": stats["offloaded_bytes"] - _LOGGED.get("offloaded", 0),
+        "kept": kept - _LOGGED.get("kept", 0),
+    }
+    _LOGGED.update(offloaded=stats["offloaded_bytes"], kept=kept)
+    return {
+        "act offloaded (MiB)": f"{delta['offloaded'] / 2**20:.2f}",
+        "act kept on device (MiB)": f"{delta['kept'] / 2**20:.2f}",
+    }

@@ -39,3 +39,11 @@ def before_model(args, config) -> None:
 def after_model(args, model) -> None:
     for fn in _hooks("after_model"):
         fn(args, model)
+
+
+def log_counters() -> dict:
+    """Feature counters for the log line, each package's `log_counters()` (since its last call)."""
+    counters = {}
+    for fn in _hooks("log_counters"):
+        counters.update(fn())
+    return counters

@@ -9,6 +9,7 @@ import torch
 from megatron.training.training import num_floating_point_operations
 
 from megatron_ext import platform
+from megatron_ext.training import features
 
 # Dense bf16 peak of one GPU, for MFU. Unknown devices report MFU as n/a rather than a guess.
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -76,7 +77,7 @@ class TrainingLogger:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
             per_iteration = (now - self.interval_start) / self.interval_iterations
-            shown = dict(record, **self._rates(per_iteration))
+            shown = dict(record, **self._rates(per_iteration), **features.log_counters())
             print(self.format(shown), flush=True)
             if self.writer is not None:
                 for key, value in shown.items():
