@@ -175,7 +175,7 @@ def summarize(layout, results, shape):
         "step_time_ratio": med["ours"]["step_s"] / med["plain"]["step_s"],
         "modeled_hidden_fraction": modeled["ours_nvlink_13b_shape"],
         "modeled": modeled,
-        "tp_collectives_per_step": len(ours_recs),
+        "tp_collectives_per_step_all_ranks": len(ours_recs),
         "collectives_with_compute_between": {
             "plain": sum(1 for c in plain_recs if c["flops_between"] > 0),
             "ours": sum(1 for c in ours_recs if c["flops_between"] > 0),
