@@ -201,3 +201,32 @@ def test_get_forward_backward_func_picks_ours_only_with_flag():
     results = run_distributed(2, "tests.schedules.jobs:which_schedule", timeout=120)
     for r in results:
         assert r == {"on": "forward_backward_overlap", "off": "forward_backward_no_pipelining"}
+
+
+def test_recipe_key_enables_it_and_refusal_happens_before_compute(tmp_path):
+    import arguments
+    from megatron_ext.errors import ConfigError
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(open("recipes/tiny_dense.yaml").read() + "\noverlap_tp_comm_1f1b: true\n")
+    args = arguments.parse(["--recipe", str(recipe), "--tensor-model-parallel-size", "2",
+                            "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
+    assert args.overlap_tp_comm_1f1b is True
+    with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=true .*--tensor-model-parallel-size=1"):
+        arguments.parse(["--recipe", str(recipe), "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
+
+
+def test_cost_model_arithmetic():
+    from megatron_ext.schedules import costmodel
+
+    link = costmodel.Link("test", bus_bandwidth=1e9, latency=1e-6, flops=1e12)
+    # all-reduce of 1 MB over 2 ranks: 1e-6 + 2*(1/2)*1e6/1e9 = 1.001 ms; 0.5 GFLOP = 0.5 ms between
+    recs = [{"op": "all_reduce", "nbytes": 1_000_000, "flops_linear": 5e8, "flops_attn": 0}]
+    m = costmodel.modeled_hidden(recs, link)
+    assert m["comm_s"] == pytest.approx(1.001e-3) and m["hidden_fraction"] == pytest.approx(0.5 / 1.001)
+    # no compute between: nothing hidden; 4x the linear FLOPs: fully hidden (capped at 1)
+    assert costmodel.modeled_hidden([dict(recs[0], flops_linear=0)], link)["hidden_fraction"] == 0
+    assert costmodel.modeled_hidden(recs, link, scale=(4, 1, 1))["hidden_fraction"] == 1.0
+    lin, attn, nbytes = costmodel.shape_scale({"hidden": 256, "seq": 128, "mbs": 2},
+                                             {"hidden": 512, "seq": 256, "mbs": 1})
+    assert (lin, attn, nbytes) == (4.0, 4.0, 2.0)
