@@ -74,6 +74,16 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         assert r["ours"]["ep_handed_off"] > 0 and r["ours"]["tp_handed_off"] > 0
 
 
+def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
+    """TP2 x DP2 with megatron DDP's overlapped grad reduce and the distributed optimizer: no_sync
+    is left around the same backward as in the plain schedule; grads after finalize are equal."""
+    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", timeout=240, kind="dense", tp=2,
+                              extra=["--overlap-grad-reduce", "--use-distributed-optimizer"])
+    for r in results:
+        assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
+        assert r["ours"]["tp_handed_off"] > 0
+
+
 def test_bitwise_equal_with_full_recompute():
     """Recompute runs forward code (TP collectives, dropout) inside the backward lane."""
     results = run_distributed(2, "tests.schedules.jobs:check_bitwise", timeout=240, kind="dense",
