@@ -151,6 +151,13 @@ def _layer_worker(rank, world, port, queue, opts):
                     out, _ = layer(xx)
                     run_backward(out, g)
 
+                td = layer.token_dispatcher
+                if ours:
+                    a2a_rows = td.rows_sent if dispatcher == "alltoall" else None
+                else:
+                    splits = getattr(td, "input_splits", None)
+                    a2a_rows = (sum(int(v) for v in splits) if splits is not None
+                                else (td.num_out_tokens if dispatcher == "alltoall" else None))
                 torch.distributed.barrier()
                 t = _median_time(step, opts["reps"], x.device)
                 rows.append({
@@ -158,6 +165,7 @@ def _layer_worker(rank, world, port, queue, opts):
                     "mode": mode,
                     "syncs_forward": run.syncs_forward,
                     "syncs_backward": run.syncs_backward,
+                    "a2a_rows_sent": None if a2a_rows is None else int(a2a_rows),
                     "step_ms": round(t * 1e3, 2),
                     "sites": run.sites,
                 })
@@ -183,6 +191,12 @@ def bench_layers(opts) -> list:
     procs = [ctx.Process(target=_layer_worker, args=(r, opts["ep"], port, queue, opts)) for r in range(opts["ep"])]
     for p in procs:
         p.start()
+    while queue.empty():  # a worker that dies must not leave us waiting forever
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            raise RuntimeError("a layer-audit worker failed (its traceback is above)")
+        time.sleep(0.2)
     rows = queue.get()
     for p in procs:
         p.join()
@@ -225,9 +239,11 @@ def main(argv=None):
           f"time ours/reference = {m['time_ours_over_reference']}")
     print(f"\nMoE layer forward+backward, EP{a.ep}, {a.layer_experts} experts top-{a.layer_topk}, "
           f"{a.seq * 2} tokens/rank (syncs on rank 0)")
-    print(f"{'dispatcher':24}{'mode':16}{'fwd syncs':>10}{'bwd syncs':>10}{'step ms':>10}")
+    print(f"{'dispatcher':24}{'mode':16}{'fwd syncs':>10}{'bwd syncs':>10}{'a2a rows':>10}{'step ms':>10}")
     for r in result["moe_layer"]:
-        print(f"{r['dispatcher']:24}{r['mode']:16}{r['syncs_forward']:>10}{r['syncs_backward']:>10}{r['step_ms']:>10.2f}")
+        rows = "-" if r["a2a_rows_sent"] is None else r["a2a_rows_sent"]
+        print(f"{r['dispatcher']:24}{r['mode']:16}{r['syncs_forward']:>10}{r['syncs_backward']:>10}{rows:>10}"
+              f"{r['step_ms']:>10.2f}")
         if a.sites:
             for s in r["sites"]:
                 print(f"{'':26}{s}")
