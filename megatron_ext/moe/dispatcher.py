@@ -14,7 +14,13 @@ allgather (upstream: megatron/core/transformer/moe/token_dispatcher.py:230)
     per-expert counts (the experts need them as host split sizes). Capacity: none.
 
 alltoall (upstream: token_dispatcher.py:372)
-    Rows are exchanged per (token, expert) pair exactly as upstream. After the all-to-all (and the
+    Dropless, top-k <= 2, expert-TP 1 ("token-level", what DeepEP does): each token is sent once to
+    every rank hosting one of its experts, with its top-k indices made local to that rank (-1
+    elsewhere); the receiver expands them with :func:`indices_to_multihot` and permutes by local
+    expert. A token with two experts on one rank crosses the wire once (upstream: twice). Split
+    sizes and per-expert counts are read in one transfer. Other alltoall cases (top-k >= 3, where
+    summing per rank first would re-associate the per-token sums; expert-TP > 1; capacity):
+    rows are exchanged per (token, expert) pair exactly as upstream. After the all-to-all (and the
     TP all-gather) the rows arrive in ``[tp, ep, local expert]`` chunks; upstream sorts the chunks
     by local expert with ``torch.split(split_sizes.tolist())`` (moe_utils.py:607, host sizes). Here
     the local expert of every row is rebuilt on the device (``repeat_interleave`` *with*
