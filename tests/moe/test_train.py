@@ -20,9 +20,8 @@ def _train(world, argv):
 
 
 CAPACITY = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-CASES = {  # the EP2 x TP2 allgather / capacity variants are covered per layer in test_dispatcher.py
+CASES = {  # allgather and the EP2 x TP2 capacity variants: per layer, bitwise, in test_dispatcher.py
     "ep2-alltoall": ("ep2", []),
-    "ep2-allgather": ("ep2", ["--moe-token-dispatcher-type", "allgather"]),
     "ep2-alltoall-capacity": ("ep2", CAPACITY),
     "ep2xtp2-alltoall": ("ep2xtp2", []),
 }
