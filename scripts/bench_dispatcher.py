@@ -158,6 +158,16 @@ def _layer_worker(rank, world, port, queue, opts):
                     splits = getattr(td, "input_splits", None)
                     a2a_rows = (sum(int(v) for v in splits) if splits is not None
                                 else (td.num_out_tokens if dispatcher == "alltoall" else None))
+                graph_safe = None
+                if x.is_cuda and ours and mode != "dropless":  # the real check: any sync raises
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        step()
+                        graph_safe = True
+                    except RuntimeError:
+                        graph_safe = False
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
                 torch.distributed.barrier()
                 t = _median_time(step, opts["reps"], x.device)
                 rows.append({
@@ -167,6 +177,7 @@ def _layer_worker(rank, world, port, queue, opts):
                     "syncs_backward": run.syncs_backward,
                     "a2a_rows_sent": None if a2a_rows is None else int(a2a_rows),
                     "step_ms": round(t * 1e3, 2),
+                    **({} if graph_safe is None else {"cuda_sync_debug_mode_error_passed": graph_safe}),
                     "sites": run.sites,
                 })
         seams.reset_moe_aux_loss_scale()
