@@ -13,12 +13,14 @@ def reset_megatron_globals() -> None:
     """Process-wide state megatron-core keeps between runs, cleared so a persistent worker can run
     another layout: the global memory buffer (megatron/core/utils.py:_GLOBAL_MEMORY_BUFFER, via
     parallel_state.destroy_global_memory_buffer) and the microbatch calculator
-    (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR)."""
+    (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR), and the
+    MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler)."""
     from megatron.core import num_microbatches_calculator as nmc
     from megatron.core import parallel_state
 
     parallel_state.destroy_global_memory_buffer()
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    reset_moe_aux_loss_scale()
 
 
 # ---------------------------------------------------------------------------------------------
