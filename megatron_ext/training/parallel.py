@@ -51,7 +51,21 @@ def destroy() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _destroy_subgroups()
     _reset_megatron_globals()
+
+
+def _destroy_subgroups() -> None:
+    """destroy_model_parallel forgets megatron's process groups but does not destroy them; each gloo
+    group keeps its threads, so a process that runs many layouts would pile up thousands. Destroy
+    every group but the default one (all ranks reach this point together)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    for group in list(c10d._world.pg_map):
+        if group is not world and group is not None:
+            dist.destroy_process_group(group)
 
 
 def _reset_megatron_globals() -> None:

@@ -6,3 +6,23 @@ def train(argv: list[str]) -> list[dict]:
     import train as entry
 
     return entry.main(argv)
+
+
+def layout_cycle(cycles: int) -> dict:
+    """Initialise and destroy a TP2 layout `cycles` times; report what survives."""
+    import threading
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_ext.training import parallel
+
+    for _ in range(cycles):
+        parallel.initialize(tensor=2)
+        parallel.destroy()
+    return {"groups_after": len(c10d._world.pg_map), "threads_after": _native_threads()}
+
+
+def _native_threads() -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
