@@ -96,3 +96,10 @@ def get_forward_backward_func(args=None):
 
         return forward_backward_overlap
     return megatron_func()
+
+
+def teardown() -> None:
+    """The pipeline communicators cached for this layout are destroyed with the run's groups."""
+    from megatron_ext.schedules import overlap_1f1b
+
+    overlap_1f1b._P2P_GROUPS.clear()

@@ -4,6 +4,7 @@
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig / install its seams before build
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
+    teardown()                     forget per-run state (process groups are destroyed after it)
 
 and the builders call whichever exist, in this order of packages."""
 from __future__ import annotations
@@ -47,3 +48,8 @@ def log_counters() -> dict:
     for fn in _hooks("log_counters"):
         counters.update(fn())
     return counters
+
+
+def teardown() -> None:
+    for fn in _hooks("teardown"):
+        fn()

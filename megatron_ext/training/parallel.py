@@ -50,6 +50,9 @@ def set_seed(seed: int) -> None:
 def destroy() -> None:
     from megatron.core import parallel_state
 
+    from megatron_ext.training import features
+
+    features.teardown()
     parallel_state.destroy_model_parallel()
     _destroy_subgroups()
     _reset_megatron_globals()
