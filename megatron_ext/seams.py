@@ -14,13 +14,17 @@ def reset_megatron_globals() -> None:
     another layout: the global memory buffer (megatron/core/utils.py:_GLOBAL_MEMORY_BUFFER, via
     parallel_state.destroy_global_memory_buffer) and the microbatch calculator
     (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR), and the
-    MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler)."""
+    MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler), and the
+    MoE metrics tracker, whose per-layer entries keep the previous model's layer count
+    (moe/moe_logging.py:49; a deeper model then indexes past them at :125)."""
     from megatron.core import num_microbatches_calculator as nmc
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     parallel_state.destroy_global_memory_buffer()
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
     reset_moe_aux_loss_scale()
+    destroy_moe_metrics_tracker()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,6 +100,22 @@ def get_forward_backward_func(args=None):
 
 def teardown() -> None:
     """The pipeline communicators cached for this layout are destroyed with the run's groups."""
-    from megatron_ext.schedules import overlap_1f1b
+    from megatron_ext.schedules import lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()
+    lanes.EXPOSED_S.clear()
+    _LOGGED.clear()
+
+
+_LOGGED: dict = {}
+
+
+def log_counters() -> dict:
+    """Host time left blocked on TP (and EP) collectives under our schedule since the last line."""
+    from megatron_ext.schedules import lanes
+
+    counters = {}
+    for kind, total in sorted(lanes.EXPOSED_S.items()):
+        counters[f"{kind.upper()} comm exposed (ms)"] = f"{(total - _LOGGED.get(kind, 0.0)) * 1e3:.1f}"
+        _LOGGED[kind] = total
+    return counters

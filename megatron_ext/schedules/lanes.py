@@ -383,14 +383,14 @@ class _Handle:
     """Stands in for a work handle megatron itself issued async (e.g. the dgrad all-reduce that
     megatron overlaps with the wgrad GEMM): its wait() first hands the baton over."""
 
-    def __init__(self, work, rec: Optional[CollectiveRecord], lane: Optional[Lane]):
-        self._work, self._rec, self._lane = work, rec, lane
+    def __init__(self, work, rec: Optional[CollectiveRecord], lane: Optional[Lane], kind: str):
+        self._work, self._rec, self._lane, self._kind = work, rec, lane, kind
         self._waited = False
 
     def wait(self, *args, **kwargs):
         if not self._waited:
             self._waited = True
-            _finish(self._work, self._rec, self._lane)
+            _finish(self._work, self._rec, self._lane, self._kind)
         return True
 
     def is_completed(self):
@@ -407,11 +407,15 @@ def _flops_now() -> int:
     return RECORDER.flops if RECORDER is not None else 0
 
 
-def _finish(work, rec: Optional[CollectiveRecord], lane: Optional[Lane]) -> None:
+EXPOSED_S: dict = {}  # host time blocked in waits, per group kind ("tp"/"ep"), for the log line
+
+
+def _finish(work, rec: Optional[CollectiveRecord], lane: Optional[Lane], kind: str) -> None:
     handed = lane.hand_off() if lane is not None else False
     t0 = time.perf_counter()
     work.wait()
     t1 = time.perf_counter()
+    EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + (t1 - t0)
     if rec is not None:
         rec.t_wait0, rec.t_wait1 = t0, t1
         rec.handed_off = handed
@@ -444,8 +448,8 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
         except Exception:  # noqa: BLE001 - backends without futures: completion = wait end
             pass
     if async_op:
-        return _Handle(work, rec, lane)
-    _finish(work, rec, lane)
+        return _Handle(work, rec, lane, kind)
+    _finish(work, rec, lane, kind)
     return SYNC_DONE
 
 

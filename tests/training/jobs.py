@@ -26,3 +26,23 @@ def _native_threads() -> int:
     import os
 
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def train_with_counters(argv: list[str]) -> dict:
+    """Run train.main and return the feature counters of the last log line, as the log shows them."""
+    import train as entry
+    from megatron_ext.training import logging as log
+
+    shown = {}
+    original = log.TrainingLogger.format
+
+    def capture(self, record):
+        shown.update({k: v for k, v in record.items() if k not in log._CORE_KEYS})
+        return original(self, record)
+
+    log.TrainingLogger.format = capture
+    try:
+        entry.main(argv)
+    finally:
+        log.TrainingLogger.format = original
+    return shown

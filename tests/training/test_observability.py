@@ -73,3 +73,15 @@ def test_tensorboard_dir_without_tensorboard_still_trains(tmp_path):
     history = run_distributed(2, "tests.training.jobs_observability:train",
                               argv=DENSE + ["--log-interval", "100", "--tensorboard-dir", str(tmp_path)])[-1]
     assert len(history) == 6
+
+
+def test_feature_counters_appear_in_the_log_line():
+    """Offloaded activation bytes and exposed TP communication are logged when those features run."""
+    argv = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--log-interval", "1",
+            "--tensor-model-parallel-size", "2", "--overlap-tp-comm-1f1b",
+            "--activation-offload-modules", "core_attention", "--activation-offload-min-tensor-kb", "0",
+            "--world-size", "2"]
+    histories = run_distributed(2, "tests.training.jobs:train_with_counters", argv=argv)
+    counters = histories[-1]
+    assert float(counters["TP comm exposed (ms)"]) > 0
+    assert float(counters["act offloaded (MiB)"]) > 0

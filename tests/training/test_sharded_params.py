@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist import run_distributed
+from tests.dist import close_all, run_distributed
 
 JOB = "tests.training.jobs_gather:gather_counts"
 EXPERTS = (8, 128)
@@ -36,6 +36,15 @@ def test_collectives_per_step_follow_buckets_not_params(ours):
     # and expert, each rounding up), whatever E
     assert big["buffers"]["buckets"] <= 3 and small["buffers"]["buckets"] <= 3
     assert big["collectives_per_step"] <= small["collectives_per_step"] + 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pristine_workers():
+    """Measure in fresh worker processes: other tests' jobs leave class-level patches of megatron-core
+    (their features' seams) in the persistent workers, and this module compares against megatron's
+    own code."""
+    close_all()
+    yield
 
 
 def test_host_ops_per_step_flat_in_experts(ours):
