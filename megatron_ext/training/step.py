@@ -58,7 +58,16 @@ def train_step(args, model, optimizer, scheduler, data_iterators, forward_backwa
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    losses = forward_backward_func(
+    losses = run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return StepResult(_average_loss(losses), grad_norm, num_zeros, update_successful)
+
+
+def run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches: int) -> list:
+    """One forward/backward over the micro-batches, with megatron's schedule calling convention."""
+    return forward_backward_func(
         forward_step_func=forward_step,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
         model=model if len(model) > 1 else model[0],
@@ -67,10 +76,6 @@ def train_step(args, model, optimizer, scheduler, data_iterators, forward_backwa
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    update_successful, grad_norm, num_zeros = optimizer.step()
-    if update_successful:
-        scheduler.step(increment=args.global_batch_size)
-    return StepResult(_average_loss(losses), grad_norm, num_zeros, update_successful)
 
 
 def _average_loss(losses: list) -> torch.Tensor:

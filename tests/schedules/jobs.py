@@ -52,15 +52,7 @@ def one_step(args, model, data, schedule, seed: int = 4321):
     parallel.set_seed(seed)
     iters = data.build_train_iterators(args, len(model))
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    losses = schedule(
-        forward_step_func=step.forward_step,
-        data_iterator=iters if len(iters) > 1 else iters[0],
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=num_mb,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    losses = step.run_schedule(args, schedule, model, iters, num_mb)
     grads = {}
     for ci, chunk in enumerate(model):
         for name, p in chunk.named_parameters():
