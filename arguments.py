@@ -24,6 +24,7 @@ platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill
 
 from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
 
+from megatron_ext.platform import target  # noqa: E402
 from megatron_ext.training import features  # noqa: E402
 
 SOURCES = ("default", "recipe", "cli")
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Expected number of processes. --dry-run validates against it; a real run refuses to "
         "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
     )
+    target.add_arguments(group)
     features.add_arguments(parser)
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
         if action.help:
@@ -139,7 +141,7 @@ def load_recipe(path: str, parser) -> dict:
     resolved = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
-        if name in ("recipe", "dry_run") or (name not in actions and name not in options):
+        if name in ("recipe", "dry_run", *target.CLI_ONLY) or (name not in actions and name not in options):
             close = difflib.get_close_matches(name, [*actions, *options], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{path}: unknown key '{key}'{hint}")
@@ -175,47 +177,10 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> arg
     return args
 
 
-def _te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure means "not usable here"
-        return False
-    return True
-
-
-# Fusions that need transformer-engine/apex kernels (or torch.compile, ~18 s on CPU). Megatron turns
-# them on by default; where their kernels cannot run, a *default* is switched off and marked so in
-# the printed configuration; an explicit request is left for megatron to refuse.
-_FUSION_DEFAULTS = (
-    "apply_rope_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
-    "bias_dropout_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "cross_entropy_loss_fusion",
-)
-_NEED_TE_KERNELS = ("apply_rope_fusion", "gradient_accumulation_fusion")
-
-
 def _fit_defaults_to_platform(args) -> None:
-    te = _te_available()
-    if args.transformer_impl == "transformer_engine" and not te:
-        if args.config_sources["transformer_impl"] != "default":
-            raise ConfigError(
-                "--transformer-impl=transformer_engine: transformer-engine is not importable here; "
-                "use --transformer-impl local"
-            )
-        args.transformer_impl = "local"
-        args.config_sources["transformer_impl"] = "default (no transformer-engine)"
-    cpu = not platform.setup().is_cuda
-    for name in _FUSION_DEFAULTS:
-        needs_te = name in _NEED_TE_KERNELS and not te
-        source = args.config_sources.get(name)
-        if getattr(args, name, False) and needs_te and source in ("recipe", "cli"):
-            raise ConfigError(f"{name}=True ({source}) needs transformer-engine kernels, not importable here")
-        if getattr(args, name, False) and source == "default" and (cpu or needs_te):
-            setattr(args, name, False)
-            args.config_sources[name] = "default (off: " + ("CPU" if cpu else "no transformer-engine") + ")"
-    # persistent LayerNorm is an apex/TE kernel; torch's norm refuses it (torch_norm.py:48)
-    if not te and not args.no_persist_layer_norm and args.config_sources["no_persist_layer_norm"] == "default":
-        args.no_persist_layer_norm = True
-        args.config_sources["no_persist_layer_norm"] = "default (on: no transformer-engine)"
+    """Platform-dependent defaults (transformer-engine, fusions, norms) for the machine this runs on
+    or the --platform target of a --dry-run: megatron_ext/platform/target.py."""
+    target.fit_defaults(args)
 
 
 def _one_data_source(args) -> None:

@@ -28,6 +28,51 @@ def reset_megatron_globals() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# substrate: torch norms under sequence parallelism (the local spec without transformer-engine)
+#
+# megatron/core/transformer/torch_norm.py:50 (WrappedTorchNorm.__new__, the local spec's norm without
+# apex, and its only RMSNorm) asserts `not config.sequence_parallel`, which blocks TP+SP and TP+MoE
+# on the local spec on every platform. torch's norm is correct under SP once its weights carry the
+# `sequence_parallel` attribute megatron's own norms set: finalize_model_grads then all-reduces their
+# grads over the TP group (megatron/core/distributed/finalize_model_grads.py:452). Applied on CPU
+# by the platform's shim registry (cpu_shims "torch_norm_sequence_parallel", always) and on CUDA by
+# training/model.py when the local spec runs with sequence parallelism.
+# ---------------------------------------------------------------------------------------------
+_TORCH_NORM_SAVED: list = []  # WrappedTorchNorm's own __new__ while ours is installed
+
+
+def install_torch_norm_sequence_parallel():
+    """Idempotent. Returns :func:`remove_torch_norm_sequence_parallel`."""
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if _TORCH_NORM_SAVED:
+        return remove_torch_norm_sequence_parallel
+    original_new = cls.__new__
+
+    def __new__(cls_, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls_, config, hidden_size, eps, **kwargs)
+        import dataclasses
+
+        norm = original_new(cls_, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    _TORCH_NORM_SAVED.append(cls.__dict__["__new__"])
+    cls.__new__ = staticmethod(__new__)
+    return remove_torch_norm_sequence_parallel
+
+
+def remove_torch_norm_sequence_parallel() -> None:
+    if _TORCH_NORM_SAVED:
+        from megatron.core.transformer import torch_norm
+
+        torch_norm.WrappedTorchNorm.__new__ = _TORCH_NORM_SAVED.pop()
+
+
+# ---------------------------------------------------------------------------------------------
 # schedules (issue 5: 1F1B backward-forward overlap hiding TP communication)
 #
 # Every TP collective megatron-core's local layers issue is routed through

@@ -376,21 +376,11 @@ def _install_uneven_collectives():
 #    all-reduce their grads over the TP group (megatron/core/distributed/finalize_model_grads.py).
 # --------------------------------------------------------------------------------------------
 def _install_torch_norm_sequence_parallel():
-    from megatron.core.transformer import torch_norm
+    # Needed on CUDA too, so the patch itself lives in megatron_ext/seams.py (training/model.py
+    # installs it there); on CPU it is always on, like every shim here.
+    from megatron_ext import seams
 
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        import dataclasses
-
-        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", True)
-        return norm
-
-    return _patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
+    return seams.install_torch_norm_sequence_parallel()
 
 
 # --------------------------------------------------------------------------------------------

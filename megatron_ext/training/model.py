@@ -17,7 +17,7 @@ from megatron.training.training import (
     wrap_model_chunks_with_ddp,
 )
 
-from megatron_ext import platform
+from megatron_ext import platform, seams
 from megatron_ext.training import features
 
 
@@ -38,7 +38,14 @@ def layer_spec(args, config: TransformerConfig, vp_stage: int | None):
     return get_gpt_layer_local_spec(None, False, args.qk_layernorm, normalization=args.normalization)
 
 
+def install_seams(args, config: TransformerConfig) -> None:
+    """Seams the build needs on CUDA (without CUDA the CPU shim registry has applied them)."""
+    if platform.setup().is_cuda and args.transformer_impl == "local" and config.sequence_parallel:
+        seams.install_torch_norm_sequence_parallel()
+
+
 def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> list:
+    install_seams(args, config)
     vp_size = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp_size or 1):
