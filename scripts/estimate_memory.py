@@ -27,8 +27,12 @@ def estimate(recipe: str, extra: list[str] | None = None) -> dict:
     import arguments
     from megatron.training import theoretical_memory_usage as tmu
 
+    extra = list(extra or [])
+    # per-GPU memory: validated for the GPU platform (transformer-engine as the recipe pins it, else
+    # assumed present; the estimate does not depend on it)
+    target = [] if any(a.startswith(("--platform", "--assume")) for a in extra) else ["--platform", "cuda", "--assume-te"]
     with contextlib.redirect_stdout(io.StringIO()):
-        args = arguments.parse(["--recipe", recipe, "--dry-run", *(extra or [])], exit_on_dry_run=False)
+        args = arguments.parse(["--recipe", recipe, "--dry-run", *target, *extra], exit_on_dry_run=False)
         micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         weights = tmu.compute_weight_and_optimizer_memory(args)
         if args.sequence_parallel and args.recompute_granularity == "selective":  # as report_theoretical_memory
