@@ -10,7 +10,7 @@ such a platform, moved to parse time:
 * ``--transformer-impl transformer_engine`` (megatron's default) needs transformer-engine; where it
   is absent a *default* falls back to the local spec, an explicit request is refused.
 * Fusions whose kernels are absent: a default is switched off (its source says why), an explicit
-  request is refused. On CPU every fusion default is off (they compile with torch.compile there).
+  request is refused. On CPU every fusion default is off.
 * Norms of the local spec: RMSNorm with apex and no transformer-engine makes the final norm apex's
   FusedLayerNorm, which only does LayerNorm.
 
@@ -36,8 +36,10 @@ ASSUMED_CUDA_ARCH = 9
 APEX_KERNELS = {
     "gradient_accumulation_fusion": "fused_weight_gradient_mlp_cuda",  # tensor_parallel/layers.py:51
     "masked_softmax_fusion": "scaled_masked_softmax_cuda",  # fusions/fused_softmax.py:81,357
-    "persist_layer_norm": "fast_layer_norm",  # fusions/fused_layer_norm.py:16
 }
+# apex's FusedLayerNorm (fusions/fused_layer_norm.py:23), the local spec's norm with apex; it runs the
+# persistent kernel where apex.contrib has it and falls back otherwise (:100).
+APEX_NORM = "fused_layer_norm_cuda"
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def te_importable() -> bool:
 def apex_importable() -> bool:
     """apex with the CUDA extensions megatron-core uses (the package alone is not enough)."""
     try:
-        return all(importlib.util.find_spec(m) is not None for m in ("apex", *APEX_KERNELS.values()))
+        return all(importlib.util.find_spec(m) is not None for m in ("apex", APEX_NORM, *APEX_KERNELS.values()))
     except (ImportError, ValueError):
         return False
 
