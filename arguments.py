@@ -17,15 +17,11 @@ import sys
 
 import yaml
 
-from megatron_ext import platform
+from megatron.training.arguments import add_megatron_arguments, validate_args
+
 from megatron_ext.errors import ConfigError
-
-platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill
-
-from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
-
-from megatron_ext.platform import target  # noqa: E402
-from megatron_ext.training import features  # noqa: E402
+from megatron_ext.platform import target
+from megatron_ext.training import features
 
 SOURCES = ("default", "recipe", "cli")
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 
-import arguments
 from megatron_ext import platform
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
+    import arguments
+
     args = arguments.parse(argv)  # every check happens here; --dry-run exits here
     platform.init_distributed(args.distributed_timeout_minutes * 60)
     logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)

@@ -66,7 +66,7 @@ def bench_multihot(tokens: int, topk: int, experts: int, reps: int) -> dict:
     from megatron_ext.moe.multihot import indices_to_multihot, reference_indices_to_multihot
     from megatron_ext.moe.sync_detector import SyncDetector
 
-    device = platform.setup().device
+    device = platform.current().device
     gen = torch.Generator().manual_seed(0)
 
     def inputs(T, K, E, masked=0.3):

@@ -20,6 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext import platform  # noqa: E402
+
 GIB = 2**30
 
 
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     opts = parser.parse_args(argv)
+    platform.setup()  # before megatron-core is imported (arguments)
     rows = [estimate(r) for r in opts.recipes]
     if opts.json:
         print(json.dumps(rows, indent=1))

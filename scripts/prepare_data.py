@@ -21,9 +21,6 @@ import numpy as np  # noqa: E402
 
 from megatron_ext import platform  # noqa: E402
 
-platform.setup()
-from megatron_ext.training.data import BYTE_EOD  # noqa: E402
-
 
 def stdlib_files(limit_mb: float) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
@@ -58,7 +55,10 @@ def text_files(inputs: list[str], suffixes: tuple[str, ...]) -> list[str]:
 def build(files: list[str], output_prefix: str, progress_every: float = 2.0) -> dict:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+    from megatron_ext.training.data import BYTE_EOD
+
     prefix = output_prefix + "_text_document"
+    print(f"tokenizing {len(files)} files (byte-level, eod={BYTE_EOD}) -> {prefix}.bin/.idx", flush=True)
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
     tokens = 0
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     files = stdlib_files(args.limit_mb) if args.python_stdlib else text_files(args.input, tuple(args.suffixes))
     if not files:
         raise SystemExit("error: no input files found")
-    print(f"tokenizing {len(files)} files (byte-level, eod={BYTE_EOD}) -> {prefix}.bin/.idx", flush=True)
+    platform.setup()  # before megatron-core is imported (build)
     result = build(files, args.output_prefix)
     print(f"done: {result['documents']} documents, {result['tokens']} tokens", flush=True)
     return result

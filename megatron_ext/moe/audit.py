@@ -10,10 +10,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_ext import platform
-
-platform.setup()
-
-from megatron_ext.moe.sync_detector import SyncDetector, run_backward  # noqa: E402
+from megatron_ext.moe.sync_detector import SyncDetector, run_backward
 
 MODES = ("dropless", "capacity", "capacity-nopad")
 
@@ -69,7 +66,7 @@ def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
     layer = layer_spec.submodules.mlp(config=spec.config())
-    if platform.setup().is_cuda:
+    if platform.current().is_cuda:
         layer = layer.cuda()
     layer.replaced = moe.install(layer) if ours else 0
     return layer
@@ -80,7 +77,7 @@ def rank_inputs(spec: LayerSpec, seq: int = 16, batch: int = 2, seed: int = 0):
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     shape = (seq // spec.tp, batch, spec.hidden)
-    device = platform.setup().device
+    device = platform.current().device
     x = torch.randn(shape, generator=gen).to(device)
     g = torch.randn(shape, generator=gen).to(device)
     return x, g

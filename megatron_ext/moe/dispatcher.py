@@ -45,20 +45,15 @@ from typing import List, Optional
 
 import torch
 
-from megatron_ext.moe.multihot import indices_to_multihot
-
-
-from megatron_ext import platform
-
-platform.setup()  # CPU shims before megatron-core's MoE modules are imported
-
-from megatron.core.tensor_parallel import (  # noqa: E402
+from megatron.core.tensor_parallel import (
     all_to_all,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
-from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher  # noqa: E402
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from megatron_ext.moe.multihot import indices_to_multihot
 
 _UP = SimpleNamespace(
     all_to_all=all_to_all,

@@ -1,17 +1,22 @@
-"""CUDA+NCCL or CPU+gloo: :func:`setup` picks the device and backend once per process.
+"""CUDA+NCCL or CPU+gloo.
 
-Without CUDA it applies the CPU-only shims for megatron-core (``cpu_shims.py``); with CUDA it
-applies none. Either way the rest of the code is the same.
+:func:`current` answers which device and backend this process uses and changes nothing.
+:func:`setup` prepares the process once, from an entry point (``train.main``, a script's ``main``,
+the test conftest), before megatron-core's models or schedules are imported: without CUDA it
+applies the CPU-only shims for megatron-core (``cpu_shims.py``); with CUDA it applies none and
+selects this rank's device. Importing any megatron_ext module changes nothing in torch or megatron.
 """
 from __future__ import annotations
 
 import datetime
 import os
-import sys
 import typing
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+from megatron_ext.platform import cpu_shims
 
 
 @dataclass(frozen=True)
@@ -27,27 +32,38 @@ class Platform:
 _PLATFORM: Platform | None = None
 
 
-def _python_compat() -> None:
+def current() -> Platform:
+    """Which device and backend this process uses (this rank's GPU with CUDA, else the CPU).
+    Sets nothing up."""
+    if _PLATFORM is not None:
+        return _PLATFORM
+    if torch.cuda.is_available():
+        return Platform(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl")
+    return Platform(torch.device("cpu"), "gloo")
+
+
+def make_megatron_importable() -> None:
+    """What megatron-core 0.19.2 needs to be imported at all on this machine, and nothing else:
+    typing.override on Python 3.11 and, without CUDA, the stand-in module for its Triton kernels
+    (cpu_shims "triton_free_paged_stash"). Changes no attribute of torch or of a loaded megatron
+    module. The first step of :func:`setup`."""
     # megatron/training/models/hybrid.py uses typing.override (3.12+), reached from
     # megatron/training/arguments.py; the backfill is the same function from typing_extensions.
     if not hasattr(typing, "override"):
         typing.override = lambda f: f
+    if not torch.cuda.is_available():
+        cpu_shims.SHIMS["triton_free_paged_stash"].apply()
 
 
 def setup() -> Platform:
-    """Idempotent. Call before importing megatron-core models or schedules."""
+    """Idempotent; called by entry points only. Before megatron-core models or schedules are used."""
     global _PLATFORM
     if _PLATFORM is None:
-        _python_compat()
-        if torch.cuda.is_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            _PLATFORM = Platform(torch.device("cuda", local_rank), "nccl")
+        make_megatron_importable()
+        platform = current()
+        if platform.is_cuda:
+            torch.cuda.set_device(platform.device)
         else:
-            import warnings
-
-            from megatron_ext.platform import cpu_shims
-
             # Expected here, and repeated by every megatron module that falls back:
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
             warnings.filterwarnings("ignore", message=".*absl.logging is not installed")
@@ -56,7 +72,7 @@ def setup() -> Platform:
             warnings.filterwarnings("ignore", message="MimoModelConfig is experimental")
 
             cpu_shims.apply_all()
-            _PLATFORM = Platform(torch.device("cpu"), "gloo")
+        _PLATFORM = platform
     return _PLATFORM
 
 

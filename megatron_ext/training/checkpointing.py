@@ -378,7 +378,7 @@ def validate(args) -> None:
         args.async_save = True
     from megatron_ext import platform
 
-    if args.async_save and args.use_persistent_ckpt_worker and not platform.setup().is_cuda:
+    if args.async_save and args.use_persistent_ckpt_worker and not platform.current().is_cuda:
         raise ConfigError(
             "--use-persistent-ckpt-worker: not supported on CPU (the spawned worker re-imports megatron "
             "without megatron_ext's CPU shims and hangs); --async-save alone uses a forked writer per save"

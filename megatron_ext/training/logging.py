@@ -133,8 +133,8 @@ class TrainingLogger:
         peak = peak_tflops()
         parts.append(f"MFU: {100 * r['TFLOP/s/GPU'] / peak:.1f}%" if peak else "MFU: n/a")
         mem = peak_memory_gib()
-        label = "peak alloc/reserved (GiB)" if platform.setup().is_cuda else "peak RSS (GiB)"
-        parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.setup().is_cuda else f"{label}: {mem[0]:.2f}")
+        label = "peak alloc/reserved (GiB)" if platform.current().is_cuda else "peak RSS (GiB)"
+        parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.current().is_cuda else f"{label}: {mem[0]:.2f}")
         for key, value in r.items():
             if key not in _CORE_KEYS:
                 parts.append(f"{key}: {value}")

@@ -63,7 +63,7 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
             rotary_base=args.rotary_base,
             vp_stage=stage,
         )
-        chunk.to(platform.setup().device)
+        chunk.to(platform.current().device)
         for p in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         chunks.append(chunk)

@@ -31,7 +31,7 @@ def validate(args) -> None:
         raise ConfigError(
             f"--profile-step-end={args.profile_step_end}: must be above --profile-step-start={args.profile_step_start}"
         )
-    if args.profile and not args.use_pytorch_profiler and not platform.setup().is_cuda:
+    if args.profile and not args.use_pytorch_profiler and not platform.current().is_cuda:
         raise ConfigError(
             "--profile without --use-pytorch-profiler is an nsys capture range (cudaProfilerStart/Stop), "
             "CUDA only: add --use-pytorch-profiler for a torch.profiler trace"
@@ -57,7 +57,7 @@ class StepRange:
         memory_ranks = args.profile_ranks or [world - 1]
         self.memory = args.record_memory_history and self.rank in memory_ranks
         self.memory_suffix = len(memory_ranks) > 1
-        if self.memory and not platform.setup().is_cuda:
+        if self.memory and not platform.current().is_cuda:
             if self.rank == memory_ranks[0]:
                 print("--record-memory-history: the CUDA allocator history needs a GPU; not recorded on CPU", flush=True)
             self.memory = False
@@ -111,7 +111,7 @@ class StepRange:
         args = self.args
         if args.use_pytorch_profiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if platform.setup().is_cuda:
+            if platform.current().is_cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(
                 activities=activities,
@@ -139,7 +139,7 @@ class NonFiniteCheck:
     def __init__(self, args):
         self.enabled = args.check_for_nan_in_loss_and_grad
         self.interval = args.log_interval
-        self.device = platform.setup().device
+        self.device = platform.current().device
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.first_bad = torch.zeros((), dtype=torch.int64, device=self.device)  # 0: none yet
         self.host_checks = 0  # collectives issued (tests count them)

@@ -20,7 +20,7 @@ class StepResult:
 
 
 def forward_step(data_iterator, model):
-    batch = {k: v.to(platform.setup().device) for k, v in next(data_iterator).items()}
+    batch = {k: v.to(platform.current().device) for k, v in next(data_iterator).items()}
     output = model(
         batch["tokens"],
         batch["position_ids"],
@@ -82,6 +82,6 @@ def _average_loss(losses: list) -> torch.Tensor:
     """Mean over micro-batches, then over data-parallel ranks; NaN off the last stage."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not losses:
         return torch.tensor(float("nan"))
-    loss = torch.stack([x["lm loss"] for x in losses]).mean().to(platform.setup().device)
+    loss = torch.stack([x["lm loss"] for x in losses]).mean().to(platform.current().device)
     torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     return loss / parallel_state.get_data_parallel_world_size()
