@@ -172,15 +172,6 @@ class _CpuRedirectMode(TorchFunctionMode):
             with self:
                 return _run_backward(func, *args, **kwargs)
         return func(*args, **kwargs)
-        if func is torch.Tensor.backward:  # re-entering the mode around Tensor.backward would recurse
-            tensor, *rest = args
-            names = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), rest), **kwargs)
-            with self:
-                return torch.autograd.backward(
-                    tensor, names.get("gradient"), names.get("retain_graph"),
-                    names.get("create_graph", False), inputs=names.get("inputs"),
-                )
-        return func(*args, **kwargs)
 
 
 def _run_backward(func, *args, **kwargs):
