@@ -2,7 +2,8 @@
 
 Applied by :func:`megatron_ext.platform.setup` only when CUDA is absent; never on a GPU machine.
 Each :class:`Shim` names the upstream call sites it covers (file:line in the installed wheel) and is
-reversible, so ``tests/platform/test_cpu_shims.py`` can remove one at a time and prove it is needed.
+reversible (the record type of megatron_ext/patching.py, shared with the seams), so
+``tests/platform/test_cpu_shims.py`` can remove one at a time and prove it is needed.
 The installed package is never edited.
 """
 from __future__ import annotations
@@ -11,57 +12,15 @@ import contextlib
 import logging
 import sys
 import types
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-
-@dataclass
-class Shim:
-    name: str
-    upstream: List[str]
-    why: str
-    install: Callable[[], Callable[[], None]]  # returns its own uninstaller
-    _undo: Callable[[], None] | None = field(default=None, repr=False)
-
-    @property
-    def active(self) -> bool:
-        return self._undo is not None
-
-    def apply(self) -> None:
-        if self._undo is None:
-            self._undo = self.install()
-
-    def remove(self) -> None:
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
-
-
-def _patch(obj, name, value) -> Callable[[], None]:
-    missing = object()
-    old = obj.__dict__.get(name, missing) if isinstance(obj, type) else getattr(obj, name, missing)
-
-    setattr(obj, name, value)
-
-    def undo():
-        if old is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, old)
-
-    return undo
-
-
-def _undo_all(undos: List[Callable[[], None]]) -> Callable[[], None]:
-    def undo():
-        for u in reversed(undos):
-            u()
-
-    return undo
+from megatron_ext.patching import Patch as Shim
+from megatron_ext.patching import set_attr as _patch
+from megatron_ext.patching import undo_all as _undo_all
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,14 +481,6 @@ def apply_all() -> None:
         shim.apply()
 
 
-@contextlib.contextmanager
 def without(name: str):
     """Temporarily remove one shim (tests prove each one is needed)."""
-    shim = SHIMS[name]
-    was = shim.active
-    shim.remove()
-    try:
-        yield
-    finally:
-        if was:
-            shim.apply()
+    return SHIMS[name].without()
