@@ -25,7 +25,8 @@ simply ``tensor.is_cuda``; the benchmark additionally uses ``torch.cuda.set_sync
 (moe_utils.py:1169, a no-op for CPU tensors) behave as on CUDA: a *non-blocking* copy to the host
 (not a sync by itself) and the event ``synchronize()`` that follows it counted as the sync
 (token_dispatcher.py:952). Without that, megatron's single batched sync point would be counted as
-several reads of device tensors.
+several reads of device tensors. That replacement is the seam ``moe.emulated_dtoh``
+(megatron_ext/seams/moe.py), applied for the detector's lifetime only.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from megatron_ext.seams import moe as moe_seams
+
 aten = torch.ops.aten
 
 
@@ -55,7 +58,7 @@ class SyncEvent:
         return f"[{self.phase}] {self.kind}: {self.op} at {self.where}"
 
 
-_HERE = os.path.abspath(__file__)
+_HERE = (os.path.abspath(__file__), os.path.abspath(moe_seams.__file__))  # our frames, not the site
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -64,7 +67,7 @@ def _site() -> str:
     frames = traceback.extract_stack()
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename)
-        if path == _HERE or path.startswith(_TORCH_DIR) or "cpu_shims.py" in path:
+        if path in _HERE or path.startswith(_TORCH_DIR) or "cpu_shims.py" in path:
             continue
         marker = "/site-packages/"
         short = path.split(marker, 1)[1] if marker in path else os.path.relpath(path)
@@ -294,7 +297,7 @@ class SyncDetector:
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "SyncDetector":
         if self.emulate_cuda_dtoh:
-            self._stack.enter_context(_emulated_dtoh(self))
+            self._stack.enter_context(moe_seams.emulated_dtoh(self))
         self._stack.enter_context(_FunctionSide(self))
         self._stack.enter_context(_DispatchSide(self))
         return self
@@ -329,50 +332,3 @@ def _real_cuda_runtime() -> bool:
         return torch.cuda.device_count() > 0
     except Exception:  # noqa: BLE001
         return False
-
-
-@contextlib.contextmanager
-def _emulated_dtoh(det: SyncDetector):
-    """CUDA meaning of megatron's host transfers on a CPU machine (see module docstring).
-
-    Replaces, for the detector's lifetime only: ``maybe_move_tensor_to_cpu`` as imported by
-    megatron/core/transformer/moe/token_dispatcher.py:38 (defined moe_utils.py:1169), and
-    ``synchronize`` of the stream/event stand-ins torch.cuda.Event / torch.cuda.Stream and
-    ``torch.cuda.synchronize`` (counted as explicit syncs). Listed in megatron_ext/seams.py (# moe).
-    """
-    from megatron.core.transformer.moe import token_dispatcher as td
-
-    original_move = td.maybe_move_tensor_to_cpu
-
-    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and det.is_device(tensor):
-            det.pending_copies += 1  # non_blocking=True upstream: no sync until the event waits
-            with det._suppressed():
-                host = tensor.detach().clone()
-            det._set(host, False)
-            return host.numpy() if as_numpy else host
-        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-    event_cls, stream_cls = torch.cuda.Event, torch.cuda.Stream
-    restore = []
-
-    def counted(owner, name, label):
-        original = getattr(owner, name)
-
-        def sync(*a, **k):
-            det._record("explicit-sync", label)
-            return original(*a, **k)
-
-        setattr(owner, name, sync)
-        restore.append((owner, name, original))
-
-    td.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    counted(event_cls, "synchronize", "Event.synchronize")
-    counted(stream_cls, "synchronize", "Stream.synchronize")
-    counted(torch.cuda, "synchronize", "torch.cuda.synchronize")
-    try:
-        yield
-    finally:
-        td.maybe_move_tensor_to_cpu = original_move
-        for owner, name, original in reversed(restore):
-            setattr(owner, name, original)

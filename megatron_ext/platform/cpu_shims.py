@@ -326,11 +326,13 @@ def _install_uneven_collectives():
 #    all-reduce their grads over the TP group (megatron/core/distributed/finalize_model_grads.py).
 # --------------------------------------------------------------------------------------------
 def _install_torch_norm_sequence_parallel():
-    # Needed on CUDA too, so the patch itself lives in megatron_ext/seams.py (training/model.py
-    # installs it there); on CPU it is always on, like every shim here.
-    from megatron_ext import seams
+    # Needed on CUDA too, so the patch itself is a seam (megatron_ext/seams/training.py, which
+    # training/model.py applies on CUDA); on CPU it is always on, like every shim here. One record for
+    # both: removing the shim removes the seam.
+    from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL as seam
 
-    return seams.install_torch_norm_sequence_parallel()
+    seam.apply()
+    return seam.remove
 
 
 # --------------------------------------------------------------------------------------------

@@ -118,10 +118,7 @@ def forward_backward_overlap(
             "--overlap-tp-comm-1f1b: custom p2p_communicator / adjust_tensor_shapes_fn are not supported"
         )
 
-    from megatron_ext import seams
-
-    STATS["calls"] += 1
-    seams.install_schedules_seams()
+    STATS["calls"] += 1  # its seams were installed with the run (megatron_ext/seams/schedules.py)
     lanes.set_groups()
 
     models = model if isinstance(model, list) else [model]

@@ -1,4 +1,5 @@
 """Builders for model / optimizer / data, the train step, logging, checkpointing."""
+from megatron_ext import seams
 from megatron_ext.errors import ConfigError
 
 
@@ -36,10 +37,11 @@ def validate(args) -> None:
 
 
 def after_model(args, model) -> None:
-    from megatron_ext.seams import install_sharded_params_seams
-
-    install_sharded_params_seams(model)  # per-bucket, not per-parameter, host work (docs/sharded_params.md)
     if args.layout_invariant_init:
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(model, args.init_method_std, args.seed)
+
+
+def teardown() -> None:
+    seams.uninstall()  # what the run installed (training/model.py build_model)

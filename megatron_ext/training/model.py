@@ -39,13 +39,15 @@ def layer_spec(args, config: TransformerConfig, vp_stage: int | None):
 
 
 def install_seams(args, config: TransformerConfig) -> None:
-    """Seams the build needs on CUDA (without CUDA the CPU shim registry has applied them)."""
-    if platform.setup().is_cuda and args.transformer_impl == "local" and config.sequence_parallel:
-        seams.install_torch_norm_sequence_parallel()
+    """The seam the build needs on CUDA for the process: torch norms under sequence parallelism
+    (without CUDA the CPU shim registry holds it)."""
+    if platform.current().is_cuda and args.transformer_impl == "local" and config.sequence_parallel:
+        seams.TORCH_NORM_SEQUENCE_PARALLEL.apply()
 
 
 def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> list:
     install_seams(args, config)
+    seams.install(args)  # this run's seams, once, before the model exists; the run's teardown removes them
     vp_size = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp_size or 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext import platform
+from megatron_ext import platform, seams
 
 
 def initialize(
@@ -55,7 +55,7 @@ def destroy() -> None:
     features.teardown()
     parallel_state.destroy_model_parallel()
     _destroy_subgroups()
-    _reset_megatron_globals()
+    seams.reset_megatron_globals()
 
 
 def _destroy_subgroups() -> None:
@@ -69,9 +69,3 @@ def _destroy_subgroups() -> None:
     for group in list(c10d._world.pg_map):
         if group is not world and group is not None:
             dist.destroy_process_group(group)
-
-
-def _reset_megatron_globals() -> None:
-    from megatron_ext import seams
-
-    seams.reset_megatron_globals()

@@ -140,7 +140,7 @@ def test_model_build_installs_the_sequence_parallel_norm_on_cuda(monkeypatch):
         models.install_seams(args, config)  # no CUDA: nothing (the shim's business)
         with pytest.raises(AssertionError):
             WrappedTorchNorm(config, 8)
-        monkeypatch.setattr(models, "platform", types.SimpleNamespace(setup=lambda: types.SimpleNamespace(is_cuda=True)))
+        monkeypatch.setattr(models, "platform", types.SimpleNamespace(current=lambda: types.SimpleNamespace(is_cuda=True)))
         models.install_seams(args, config)
         norm = WrappedTorchNorm(config, 8)
         assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())  # grads all-reduced over TP

@@ -1,0 +1,110 @@
+"""Seams of the sync-free MoE token dispatch and its sync audit.
+
+Replaced (per instance, by --moe-sync-free-dispatcher, after the model is built):
+  MoELayer.token_dispatcher        transformer/moe/moe_layer.py:299-324 (built there; called at
+                                   :484 dispatch_preprocess, :498 token_dispatch, :541
+                                   dispatch_postprocess, :562 combine_preprocess, :572
+                                   token_combine, :583 combine_postprocess) and
+                                   MoELayer._training_token_dispatcher (:399, restored at :644)
+    -> megatron_ext.moe.dispatcher.MultihotTokenDispatcher, a subclass of MoETokenDispatcher
+       (token_dispatcher.py:61) standing in for MoEAllGatherTokenDispatcher (:230) and
+       MoEAlltoAllTokenDispatcher (:372). It reuses, unchanged: moe_utils.permute (:337),
+       unpermute (:470), get_capacity (:241); tensor_parallel all_to_all (mappings.py:558),
+       gather_from_sequence_parallel_region (:522), reduce_scatter_to_sequence_parallel_region (:536).
+Reference only (called unbound, never replaced): _DeepepManager._indices_to_multihot
+  (token_dispatcher.py:1328), the bit-equality oracle for megatron_ext.moe.indices_to_multihot.
+Wrapped only while a SyncDetector is active (CPU only, restored on exit):
+  token_dispatcher.maybe_move_tensor_to_cpu (imported token_dispatcher.py:39, defined
+    moe_utils.py:1169): on CPU it never copies; emulated as CUDA's non-blocking D2H copy
+  torch.cuda.Event / torch.cuda.Stream .synchronize and torch.cuda.synchronize (the platform's
+    CPU stand-ins; upstream waits at token_dispatcher.py:950): counted as explicit syncs
+Process-global state reset between jobs of a persistent worker:
+  MoEAuxLossAutoScaler.main_loss_backward_scale (moe_utils.py:287; created lazily as a 0-d tensor
+    by a bare MoELayer backward at :316, copied into by the schedule's set_loss_scale at :334 with
+    a [1] tensor -> a shape error when a training run follows a layer-only run, or vice versa)
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core.transformer.moe import token_dispatcher as td
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_ext.patching import Patch, set_attr, undo_all
+
+
+def replace_token_dispatcher(moe_layer, make) -> bool:
+    """Swap ``moe_layer``'s token dispatcher for ``make(old_dispatcher)``; False if already ``make``'s."""
+    old = moe_layer.token_dispatcher
+    new = make(old)
+    if new is old:
+        return False
+    moe_layer.token_dispatcher = new
+    if getattr(moe_layer, "_training_token_dispatcher", None) is old:
+        moe_layer._training_token_dispatcher = new
+    return True
+
+
+def reset_moe_aux_loss_scale() -> None:
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+_DETECTORS: list = []  # the active SyncDetectors, innermost last
+
+
+def _install_emulated_dtoh():
+    """The CUDA meaning of megatron's host transfers, for the innermost active SyncDetector
+    (megatron_ext/moe/sync_detector.py): a non-blocking device-to-host copy, and the event wait that
+    follows it (token_dispatcher.py:952) counted as the sync."""
+    original_move = td.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        det = _DETECTORS[-1]
+        if torch.is_tensor(tensor) and det.is_device(tensor):
+            det.pending_copies += 1  # non_blocking=True upstream: no sync until the event waits
+            with det._suppressed():
+                host = tensor.detach().clone()
+            det._set(host, False)
+            return host.numpy() if as_numpy else host
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    def counted(owner, name, label):
+        original = getattr(owner, name)
+
+        def sync(*a, **k):
+            _DETECTORS[-1]._record("explicit-sync", label)
+            return original(*a, **k)
+
+        return set_attr(owner, name, sync)
+
+    return undo_all([
+        set_attr(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu),
+        counted(torch.cuda.Event, "synchronize", "Event.synchronize"),
+        counted(torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+        counted(torch.cuda, "synchronize", "torch.cuda.synchronize"),
+    ])
+
+
+EMULATED_DTOH = Patch(
+    "moe.emulated_dtoh",
+    [
+        "megatron/core/transformer/moe/token_dispatcher.py:39",
+        "megatron/core/transformer/moe/moe_utils.py:1169",
+        "megatron/core/transformer/moe/token_dispatcher.py:950",
+    ],
+    "sync audit on CPU only: megatron's host transfers counted as they happen on CUDA",
+    _install_emulated_dtoh,
+)
+SEAMS = [EMULATED_DTOH]
+
+
+@contextlib.contextmanager
+def emulated_dtoh(detector):
+    """EMULATED_DTOH applied for the lifetime of one SyncDetector."""
+    _DETECTORS.append(detector)
+    try:
+        with EMULATED_DTOH.applied():
+            yield
+    finally:
+        _DETECTORS.pop()

@@ -1,0 +1,82 @@
+"""Seams of chunked, race-free activation offload.
+
+Nothing of megatron-core is replaced. megatron_ext.offload.manager attaches torch module hooks to
+megatron-core modules and pushes torch's saved-tensor hooks around their forward. The modules it
+finds, by the names of the flag --activation-offload-modules:
+  pass  (one micro-batch of one chunk): pre-hook on GPTModel      models/gpt/gpt_model.py:519
+  group (one layer of one pass): pre/post hooks on TransformerLayer
+                                           transformer/transformer_layer.py:304 (forward :747);
+    its backward begins when the gradient of the layer's output (:1012, make_viewless_tensor)
+    arrives: a Tensor.register_hook on that output.
+  core_attention  layer.self_attention.core_attention      transformer/attention.py:382
+                  (local: DotProductAttention, transformer/dot_product_attention.py:142)
+  qkv_linear      layer.self_attention.linear_qkv          transformer/attention.py:1681
+  attn_proj       layer.self_attention.linear_proj         transformer/attention.py:413
+  router_fc1      MoE expert fc1: layer.mlp.experts.local_experts[i].linear_fc1 (SequentialMLP,
+                  transformer/moe/experts.py:1260; MLP fc1 transformer/mlp.py:222) or
+                  layer.mlp.experts.linear_fc1 (TEGroupedMLP, transformer/moe/experts.py:216)
+  router_fc2      the same with linear_fc2 (transformer/mlp.py:242, transformer/moe/experts.py:235)
+  moe_act         the expert activation: everything saved between the expert's fc1 returning and
+                  its fc2 starting (MLP.forward transformer/mlp.py:267-336, TEGroupedMLP.forward
+                  transformer/moe/experts.py:815-876), so fused, GLU and TE activations are all
+                  covered without wrapping config.activation_func
+  shared_experts  layer.mlp.shared_experts                 transformer/moe/moe_layer.py:338
+Module paths are the same in the local and the transformer-engine layer specs.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def offload_unwrap(chunk):
+    """DDP / Float16Module wrappers (megatron/core/distributed/data_parallel_base.py,
+    megatron/core/transformer/module.py Float16Module) keep the model in `.module`."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def offload_layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+
+def _expert_linears(experts, which: str) -> list:
+    if experts is None:
+        return []
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        return [getattr(e, which) for e in experts.local_experts]
+    lin = getattr(experts, which, None)
+    return [lin] if lin is not None else []
+
+
+def offload_targets(layer, names) -> list:
+    """[(name, "module", [modules])] or [(name, "window", [(fc1, fc2)])] present in this layer."""
+    attn = getattr(layer, "self_attention", None)
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    out = []
+    for name in names:
+        if name == "core_attention":
+            mods = [getattr(attn, "core_attention", None)]
+        elif name == "qkv_linear":
+            mods = [getattr(attn, "linear_qkv", None)]
+        elif name == "attn_proj":
+            mods = [getattr(attn, "linear_proj", None)]
+        elif name == "router_fc1":
+            mods = _expert_linears(experts, "linear_fc1")
+        elif name == "router_fc2":
+            mods = _expert_linears(experts, "linear_fc2")
+        elif name == "shared_experts":
+            mods = [getattr(mlp, "shared_experts", None)]
+        elif name == "moe_act":
+            pairs = list(zip(_expert_linears(experts, "linear_fc1"), _expert_linears(experts, "linear_fc2")))
+            if pairs:
+                out.append((name, "window", pairs))
+            continue
+        else:
+            raise ValueError(name)
+        mods = [m for m in mods if m is not None]
+        if mods:
+            out.append((name, "module", mods))
+    return out

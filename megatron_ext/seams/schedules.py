@@ -1,0 +1,214 @@
+"""Seams of the 1F1B backward-forward overlap that hides tensor-parallel communication.
+
+Every TP collective megatron-core's local layers issue is routed through
+megatron_ext.schedules.lanes.collective(), which (only while one of our schedules runs, or a
+benchmark records) issues it async and hands the baton to the other micro-batch's lane before
+waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
+  torch.distributed.all_reduce, reached from
+    megatron/core/tensor_parallel/mappings.py:35    _reduce (row-parallel fwd, column-parallel bwd)
+    megatron/core/tensor_parallel/layers.py:639     async dgrad all-reduce (kept async: megatron
+                                                    still overlaps it with the wgrad GEMM)
+    megatron/core/tensor_parallel/layers.py:441     frozen-weight dgrad all-reduce
+    megatron/core/tensor_parallel/cross_entropy.py:130,146,150  vocab-parallel loss
+  mappings.dist_all_gather_func / dist_reduce_scatter_func (bound at mappings.py:12-13; used at
+    :96, :146, :186): sequence-parallel gather / reduce-scatter
+  layers.dist_all_gather_func / dist_reduce_scatter_func (bound at layers.py:85-86; used at
+    :571 fwd SP all-gather, :617 bwd SP all-gather, :650 bwd SP reduce-scatter)
+  torch.distributed.all_to_all_single (mappings.py:450/460 _AllToAll; EP token dispatch)
+  torch.distributed.all_gather list form (mappings.py:154, uneven splits of the MoE token
+    dispatch): padded, gathered async into one buffer, sliced back (a copy: bit-identical)
+  torch.distributed.reduce_scatter list form (mappings.py:197): recorded only (run inline, as
+    upstream; a different reduction primitive could change the summation order for TP > 2)
+  get_global_memory_buffer in mappings.py:5, layers.py:20 and parallel_state.py:2480: one
+    buffer per lane, since the "mpu" scratch buffer (layers.py:570/614, mappings.py:143-192)
+    is held across a collective and the other lane would overwrite it.
+Benchmark only (scoped): megatron's per-micro-batch passes, labelled for the plain schedule's timeline.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules as S
+from megatron.core.tensor_parallel import layers, mappings
+
+from megatron_ext.patching import Patch, set_attr, undo_all
+from megatron_ext.schedules import lanes
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _wrap_all_reduce(orig):
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if lanes.active():
+            got = lanes.collective(
+                "all_reduce", group, _nbytes(tensor),
+                lambda: orig(tensor, op=op, group=group, async_op=True), async_op,
+            )
+            if got is not None:
+                return None if got is lanes.SYNC_DONE else got
+        return orig(tensor, op=op, group=group, async_op=async_op)
+
+    return all_reduce
+
+
+def _wrap_base(op_name, orig):
+    def fn(output, input, group=None, async_op=False, **kw):
+        if lanes.active():
+            got = lanes.collective(
+                op_name, group, _nbytes(output if op_name == "all_gather" else input),
+                lambda: orig(output, input, group=group, async_op=True, **kw), async_op,
+            )
+            if got is not None:
+                return None if got is lanes.SYNC_DONE else got
+        return orig(output, input, group=group, async_op=async_op, **kw)
+
+    return fn
+
+
+def _wrap_a2a(orig):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        if lanes.active():
+            got = lanes.collective(
+                "all_to_all", group, _nbytes(input),
+                lambda: orig(output, input, output_split_sizes, input_split_sizes,
+                             group=group, async_op=True),
+                async_op,
+            )
+            if got is not None:
+                return None if got is lanes.SYNC_DONE else got
+        return orig(output, input, output_split_sizes, input_split_sizes, group=group,
+                    async_op=async_op)
+
+    return all_to_all_single
+
+
+def _wrap_record_only(op_name, orig):
+    def fn(a, b, *args, group=None, async_op=False, **kw):
+        if lanes.active() and not async_op:
+            return lanes.record_sync(op_name, group, lambda: orig(a, b, *args, group=group, **kw))
+        return orig(a, b, *args, group=group, async_op=async_op, **kw)
+
+    return fn
+
+
+def _wrap_list_all_gather(orig):
+    # mappings.py:154 (_gather_along_first_dim with output_split_sizes, the MoE token dispatch
+    # under TP): uneven pieces, which gloo cannot gather. In a lane: pad each piece to the
+    # largest, gather async into one flat buffer (a pure copy, so bit-identical), slice back.
+    gather_into_tensor = dist.all_gather_into_tensor
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if lanes.active() and not async_op and lanes.group_kind(group) is not None:
+            pad = max(t.shape[0] for t in tensor_list)
+            rest = tuple(tensor.shape[1:])
+            padded = tensor.new_zeros((pad,) + rest)
+            padded[: tensor.shape[0]] = tensor
+            flat = tensor.new_empty((len(tensor_list) * pad,) + rest)
+            got = lanes.collective(
+                "all_gather", group, _nbytes(flat),
+                lambda: gather_into_tensor(flat, padded, group=group, async_op=True), False,
+            )
+            if got is not None:
+                for i, out in enumerate(tensor_list):
+                    out.copy_(flat[i * pad: i * pad + out.shape[0]])
+                return None
+        return orig(tensor_list, tensor, group=group, async_op=async_op)
+
+    return all_gather
+
+
+def _install_tp_collectives():
+    undos = [
+        set_attr(dist, "all_reduce", _wrap_all_reduce(dist.all_reduce)),
+        set_attr(dist, "all_to_all_single", _wrap_a2a(dist.all_to_all_single)),
+        set_attr(dist, "all_gather", _wrap_list_all_gather(dist.all_gather)),
+        set_attr(dist, "reduce_scatter", _wrap_record_only("reduce_scatter_list", dist.reduce_scatter)),
+    ]
+    for mod in (mappings, layers):
+        undos.append(set_attr(mod, "dist_all_gather_func", _wrap_base("all_gather", mod.dist_all_gather_func)))
+        undos.append(set_attr(mod, "dist_reduce_scatter_func",
+                              _wrap_base("reduce_scatter", mod.dist_reduce_scatter_func)))
+    return undo_all(undos)
+
+
+def _install_lane_memory_buffers():
+    orig = parallel_state.get_global_memory_buffer
+
+    def get_global_memory_buffer():
+        return lanes.lane_memory_buffer() or orig()
+
+    return undo_all([set_attr(mod, "get_global_memory_buffer", get_global_memory_buffer)
+                     for mod in (mappings, layers, parallel_state)])
+
+
+def _install_plain_pass_labels():
+    """megatron/core/pipeline_parallel/schedules.py:397 forward_step and :532 backward_step, looked
+    up as module globals by every plain schedule: recorded segments and collectives name their
+    micro-batch ("F3" / "B1"), for the timeline of the plain schedule."""
+    fwd, bwd = S.forward_step, S.backward_step
+    count = {"b": 0}
+
+    def forward_step(*args, **kwargs):
+        with lanes.owner(f"F{kwargs.get('current_microbatch', '?')}"):
+            return fwd(*args, **kwargs)
+
+    def backward_step(*args, **kwargs):
+        label = f"B{count['b']}"
+        count["b"] += 1
+        with lanes.owner(label):
+            return bwd(*args, **kwargs)
+
+    return undo_all([set_attr(S, "forward_step", forward_step), set_attr(S, "backward_step", backward_step)])
+
+
+TP_COLLECTIVES = Patch(
+    "schedules.tp_collectives",
+    [
+        "megatron/core/tensor_parallel/mappings.py:35",
+        "megatron/core/tensor_parallel/layers.py:639",
+        "megatron/core/tensor_parallel/layers.py:441",
+        "megatron/core/tensor_parallel/cross_entropy.py:130",
+        "megatron/core/tensor_parallel/mappings.py:12",
+        "megatron/core/tensor_parallel/layers.py:85",
+        "megatron/core/tensor_parallel/mappings.py:450",
+        "megatron/core/tensor_parallel/mappings.py:154",
+        "megatron/core/tensor_parallel/mappings.py:197",
+    ],
+    "TP (and EP) collectives are issued async and hand the baton to the other micro-batch's lane",
+    _install_tp_collectives,
+)
+LANE_MEMORY_BUFFERS = Patch(
+    "schedules.lane_memory_buffers",
+    [
+        "megatron/core/tensor_parallel/mappings.py:5",
+        "megatron/core/tensor_parallel/layers.py:20",
+        "megatron/core/parallel_state.py:2480",
+    ],
+    "the global 'mpu' scratch buffer is held across a collective: one per lane",
+    _install_lane_memory_buffers,
+)
+PLAIN_PASS_LABELS = Patch(
+    "schedules.plain_pass_labels",
+    [
+        "megatron/core/pipeline_parallel/schedules.py:397",
+        "megatron/core/pipeline_parallel/schedules.py:532",
+    ],
+    "benchmark only: the plain schedule's passes named by micro-batch in the recorded timeline",
+    _install_plain_pass_labels,
+)
+SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS]
+
+
+RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.schedules.lanes is active
+
+
+def for_run(args) -> list:
+    return RUN if getattr(args, "overlap_tp_comm_1f1b", False) else []
+
+
+def label_plain_schedule_passes():
+    """Benchmark-only context: the plain schedule's passes labelled by micro-batch."""
+    return PLAIN_PASS_LABELS.applied()

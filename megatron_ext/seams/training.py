@@ -1,0 +1,58 @@
+"""Seams of the substrate: process-wide state megatron-core keeps between runs, and torch norms under
+sequence parallelism."""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core import num_microbatches_calculator as nmc
+from megatron.core import parallel_state
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+from megatron_ext.patching import Patch, set_attr
+from megatron_ext.seams.moe import reset_moe_aux_loss_scale
+
+
+def reset_megatron_globals() -> None:
+    """Cleared at teardown so a persistent worker can run another layout (nothing is replaced):
+    the global memory buffer (megatron/core/utils.py:_GLOBAL_MEMORY_BUFFER, via
+    parallel_state.destroy_global_memory_buffer) and the microbatch calculator
+    (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR), and the
+    MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler), and the
+    MoE metrics tracker, whose per-layer entries keep the previous model's layer count
+    (moe/moe_logging.py:49; a deeper model then indexes past them at :125)."""
+    parallel_state.destroy_global_memory_buffer()
+    nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    reset_moe_aux_loss_scale()
+    destroy_moe_metrics_tracker()
+
+
+def _install_torch_norm_sequence_parallel():
+    """megatron/core/transformer/torch_norm.py:50 (WrappedTorchNorm.__new__, the local spec's norm
+    without apex, and its only RMSNorm) asserts `not config.sequence_parallel`, which blocks TP+SP and
+    TP+MoE on the local spec on every platform. torch's norm is correct under SP once its weights carry
+    the `sequence_parallel` attribute megatron's own norms set: finalize_model_grads then all-reduces
+    their grads over the TP group (megatron/core/distributed/finalize_model_grads.py:452)."""
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    return set_attr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
+
+
+# For the process, not a run: on CPU the platform's shim registry holds it (cpu_shims
+# "torch_norm_sequence_parallel", always on); on CUDA the model builder applies it when the local
+# spec runs with sequence parallelism (training/model.py install_seams).
+TORCH_NORM_SEQUENCE_PARALLEL = Patch(
+    "training.torch_norm_sequence_parallel",
+    ["megatron/core/transformer/torch_norm.py:50", "megatron/core/distributed/finalize_model_grads.py:452"],
+    "torch LayerNorm/RMSNorm refused under sequence parallel without apex/TE (blocks TP+SP, TP+MoE)",
+    _install_torch_norm_sequence_parallel,
+)
+SEAMS = [TORCH_NORM_SEQUENCE_PARALLEL]

@@ -1,0 +1,106 @@
+"""The seams registry: each record names real upstream sites, changes something when installed, and
+leaves torch and megatron-core exactly as they were when removed; a run installs the records its
+flags need and teardown removes them all."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import megatron.core
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import layers, mappings
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import token_dispatcher
+
+from megatron_ext import seams
+from megatron_ext.moe.sync_detector import SyncDetector
+
+MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
+TARGETS = {
+    "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
+    "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
+    "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
+    "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
+    "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
+    "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
+    "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
+}
+
+
+def snapshot() -> dict:
+    return {name: dict(vars(obj)) for name, obj in TARGETS.items()}
+
+
+def changed(before: dict) -> list[str]:
+    now = snapshot()
+    return sorted(
+        f"{name}.{key}"
+        for name in before
+        for key in before[name].keys() | now[name].keys()
+        if before[name].get(key, None) is not now[name].get(key, None)
+    )
+
+
+@pytest.fixture
+def pristine():
+    seams.uninstall()
+    yield snapshot()
+    seams.uninstall()
+
+
+def test_every_seam_names_existing_upstream_lines():
+    assert len(seams.SEAMS) >= 7
+    for seam in seams.SEAMS.values():
+        assert seam.why and seam.upstream, seam.name
+        for site in seam.upstream:
+            path, line = site.split(":")
+            assert path.startswith("megatron/"), site
+            with open(os.path.join(MEGATRON_ROOT, path)) as f:
+                assert int(line) <= len(f.readlines()), site
+
+
+@pytest.mark.parametrize("name", sorted(seams.SEAMS))
+def test_seam_installs_and_uninstalls_cleanly(pristine, name):
+    seam = seams.SEAMS[name]
+    held = seam.active
+    with seam.without():  # one the platform holds for the process (a CPU shim) is put back after
+        before = snapshot()
+        seam.apply()
+        seam.apply()  # idempotent
+        touched = changed(before)
+        assert seam.active and touched, name
+        seam.remove()
+        assert not seam.active and changed(before) == [], name
+    assert seam.active == held
+
+
+def active() -> set:
+    return {name for name, seam in seams.SEAMS.items() if seam.active}
+
+
+def test_run_installs_what_its_flags_need_and_teardown_restores(pristine):
+    held = active()  # for the process: the torch-norm seam on CPU (its CPU shim)
+    assert held == ({"training.torch_norm_sequence_parallel"} if not torch.cuda.is_available() else set())
+    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    assert active() - held == {"sharded_params.post_param_sync", "sharded_params.forward_pre_hook",
+                               "sharded_params.own_buffers_param_sync"}
+    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=True))
+    assert {"schedules.tp_collectives", "schedules.lane_memory_buffers"} <= active()
+    assert "torch.distributed.all_reduce" in changed(pristine)
+    seams.uninstall()
+    assert changed(pristine) == [] and active() == held
+
+
+def test_scoped_seams_last_only_for_their_block(pristine):
+    with seams.label_plain_schedule_passes():
+        assert changed(pristine) == ["schedules.backward_step", "schedules.forward_step"]
+    assert changed(pristine) == []
+    with SyncDetector():
+        assert "token_dispatcher.maybe_move_tensor_to_cpu" in changed(pristine)
+    assert changed(pristine) == []
