@@ -1,7 +1,7 @@
 """Benchmark + sync audit: megatron_ext's sync-free multihot conversion and token dispatcher against
 megatron-core's own.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384]
+    .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384]
 
 Part 1 (one process): indices_to_multihot vs megatron-core's _DeepepManager._indices_to_multihot:
 syncs counted by the CPU SyncDetector (on CUDA additionally torch.cuda.set_sync_debug_mode("error")
@@ -15,14 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import platform
+from megatron_ext.bench.launch import run_world
 
 
 def device_name() -> str:
@@ -125,10 +123,8 @@ def bench_multihot(tokens: int, topk: int, experts: int, reps: int) -> dict:
 CONFIGS = [(d, m) for d in ("alltoall", "allgather") for m in ("dropless", "capacity", "capacity-nopad")]
 
 
-def _layer_worker(rank, world, port, queue, opts):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def layer_job(opts) -> list:
+    """On every rank of the --ep world: one MoELayer per dispatcher and mode (rank 0's rows are reported)."""
     from megatron_ext import seams
     from megatron_ext.moe import audit
     from megatron_ext.moe.sync_detector import run_backward
@@ -183,35 +179,11 @@ def _layer_worker(rank, world, port, queue, opts):
         seams.reset_moe_aux_loss_scale()
     finally:
         parallel.destroy()
-    if rank == 0:
-        queue.put(rows)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return rows
 
 
 def bench_layers(opts) -> list:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_layer_worker, args=(r, opts["ep"], port, queue, opts)) for r in range(opts["ep"])]
-    for p in procs:
-        p.start()
-    while queue.empty():  # a worker that dies must not leave us waiting forever
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-            raise RuntimeError("a layer-audit worker failed (its traceback is above)")
-        time.sleep(0.2)
-    rows = queue.get()
-    for p in procs:
-        p.join()
-    return rows
+    return run_world(opts["ep"], layer_job, opts=opts)[0]  # a worker that dies fails the run, naming its rank
 
 
 def main(argv=None):

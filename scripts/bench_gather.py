@@ -1,17 +1,17 @@
 """Sharded-parameter gather / reduce path of the distributed optimizer, as a function of the number
-of experts (issue 6).
+of experts.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_gather.py [--experts 8 32 128] [--json]
+    .venv/bin/python scripts/bench_gather.py [--experts 8 32 128] [--json]
 
 Runs train.py's main() (recipes/tiny_moe_many_experts.yaml, --num-experts E) on a 2-process gloo
-world (DP2 / EP2) under megatron_ext.training.sharded_params.measure, and the same model with
-megatron-core's defaults side by side:
+world (DP2 / EP2) under megatron_ext.bench.gather.measure, and the same model with megatron-core's
+defaults side by side:
 
   mcore-default   --use-distributed-optimizer only (megatron's flag defaults: no overlap, one bucket
                   per buffer), megatron-core's code (our seams removed)
   mcore-overlap   + --overlap-grad-reduce --overlap-param-gather, megatron's default bucket size
                   (max(40M, 1M x DP) elements), megatron-core's code
-  ours            the recipe as is (overlap + --ddp-num-buckets) with the issue-6 seams
+  ours            the recipe as is (overlap + --ddp-num-buckets) with the sharded-parameter seams
 
 Per step (one counted step after a warm-up; host time = best of 3 uncounted steps):
   collectives_per_step  c10d collectives dispatched inside the bucket-group methods (param all-gather,
@@ -32,8 +32,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the workers run train.py's main(): a script of the checkout, not of the package
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from megatron_ext.bench.gather import measure  # noqa: E402
+from megatron_ext.bench.launch import run_world  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "tiny_moe_many_experts.yaml")
 DDP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "ddp_num_buckets", "ddp_bucket_size",
@@ -67,12 +70,8 @@ def configs(tmpdir: str, num_buckets: int | None = None) -> dict:
 
 
 def run_case(world_size: int, argv: list, seams: bool, experts: int, ep: int) -> dict:
-    from tests.dist import run_distributed
-
     argv = argv + ["--num-experts", str(experts), "--expert-model-parallel-size", str(ep)]
-    per_rank = run_distributed(
-        world_size, "megatron_ext.training.sharded_params:measure", timeout=600, argv=argv, seams=seams
-    )
+    per_rank = run_world(world_size, measure, timeout=600, argv=argv, seams=seams)
     r0 = per_rank[0]
     worst = lambda k: max(r[k] for r in per_rank)  # noqa: E731
     return {
@@ -143,18 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=None, choices=["mcore-default", "mcore-overlap", "ours"])
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    # The worker processes inherit fd 1 and log there: send theirs to stderr, keep ours for the result.
-    sys.stdout.flush()
-    result_fd = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        out = run(a.experts, ep=a.ep, num_buckets=a.num_buckets, which=a.configs)
-    finally:
-        from tests.dist import close_all
-
-        close_all()
-        sys.stdout.flush()
-        os.dup2(result_fd, 1)
+    out = run(a.experts, ep=a.ep, num_buckets=a.num_buckets, which=a.configs)  # workers log to stderr
     if a.json:
         for group in [out["cases"], *out["baselines"].values()]:
             for c in group:

@@ -8,10 +8,10 @@ def gather_counts(experts: int, seams: bool = True, defaults: bool = False, extr
     """One measured train.main run (1 warm-up + 1 counted + 1 timed iteration) of the many-experts
     recipe with E experts on DP2/EP2. defaults=True: megatron-core's DDP defaults instead of the
     recipe's (distributed optimizer, no overlap, one bucket per buffer)."""
-    from megatron_ext.training import sharded_params
+    from megatron_ext.bench import gather
 
     argv = ["--recipe", RECIPE, "--num-experts", str(experts), "--expert-model-parallel-size", "2",
             "--seq-length", "32", "--max-position-embeddings", "32", *extra]
-    r = sharded_params.measure(argv, counted_steps=1, timed_steps=1, seams=seams, ddp_defaults=defaults)
+    r = gather.measure(argv, counted_steps=1, timed_steps=1, seams=seams, ddp_defaults=defaults)
     r.pop("sync_op_names", None)
     return r

@@ -1,5 +1,5 @@
-"""Issue 6: the distributed optimizer's gather / reduce path does per-bucket, not per-parameter,
-work for many-expert MoE models (counts from megatron_ext.training.sharded_params on a DP2/EP2
+"""Sharded parameters: the distributed optimizer's gather / reduce path does per-bucket, not
+per-parameter, work for many-expert MoE models (counts from megatron_ext.bench.gather on a DP2/EP2
 gloo world running train.main)."""
 from __future__ import annotations
 

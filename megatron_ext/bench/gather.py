@@ -1,4 +1,4 @@
-"""Sharded parameters (issue 6): counting what megatron-core's DDP buffers do per step.
+"""The sharded-parameter gather / reduce path: counting what megatron-core's DDP buffers do per step.
 
 The distributed optimizer keeps every parameter as a view into one contiguous buffer per
 (dtype, expert/dense) and communicates per *bucket* of that buffer (param_and_grad_buffer.py).
@@ -16,7 +16,8 @@ so the sync-path numbers are not mixed with them.
 
 `measure(argv, ...)` runs train.py's own main() with the probe installed (what train.py runs, not a
 re-implementation) and returns one rank's figures; scripts/bench_gather.py and
-tests/training/test_sharded_params.py call it on every rank of a gloo world.
+tests/training/test_sharded_params.py call it on every rank of a gloo world. The probe's wrappers
+are measurement only (installed for one measured run, removed after it), not seams.
 """
 from __future__ import annotations
 
@@ -155,19 +156,17 @@ class GatherProbe:
         self._undo.append(lambda: setattr(klass, name, orig))
 
     def _run(self, orig, region, timed, *args, **kwargs):
-        probe = self
-        if True:
-            if probe._cur is None or probe._region == region:
-                return orig(*args, **kwargs)
-            with probe.region(region, timed=timed):
-                if probe._counting and not probe._depth:
-                    probe._depth += 1
-                    try:
-                        with probe._mode:
-                            return orig(*args, **kwargs)
-                    finally:
-                        probe._depth -= 1
-                return orig(*args, **kwargs)
+        if self._cur is None or self._region == region:
+            return orig(*args, **kwargs)
+        with self.region(region, timed=timed):
+            if self._counting and not self._depth:
+                self._depth += 1
+                try:
+                    with self._mode:
+                        return orig(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+            return orig(*args, **kwargs)
 
     def time_forward_pre_hooks(self, model) -> int:
         """Put DDP's registered forward pre-hooks (the param-gather entry point, one per module)
