@@ -16,11 +16,12 @@ DATA        := data/pystdlib_text_document.idx
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt Makefile
+$(STAMP): requirements.txt Makefile pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 data: $(DATA)

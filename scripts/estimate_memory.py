@@ -1,7 +1,7 @@
 """Expected per-GPU memory of a recipe, from megatron's theoretical estimate
 (megatron/training/theoretical_memory_usage.py), at the world size the recipe declares.
 
-    PYTHONPATH=. python scripts/estimate_memory.py recipes/cluster/*.yaml [--json]
+    .venv/bin/python scripts/estimate_memory.py recipes/cluster/*.yaml [--json]
 
 Weights + gradients + optimizer state per GPU (the most loaded pipeline stage, the first), and
 activations of the first pipeline stage with its in-flight micro-batches (megatron's formula from
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # arguments.py: of the checkout
 
 from megatron_ext import platform  # noqa: E402
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import sysconfig
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import platform
 
 
 def stdlib_files(limit_mb: float) -> list[str]:

@@ -1,8 +1,5 @@
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite proves CUDA behaviour on CPU: workers inherit this (megatron_ext/platform/faithful.py).
 os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
