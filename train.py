@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from megatron_ext import schedules
     from megatron_ext.training import checkpointing, data, model as models, observability, optimizer as optim
     from megatron_ext.training import parallel, run, step
-    from megatron_ext.training.logging import TrainingLogger
+    from megatron_ext.training.log_line import TrainingLogger
 
     run.initialize_parallel(args)
     try:

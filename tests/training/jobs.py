@@ -31,7 +31,7 @@ def _native_threads() -> int:
 def train_with_counters(argv: list[str]) -> dict:
     """Run train.main and return the feature counters of the last log line, as the log shows them."""
     import train as entry
-    from megatron_ext.training import logging as log
+    from megatron_ext.training import log_line as log
 
     shown = {}
     original = log.TrainingLogger.format
