@@ -1,4 +1,4 @@
-"""Sync-free MoE token dispatch (issue 4).
+"""Sync-free MoE token dispatch.
 
 * :func:`indices_to_multihot` (``multihot.py``): top-k indices -> multihot routing map, pure torch,
   fixed shapes, no host-device sync, bit-identical to megatron-core's ``_indices_to_multihot``.
@@ -21,7 +21,7 @@ __all__ = ["indices_to_multihot", "add_arguments", "validate", "after_model", "i
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext moe", "sync-free MoE token dispatch (docs/moe.md)")
+    group = parser.add_argument_group("megatron_ext: MoE token dispatch", "sync-free MoE token dispatch (docs/moe.md)")
     group.add_argument(
         FLAG,
         dest="moe_sync_free_dispatcher",
@@ -36,17 +36,13 @@ def add_arguments(parser):
     return parser
 
 
-def _get(args, name, default=None):
-    return getattr(args, name, default)
-
-
 def validate(args) -> None:
-    if not _get(args, "moe_sync_free_dispatcher", False):
+    if not getattr(args, "moe_sync_free_dispatcher", False):
         return
     on = f"{FLAG}=True"
-    if not _get(args, "num_experts"):
+    if not getattr(args, "num_experts", None):
         raise ConfigError(f"{on}: needs an MoE model (--num-experts is not set)")
-    kind = _get(args, "moe_token_dispatcher_type", "allgather")
+    kind = getattr(args, "moe_token_dispatcher_type", "allgather")
     if kind not in ("alltoall", "allgather"):
         raise ConfigError(
             f"{on}: --moe-token-dispatcher-type={kind} is not supported (use alltoall or allgather)"
@@ -56,9 +52,10 @@ def validate(args) -> None:
         ("--moe-shared-expert-overlap", "moe_shared_expert_overlap"),
         ("--moe-router-padding-for-quantization", "moe_router_padding_for_quantization"),
     ):
-        if _get(args, name, False):
+        if getattr(args, name, False):
             raise ConfigError(f"{on}: {flag} is not supported with the sync-free dispatcher")
-    if _get(args, "moe_pad_expert_input_to_capacity", False) and _get(args, "moe_expert_capacity_factor") is None:
+    pad = getattr(args, "moe_pad_expert_input_to_capacity", False)
+    if pad and getattr(args, "moe_expert_capacity_factor", None) is None:
         raise ConfigError(f"{on}: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
@@ -88,5 +85,5 @@ def install(model_chunks) -> int:
 
 
 def after_model(args, model_chunks) -> None:
-    if _get(args, "moe_sync_free_dispatcher", False):
+    if getattr(args, "moe_sync_free_dispatcher", False):
         install(model_chunks)

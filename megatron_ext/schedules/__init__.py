@@ -1,4 +1,4 @@
-"""1F1B backward-forward overlap that hides tensor-parallel communication (issue 5).
+"""1F1B backward-forward overlap that hides tensor-parallel communication.
 
 Flag: ``--overlap-tp-comm-1f1b``. With it, the steady phase of the pipeline schedule (and, without
 pipelining, each pair of consecutive micro-batches) runs the backward of one micro-batch and the
@@ -9,12 +9,14 @@ gradients are bit-identical to megatron's plain schedule. See docs/overlap.md.
 from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.training.features import SinceLastCall
 
 FLAG = "--overlap-tp-comm-1f1b"
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext: backward-forward TP-communication overlap")
+    group = parser.add_argument_group("megatron_ext: backward-forward TP-communication overlap",
+                                      "1F1B overlap hiding tensor-parallel communication (docs/overlap.md)")
     group.add_argument(
         FLAG,
         dest="overlap_tp_comm_1f1b",
@@ -32,16 +34,12 @@ def add_arguments(parser):
     return parser
 
 
-def _get(args, name, default=None):
-    return getattr(args, name, default)
-
-
 def validate(args) -> None:
     """Refuse, naming flag and value, every setting under which the overlap cannot apply."""
-    if not _get(args, "overlap_tp_comm_1f1b", False):
+    if not getattr(args, "overlap_tp_comm_1f1b", False):
         return
-    on = f"{FLAG}=true"
-    tp = _get(args, "tensor_model_parallel_size", 1) or 1
+    on = f"{FLAG}=True"
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp < 2:
         raise ConfigError(
             f"{on} needs tensor parallelism: --tensor-model-parallel-size={tp} has no TP "
@@ -66,19 +64,19 @@ def validate(args) -> None:
         "delay_wgrad_compute": ("--delay-wgrad-compute", "splits wgrad out of the backward pass"),
     }
     for dest, (flag, why) in incompatible.items():
-        value = _get(args, dest, None)
+        value = getattr(args, dest, None)
         if value not in (None, False, 0):
             raise ConfigError(f"{on} cannot be combined with {flag}={value}: {why}")
-    impl = _get(args, "transformer_impl", "local")
+    impl = getattr(args, "transformer_impl", "local")
     if impl == "transformer_engine":
         raise ConfigError(
             f"{on} with --transformer-impl={impl}: TE layers issue their TP collectives inside TE "
             "(userbuffers/NCCL in C++), which the overlap cannot intercept; use --transformer-impl=local"
         )
-    cuda_graph = _get(args, "cuda_graph_impl", "none")
+    cuda_graph = getattr(args, "cuda_graph_impl", "none")
     if cuda_graph not in (None, "none"):
         raise ConfigError(f"{on} cannot be combined with --cuda-graph-impl={cuda_graph}")
-    if _get(args, "external_cuda_graph", False) or _get(args, "enable_cuda_graph", False):
+    if getattr(args, "external_cuda_graph", False) or getattr(args, "enable_cuda_graph", False):
         raise ConfigError(f"{on} cannot be combined with CUDA graphs")
 
 
@@ -87,11 +85,11 @@ def get_forward_backward_func(args=None):
     same keyword arguments as megatron's forward_backward_* functions."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    if args is not None and _get(args, "overlap_tp_comm_1f1b", False):
+    if args is not None and getattr(args, "overlap_tp_comm_1f1b", False):
         from megatron.core import parallel_state
 
         if parallel_state.get_tensor_model_parallel_world_size() < 2:
-            raise ConfigError(f"{FLAG}=true needs tensor parallelism (TP world size is 1)")
+            raise ConfigError(f"{FLAG}=True needs tensor parallelism (TP world size is 1)")
         from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
         return forward_backward_overlap
@@ -104,18 +102,15 @@ def teardown() -> None:
 
     overlap_1f1b._P2P_GROUPS.clear()
     lanes.EXPOSED_S.clear()
-    _LOGGED.clear()
+    _SINCE.reset()
 
 
-_LOGGED: dict = {}
+_SINCE = SinceLastCall()
 
 
 def log_counters() -> dict:
     """Host time left blocked on TP (and EP) collectives under our schedule since the last line."""
     from megatron_ext.schedules import lanes
 
-    counters = {}
-    for kind, total in sorted(lanes.EXPOSED_S.items()):
-        counters[f"{kind.upper()} comm exposed (ms)"] = f"{(total - _LOGGED.get(kind, 0.0)) * 1e3:.1f}"
-        _LOGGED[kind] = total
-    return counters
+    delta = _SINCE(lanes.EXPOSED_S)
+    return {f"{kind.upper()} comm exposed (ms)": f"{delta[kind] * 1e3:.1f}" for kind in sorted(delta)}

@@ -4,7 +4,7 @@ from megatron_ext.errors import ConfigError
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext training")
+    group = parser.add_argument_group("megatron_ext: training", "initialisation and checkpoint retention")
     group.add_argument(
         "--layout-invariant-init",
         action="store_true",

@@ -1,9 +1,11 @@
 """Our capabilities as seen by the builders: each package may define
 
-    add_arguments(parser)          its flags, declared once, with help text (an argparse group)
+    add_arguments(parser)          its flags, declared once, with help text, in an argparse group
+                                   titled "megatron_ext: <capability>"
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
-    before_model(args, config)     adjust the TransformerConfig / install its seams before build
+    before_model(args, config)     adjust the TransformerConfig before the model is built
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
+    log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
 and the builders call whichever exist, in this order of packages."""
@@ -40,6 +42,24 @@ def before_model(args, config) -> None:
 def after_model(args, model) -> None:
     for fn in _hooks("after_model"):
         fn(args, model)
+
+
+class SinceLastCall:
+    """Running totals -> how much each grew since the previous call (a log line reports its own
+    interval). A new `run` (any object identifying it) starts again from zero."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._last, self._run = {}, None
+
+    def __call__(self, totals: dict, run=None) -> dict:
+        if run is not self._run:
+            self._last, self._run = {}, run
+        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        self._last = dict(totals)
+        return delta
 
 
 def log_counters() -> dict:

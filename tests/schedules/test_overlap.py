@@ -222,7 +222,7 @@ def test_recipe_key_enables_it_and_refusal_happens_before_compute(tmp_path):
     args = arguments.parse(["--recipe", str(recipe), "--tensor-model-parallel-size", "2",
                             "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
     assert args.overlap_tp_comm_1f1b is True
-    with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=true .*--tensor-model-parallel-size=1"):
+    with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=True .*--tensor-model-parallel-size=1"):
         arguments.parse(["--recipe", str(recipe), "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
 
 
