@@ -1,4 +1,4 @@
-"""Chunked, race-free activation offload (issue 3). See docs/offload.md and ``manager.py``.
+"""Chunked, race-free activation offload. See docs/offload.md and ``manager.py``.
 
 Enabled by listing modules: ``--activation-offload-modules core_attention qkv_linear ...`` (recipe key
 ``activation_offload_modules``). Our flags are all ``--activation-offload-*``; megatron-core's own

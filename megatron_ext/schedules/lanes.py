@@ -16,7 +16,8 @@ gradients are bit-identical to the plain schedule as long as the backwards stay 
 
 * RNG (CPU default generator, CUDA generator, model-parallel tracker) is saved/restored at every
   hand-off, so dropout in the forward draws exactly what it draws in the plain schedule;
-* megatron's global "mpu" scratch buffer (sequence-parallel all-gathers) is per lane (seams.py).
+* megatron's global "mpu" scratch buffer (sequence-parallel all-gathers) is per lane
+  (megatron_ext/seams/schedules.py).
 
 On CUDA the collectives run on the communication library's own stream (async_op=True) and the
 lanes only decide the host-side launch order; on CPU+gloo the same code uses gloo's async work.

@@ -1,4 +1,4 @@
-"""The 1F1B schedule with backward-forward overlap (issue 5).
+"""The 1F1B schedule with backward-forward overlap.
 
 One function covers no pipelining (PP=1), 1F1B (PP>1) and interleaved 1F1B (PP>1 with model
 chunks). Per rank, with V = num_microbatches x num_chunks virtual micro-batches in megatron's

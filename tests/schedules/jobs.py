@@ -27,7 +27,7 @@ def argv_for(kind: str, tp: int, pp: int = 1, vpp: int | None = None, extra=()) 
 
 
 def build(argv):
-    """The team's builders (arguments.parse -> parallel init -> model chunks with DDP)."""
+    """The project's builders (arguments.parse -> parallel init -> model chunks with DDP)."""
     import arguments
     from megatron.core.distributed import finalize_model_grads
 
@@ -62,7 +62,7 @@ def one_step(args, model, data, schedule, seed: int = 4321):
 
 
 def _offload_stats():
-    """Bytes the team's activation offload moved in this run (None when it is off)."""
+    """Bytes our activation offload moved in this run (None when it is off)."""
     from megatron_ext import offload
 
     manager = offload.current()
@@ -178,7 +178,7 @@ def which_schedule():
 
 
 def train_losses(argv: list) -> dict:
-    """train.main(argv) (the team's training loop) and how often our schedule ran."""
+    """train.main(argv) (the project's training loop) and how often our schedule ran."""
     import train as entry
 
     from megatron_ext.schedules import overlap_1f1b

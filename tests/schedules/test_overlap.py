@@ -1,4 +1,4 @@
-"""Backward-forward TP-communication overlap (issue 5): bit-identical results and real overlap.
+"""Backward-forward TP-communication overlap: bit-identical results and real overlap.
 
 Each distributed case runs megatron's plain schedule and ours on the same model, data and seed
 (dropout on) and compares every loss and every gradient bit for bit; it also counts, from the

@@ -1,4 +1,4 @@
-"""Checkpointing (issue 7): a resumed run logs exactly the losses of an uninterrupted one; a crash in
+"""Checkpointing: a resumed run logs exactly the losses of an uninterrupted one; a crash in
 the middle of a save leaves the previous checkpoint the one that loads; retention; resharding.
 
 Every run goes through train.main in the persistent gloo workers (tests/dist.py). Dropout is on

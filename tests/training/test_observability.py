@@ -1,4 +1,4 @@
-"""Observability (issue 7): profiler trace for a step range, non-finite loss detected without a
+"""Observability: profiler trace for a step range, non-finite loss detected without a
 per-step host sync, TensorBoard when installed."""
 from __future__ import annotations
 
