@@ -31,7 +31,7 @@ def _worker(rank: int, world_size: int, port: int, target: str, kwargs: dict, re
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
-    import torch
+    import torch  # after the environment above: its thread pools read OMP_NUM_THREADS
 
     from megatron_ext import platform
 
