@@ -280,7 +280,7 @@ def section_multihot(size, claims) -> dict:
     from megatron_ext.moe.multihot import indices_to_multihot, reference_indices_to_multihot
     from scripts.bench_dispatcher import bench_multihot
 
-    device = platform.setup().device
+    device = platform.current().device
     rows = []
     for experts in size["multihot_experts"]:
         topk = min(8, experts) if experts > 8 else 2
@@ -442,7 +442,7 @@ def section_offload(size, claims) -> dict:
         chunks, config, c = jobs.build(**shape)
         try:
             for ch in chunks:  # jobs.build leaves torch's own norms where they were made (the host)
-                ch.to(device=platform.setup().device, dtype=dtype)
+                ch.to(device=platform.current().device, dtype=dtype)
                 for p in ch.parameters():
                     p.grad = torch.zeros_like(p)
             off = measure(chunks, c, None)
