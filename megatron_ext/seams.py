@@ -16,13 +16,20 @@ def reset_megatron_globals() -> None:
     (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR), and the
     MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler), and the
     MoE metrics tracker, whose per-layer entries keep the previous model's layer count
-    (moe/moe_logging.py:49; a deeper model then indexes past them at :125)."""
+    (moe/moe_logging.py:49; a deeper model then indexes past them at :125), and the process groups
+    parallel_state.destroy_model_parallel (parallel_state.py:2506) leaves referenced
+    (parallel_state.py:129, 131, 146-147), which keeps each gloo group's threads alive."""
     from megatron.core import num_microbatches_calculator as nmc
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     parallel_state.destroy_global_memory_buffer()
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    # destroy_model_parallel forgets these; a reference left here keeps a destroyed group's threads
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    parallel_state._HYBRID_DP_CP_GROUPS = {}
     reset_moe_aux_loss_scale()
     destroy_moe_metrics_tracker()
 
