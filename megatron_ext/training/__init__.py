@@ -35,6 +35,12 @@ def validate(args) -> None:
         )
 
 
+def teardown() -> None:
+    from megatron_ext.training import step
+
+    step.release_schedule_hooks()
+
+
 def after_model(args, model) -> None:
     from megatron_ext.seams import install_sharded_params_seams
 
