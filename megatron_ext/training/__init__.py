@@ -36,9 +36,10 @@ def validate(args) -> None:
 
 
 def teardown() -> None:
-    from megatron_ext.training import step
+    from megatron_ext.training import model, step
 
     step.release_schedule_hooks()
+    model.release_models()
 
 
 def after_model(args, model) -> None:
