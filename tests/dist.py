@@ -4,12 +4,13 @@ Starting a process group and importing megatron-core costs seconds per process; 
 pool costs well under one. `run_distributed(world_size, "pkg.module:function", **kwargs)` runs the
 function on every rank and returns the list of per-rank results (index = rank). A job that raises on
 any rank fails the test with that rank's traceback; the pool is then restarted, since the other ranks
-may be stuck in a collective.
+may be stuck in a collective. Workers are forked from a server that has done the imports once.
 
 Leak check: each worker records its threads and process groups once the default group is up; after
 every job (and megatron's teardown) they must be back to that baseline (no new Python thread or
-process group, at most THREAD_SLACK new native threads), or the job fails naming what it left behind. A worker runs hundreds of jobs, so a job that
-leaves a gloo group (each owns threads) or a helper thread behind would pile up thousands.
+process group, at most THREAD_SLACK new native threads), or the job fails naming what it left
+behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns threads) or a
+helper thread behind would pile up thousands.
 """
 from __future__ import annotations
 
@@ -160,9 +161,22 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os._exit(0)  # skip interpreter finalisation (seconds with megatron-core loaded): nothing is left to flush
 
 
+def start_server():
+    """Workers fork from one server that has imported torch, megatron-core and the entry points once
+    (tests/_preload.py): a fresh worker is ready in well under a second instead of the ~10 s of CPU
+    those imports cost each spawned process. Returns immediately; the server imports in the
+    background."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests._preload"])
+    forkserver.ensure_running()
+    return ctx
+
+
 class WorkerPool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = start_server()
         self.world_size = world_size
         self.stopping = False
         self.jobs = [ctx.Queue() for _ in range(world_size)]
