@@ -33,7 +33,7 @@ train: $(STAMP) $(DATA)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc-per-node $(NPROC) train.py --recipe $(RECIPE) $(ARGS)
 
 test: $(STAMP) $(DATA)
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) data

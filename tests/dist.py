@@ -4,7 +4,13 @@ Starting a process group and importing megatron-core costs seconds per process; 
 pool costs well under one. `run_distributed(world_size, "pkg.module:function", **kwargs)` runs the
 function on every rank and returns the list of per-rank results (index = rank). A job that raises on
 any rank fails the test with that rank's traceback; the pool is then restarted, since the other ranks
-may be stuck in a collective.
+may be stuck in a collective. Workers are forked from a server that has done the imports once.
+
+Leak check: each worker records its threads and process groups once the default group is up; after
+every job (and megatron's teardown) they must be back to that baseline (no new Python thread or
+process group, at most THREAD_SLACK new native threads), or the job fails naming what it left
+behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns threads) or a
+helper thread behind would pile up thousands.
 """
 from __future__ import annotations
 
@@ -14,7 +20,12 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
+
+DEFAULT_TIMEOUT_S = 120  # per job; no test may need more (a slow job needs a smaller workload)
+THREAD_SLACK = 2  # native threads a job may leave above the baseline (lazily started process-wide pools)
+SETTLE_S = 2.0  # how long a surplus may take to go away (a thread finishing after its last join)
 
 _POOLS: dict = {}
 
@@ -25,42 +36,149 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class LeakError(RuntimeError):
+    pass
+
+
+def _threads() -> dict:
+    """Every OS thread of this process: native id -> name (the Python name where it has one)."""
+    import threading
+
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        except OSError:  # exited meanwhile
+            pass
+    for t in threading.enumerate():
+        if t.native_id in names:
+            names[t.native_id] = f"{t.name} (python)"
+    return names
+
+
+def _groups() -> dict:
+    """Every live torch.distributed process group -> a description (name and global ranks)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return {}
+    world = c10d._world
+    return {
+        id(pg): f"{world.pg_names.get(pg, '?')} ranks {sorted(world.pg_group_ranks.get(pg, {}))}" for pg in world.pg_map
+    }
+
+
+def snapshot() -> tuple[dict, dict]:
+    import gc
+
+    gc.collect()  # a process group or thread object only held by a reference cycle is not a leak
+    return _threads(), _groups()
+
+
+def check_leaks(job: str, baseline: tuple[dict, dict], slack: int = THREAD_SLACK, settle_s: float = SETTLE_S) -> None:
+    """Raise LeakError naming the surplus of `job` against `baseline`: any Python thread or process
+    group it left behind, or more than `slack` native threads."""
+    base_threads, base_groups = baseline
+    deadline = time.monotonic() + settle_s
+    while True:
+        threads, groups = snapshot()
+        extra_groups = {k: v for k, v in groups.items() if k not in base_groups}
+        new = sorted(name for tid, name in threads.items() if tid not in base_threads)
+        python = [n for n in new if n.endswith("(python)")]
+        surplus = len(threads) - len(base_threads)
+        if not extra_groups and not python and surplus <= slack:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    lines = [f"{job} leaked:"]
+    if python or surplus > slack:
+        lines.append(
+            f"  {surplus} threads above the baseline of {len(base_threads)} (allowed: {slack} native, no Python "
+            "thread): " + ", ".join(f"{n} x{new.count(n)}" if new.count(n) > 1 else n for n in sorted(set(new)))
+        )
+    if extra_groups:
+        lines.append(f"  {len(extra_groups)} process groups: " + "; ".join(sorted(extra_groups.values())))
+    raise LeakError("\n".join(lines))
+
+
+def _bound_threads() -> None:
+    """One compute thread per worker process: the pools share a 2-core machine."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already started (only possible if something ran parallel work first)
+        pass
+
+
+def _teardown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        from megatron_ext.training import parallel
+
+        parallel.destroy()
+
+
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
+    _bound_threads()
     import torch
 
-    torch.set_num_threads(1)
     from megatron_ext import platform
 
-    platform.init_distributed(timeout_s=120)
+    platform.init_distributed(timeout_s=DEFAULT_TIMEOUT_S)
+    results.put((rank, "ready", None))  # also starts the queue's feeder thread before the baseline
+    baseline = snapshot()
     while True:
         job = jobs.get()
         if job is None:
             break
         target, kwargs = job
+        ok, payload = True, None
         try:
             module, name = target.split(":")
-            result = getattr(importlib.import_module(module), name)(**kwargs)
-            results.put((rank, True, result))
+            payload = getattr(importlib.import_module(module), name)(**kwargs)
         except BaseException:  # noqa: BLE001 - report everything to the test
-            results.put((rank, False, traceback.format_exc()))
-        finally:
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                from megatron_ext.training import parallel
-
-                parallel.destroy()
+            ok, payload = False, traceback.format_exc()
+        try:
+            _teardown()
+            if ok:
+                check_leaks(target, baseline)
+        except BaseException:  # noqa: BLE001
+            ok, payload = False, traceback.format_exc()
+        results.put((rank, ok, payload))
     torch.distributed.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0)  # skip interpreter finalisation (seconds with megatron-core loaded): nothing is left to flush
+
+
+def start_server():
+    """Workers fork from one server that has imported torch, megatron-core and the entry points once
+    (tests/_preload.py): a fresh worker is ready in well under a second instead of the ~10 s of CPU
+    those imports cost each spawned process. Returns immediately; the server imports in the
+    background."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests._preload"])
+    forkserver.ensure_running()
+    return ctx
 
 
 class WorkerPool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = start_server()
         self.world_size = world_size
+        self.stopping = False
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = _free_port()
@@ -72,42 +190,60 @@ class WorkerPool:
             p.start()
 
     def run(self, target: str, timeout: float, kwargs: dict) -> list:
+        try:
+            return self._run(target, timeout, kwargs)
+        except BaseException:
+            # a failed rank, a timeout, or the test interrupted (pytest-timeout): ranks may be stuck
+            self.close(force=True)
+            raise
+
+    def _run(self, target: str, timeout: float, kwargs: dict) -> list:
         for q in self.jobs:
             q.put((target, kwargs))
         out, failures = {}, []
-        wait = timeout
+        deadline = time.monotonic() + timeout
         while len(out) + len(failures) < self.world_size:
             try:
-                rank, ok, payload = self.results.get(timeout=wait)
+                rank, ok, payload = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            if ok == "ready":
+                continue
             if ok:
                 out[rank] = payload
             else:
                 failures.append((rank, payload))
-                wait = 10  # others may be blocked in a collective with the failed rank
-        if failures or len(out) < self.world_size:
-            self.close(force=True)
-            if failures:
-                rank, tb = failures[0]
-                raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{tb}")
+                deadline = min(deadline, time.monotonic() + 10)  # others may be blocked with the failed rank
+        if failures:
+            rank, tb = min(failures)
+            raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{tb}")
+        if len(out) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(out))
             raise TimeoutError(f"{target}: ranks {missing} gave no result within {timeout}s")
         return [out[r] for r in range(self.world_size)]
 
-    def close(self, force: bool = False) -> None:
-        if not force:
+    def stop(self) -> None:
+        """Ask every worker to finish (after its current job) without waiting."""
+        if not self.stopping:
+            self.stopping = True
             for q in self.jobs:
                 q.put(None)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            self.stop()
             for p in self.procs:
                 p.join(timeout=10)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-        _POOLS.pop(self.world_size, None) if _POOLS.get(self.world_size) is self else None
+                p.join(timeout=10)
+        if _POOLS.get(self.world_size) is self:
+            _POOLS.pop(self.world_size)
 
 
-def run_distributed(world_size: int, target: str, timeout: float = 300, **kwargs) -> list:
+def run_distributed(world_size: int, target: str, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+    assert timeout <= DEFAULT_TIMEOUT_S, f"{target}: a job may not need more than {DEFAULT_TIMEOUT_S}s"
     pool = _POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
@@ -118,5 +254,8 @@ def run_distributed(world_size: int, target: str, timeout: float = 300, **kwargs
 
 @atexit.register
 def close_all() -> None:
-    for pool in list(_POOLS.values()):
+    pools = list(_POOLS.values())
+    for pool in pools:  # all pools wind down at once
+        pool.stop()
+    for pool in pools:
         pool.close()

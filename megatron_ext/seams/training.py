@@ -20,9 +20,24 @@ def reset_megatron_globals() -> None:
     (megatron/core/num_microbatches_calculator.py:_GLOBAL_NUM_MICROBATCHES_CALCULATOR), and the
     MoE aux-loss scale a previous run's schedule set (moe/moe_utils.py MoEAuxLossAutoScaler), and the
     MoE metrics tracker, whose per-layer entries keep the previous model's layer count
-    (moe/moe_logging.py:49; a deeper model then indexes past them at :125)."""
+    (moe/moe_logging.py:49; a deeper model then indexes past them at :125), and the process groups
+    parallel_state.destroy_model_parallel (parallel_state.py:2506) leaves referenced
+    (parallel_state.py:129, 131, 146-147), which keeps each gloo group's threads alive, and the
+    lru_cache on RotaryEmbedding.forward (models/common/embeddings/rotary_pos_embedding.py:177,
+    yarn_rotary_pos_embedding.py:159), keyed by the module, so it keeps the last 32 models' rotary
+    embeddings and with them their context-parallel groups."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
     parallel_state.destroy_global_memory_buffer()
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    # destroy_model_parallel forgets these; a reference left here keeps a destroyed group's threads
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    parallel_state._HYBRID_DP_CP_GROUPS = {}
+    # the cache key is the module itself: it keeps finished runs' modules (and their cp_group) alive
+    rotary_pos_embedding.RotaryEmbedding.forward.cache_clear()
+    yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
     reset_moe_aux_loss_scale()
     destroy_moe_metrics_tracker()
 

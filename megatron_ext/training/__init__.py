@@ -44,4 +44,8 @@ def after_model(args, model) -> None:
 
 
 def teardown() -> None:
+    from megatron_ext.training import model, step
+
+    step.release_schedule_hooks()
+    model.release_models()
     seams.uninstall()  # what the run installed (training/model.py build_model)

@@ -74,7 +74,24 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     if wrap_with_ddp:
         chunks = wrap_ddp(args, config, chunks)
     features.after_model(args, chunks)
+    _BUILT.extend(chunks)
     return chunks
+
+
+_BUILT: list = []  # this run's model chunks, released by release_models() at teardown
+
+
+def release_models() -> None:
+    """Cut this run's DDP wrappers off their models. Activations a model keeps from its last forward
+    (e.g. the MoE token dispatcher's `probs`) lead, through autograd nodes the garbage collector
+    cannot see into, to DDP's grad-accumulator hooks, which hold DDP, which holds the model: a cycle
+    that would keep every model (and its process groups, with their gloo threads) of a long-lived
+    process alive."""
+    for chunk in _BUILT:
+        if hasattr(chunk, "grad_accs"):
+            chunk.grad_accs.clear()
+            del chunk.module
+    _BUILT.clear()
 
 
 def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:

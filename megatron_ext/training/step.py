@@ -36,8 +36,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
+_HOOKED_CONFIGS: list = []  # configs whose callbacks release_schedule_hooks() drops after the run
+
+
 def configure_schedule_hooks(args, config, model, optimizer) -> None:
     """The config callbacks megatron.training.train() installs (training.py:3530-3550)."""
+    _HOOKED_CONFIGS.append(config)
     config.grad_scale_func = optimizer.scale_loss
     if args.overlap_grad_reduce:
         config.no_sync_func = [m.no_sync for m in model]
@@ -51,6 +55,18 @@ def configure_schedule_hooks(args, config, model, optimizer) -> None:
             setattr(config, name, value[0])
     if config.finalize_model_grads_func is None:
         config.finalize_model_grads_func = finalize_model_grads
+
+
+def release_schedule_hooks() -> None:
+    """Drop the callbacks after the run. They close a reference cycle the garbage collector cannot
+    see through: the distributed optimizer's main params are views whose autograd history reaches
+    DDP's grad-accumulator hooks (C++), and DDP -> config -> optimizer.scale_loss -> main params.
+    Left in place, a process that runs several trainings keeps every model, optimizer and process
+    group (with its gloo threads) alive."""
+    for config in _HOOKED_CONFIGS:
+        for name in ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"):
+            setattr(config, name, None)
+    _HOOKED_CONFIGS.clear()
 
 
 def train_step(args, model, optimizer, scheduler, data_iterators, forward_backward_func) -> StepResult:

@@ -236,8 +236,8 @@ def test_train_tiny_moe_pp2_vpp2_same_losses_with_offload():
     on = base + ["--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj", "router_fc1",
                  "router_fc2", "moe_act", "--activation-offload-min-tensor-kb", "1", "--activation-offload-debug",
                  "--activation-offload-cross-pass-prefetch", "always"]
-    off_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=base, timeout=900)
-    on_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=on, timeout=900)
+    off_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=base)
+    on_res = run_distributed(2, "tests.offload.jobs:train_losses", argv=on)
     assert all(r["stats"] is None for r in off_res)
     for r_off, r_on in zip(off_res, on_res):
         assert r_on["stats"]["offloaded_bytes"] > 0

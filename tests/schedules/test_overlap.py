@@ -23,7 +23,7 @@ LAYOUTS = {
 def _run(kind, layout):
     lay = LAYOUTS[layout]
     return run_distributed(
-        lay["world"], "tests.schedules.jobs:check_bitwise", timeout=240,
+        lay["world"], "tests.schedules.jobs:check_bitwise",
         kind=kind, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
     )
 
@@ -66,7 +66,7 @@ def test_bitwise_equal_and_overlapped(kind, layout):
 def test_moe_tp2_ep2_hands_off_expert_all_to_all():
     """MoE with TP2 x EP2 (alltoall dispatcher): bit-identical, and the EP all-to-alls are hand-off
     points too (what megatron's --overlap-moe-expert-parallel-comm hides, done by our lanes)."""
-    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", timeout=240, kind="moe", tp=2,
+    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", kind="moe", tp=2,
                               extra=["--expert-model-parallel-size", "2"])
     for r in results:
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
@@ -77,7 +77,7 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
 def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
     """TP2 x DP2 with megatron DDP's overlapped grad reduce and the distributed optimizer: no_sync
     is left around the same backward as in the plain schedule; grads after finalize are equal."""
-    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", timeout=240, kind="dense", tp=2,
+    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", kind="dense", tp=2,
                               extra=["--overlap-grad-reduce", "--use-distributed-optimizer"])
     for r in results:
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
@@ -86,7 +86,7 @@ def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
 
 def test_bitwise_equal_with_full_recompute():
     """Recompute runs forward code (TP collectives, dropout) inside the backward lane."""
-    results = run_distributed(2, "tests.schedules.jobs:check_bitwise", timeout=240, kind="dense",
+    results = run_distributed(2, "tests.schedules.jobs:check_bitwise", kind="dense",
                               tp=2, extra=["--recompute-granularity", "full", "--recompute-method",
                                            "uniform", "--recompute-num-layers", "1"])
     for r in results:
@@ -102,7 +102,7 @@ def test_bitwise_equal_with_activation_offload(layout):
     serially in one thread, i.e. without any interleaving: reported to the offload owner.)"""
     lay = LAYOUTS[layout]
     results = run_distributed(
-        lay["world"], "tests.schedules.jobs:check_bitwise", timeout=240, kind="dense", tp=lay["tp"],
+        lay["world"], "tests.schedules.jobs:check_bitwise", kind="dense", tp=lay["tp"],
         pp=lay["pp"], extra=["--activation-offload-modules", "core_attention", "qkv_linear",
                              "attn_proj", "--activation-offload-min-tensor-kb", "0"],
     )
@@ -122,8 +122,8 @@ def test_train_py_trains_a_recipe_with_it_on(recipe, world, layout):
     """train.py with --overlap-tp-comm-1f1b: the overlapped schedule runs every iteration and the
     per-iteration losses and grad norms (optimizer updates included) equal the plain run's."""
     argv = ["--recipe", recipe, "--train-iters", "3", "--global-batch-size", "8", *layout]
-    off = run_distributed(world, "tests.schedules.jobs:train_losses", timeout=300, argv=argv)
-    on = run_distributed(world, "tests.schedules.jobs:train_losses", timeout=300,
+    off = run_distributed(world, "tests.schedules.jobs:train_losses", argv=argv)
+    on = run_distributed(world, "tests.schedules.jobs:train_losses",
                          argv=argv + ["--overlap-tp-comm-1f1b"])
     for r_off, r_on in zip(off, on):
         assert r_off["calls"] == 0 and r_on["calls"] == 3 and r_on["pairs"] > 0
@@ -136,7 +136,7 @@ def test_train_py_trains_a_recipe_with_it_on(recipe, world, layout):
 def test_rng_per_lane_is_needed():
     """Negative control: without the per-lane RNG swap the forward's dropout draws change, so
     the bitwise check above is able to fail."""
-    results = run_distributed(2, "tests.schedules.jobs:check_without_rng_swap", timeout=240)
+    results = run_distributed(2, "tests.schedules.jobs:check_without_rng_swap")
     assert any(not r["losses_equal"] or r["grad_mismatch"] for r in results)
 
 
@@ -208,7 +208,7 @@ def test_validate_accepts_and_ignores_when_off():
 
 
 def test_get_forward_backward_func_picks_ours_only_with_flag():
-    results = run_distributed(2, "tests.schedules.jobs:which_schedule", timeout=120)
+    results = run_distributed(2, "tests.schedules.jobs:which_schedule")
     for r in results:
         assert r == {"on": "forward_backward_overlap", "off": "forward_backward_no_pipelining"}
 

@@ -1,0 +1,13 @@
+"""Imported once by the worker pools' fork server (tests/dist.py): every worker forked from it
+starts with torch, megatron-core and the entry points already imported."""
+from megatron_ext import platform
+
+platform.setup()
+
+import megatron.core.models.gpt  # noqa: E402,F401
+import megatron.core.optimizer  # noqa: E402,F401
+import megatron.core.pipeline_parallel  # noqa: E402,F401
+import megatron.training.training  # noqa: E402,F401
+
+import train  # noqa: E402,F401
+import megatron_ext.training.data  # noqa: E402,F401  (megatron's tokenizer package imports transformers when installed)

@@ -1,0 +1,37 @@
+"""Jobs for tests/test_dist.py: the worker pool's own behaviour (see tests/dist.py)."""
+from __future__ import annotations
+
+import threading
+
+_KEPT: list = []
+
+
+def leak_thread() -> int:
+    """Start a helper thread and return without stopping it (what the leak check must catch)."""
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, name="deliberately-leaked-helper", daemon=True).start()
+    _KEPT.append(stop)
+    return 1
+
+
+def leak_process_group() -> int:
+    """Create a process group outside parallel.initialize and keep it."""
+    import torch.distributed as dist
+
+    _KEPT.append(dist.new_group(list(range(dist.get_world_size())), group_desc="deliberately_leaked"))
+    return 1
+
+
+def join_thread() -> int:
+    """A helper thread that is joined before the job returns leaves nothing behind."""
+    done = []
+    t = threading.Thread(target=lambda: done.append(1), name="joined-helper")
+    t.start()
+    t.join()
+    return len(done)
+
+
+def worker_pid() -> int:
+    import os
+
+    return os.getpid()

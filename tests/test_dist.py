@@ -1,0 +1,29 @@
+"""The worker pool's leak check fails the job that leaves threads or process groups behind, names
+what it left, and the pool recovers for the next job."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import run_distributed
+
+
+def test_a_job_that_leaks_a_thread_fails_by_name_and_the_pool_recovers():
+    before = run_distributed(1, "tests.pool_jobs:worker_pid")  # one rank: the check is per process
+    assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]  # joined threads are fine
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(1, "tests.pool_jobs:leak_thread")
+    message = str(failed.value)
+    assert "tests.pool_jobs:leak_thread leaked" in message
+    assert "deliberately-leaked-helper (python)" in message
+    after = run_distributed(1, "tests.pool_jobs:worker_pid")  # a fresh pool: the leaky workers are gone
+    assert set(after).isdisjoint(before)
+    assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
+
+
+def test_a_job_that_keeps_a_process_group_fails_by_name():
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(1, "tests.pool_jobs:leak_process_group")
+    message = str(failed.value)
+    assert "tests.pool_jobs:leak_process_group leaked" in message
+    assert "1 process groups" in message and "ranks [0]" in message
+    assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
