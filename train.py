@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from megatron_ext.training.log_line import TrainingLogger
 
     run.initialize_parallel(args)
+    logger = None
     try:
         config = models.transformer_config(args)
         model = models.build_model(args, config)
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ckpt.close(iteration)  # saves at exit, waits for async saves
         return logger.history
     finally:
+        if logger is not None:
+            logger.close()  # on every exit path: the TensorBoard writer owns a thread
         parallel.destroy()
 
 

@@ -86,6 +86,12 @@ class TrainingLogger:
             self.interval_start, self.interval_iterations = now, 0
         return record
 
+    def close(self) -> None:
+        """Flush and stop the TensorBoard writer (its background thread and file)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
     def _read_losses(self) -> None:
         """One host read per log line (not per iteration) for the losses since the last line."""
         pending = self._records[len(self._records) - self._unread:]
