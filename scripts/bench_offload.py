@@ -58,7 +58,7 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
             grads_bitwise_equal=bool(run["grads_equal"] and run["losses_equal"] and not run["nan_grads"]),
             **{k: run[k] if run[k] is not None else "not measured on GPU"
                for k in ("exposed_copy_s", "exposed_d2h_s", "exposed_h2d_s")},
-            layer_forward_s=r["layer_forward_s"], group_bytes=r["theory_group_bytes"],
+            step_s=run["step_s"], layer_forward_s=r["layer_forward_s"], group_bytes=r["theory_group_bytes"],
             inflight_passes=theory.inflight_passes(pp, vpp, r["pp_rank"], kw["microbatches"]),
             layers_per_chunk=kw["layers"] // (pp * (vpp or 1)), offloaded_bytes=s["offloaded_bytes"],
             kept_last_bytes=s["kept_last_bytes"], served_in_flight_bytes=s["served_in_flight_bytes"],
@@ -100,7 +100,8 @@ def _fmt(x, spec):
 def table(doc, out) -> None:
     print(f"device: {doc['device']}", file=out)
     hdr = (f"{'schedule':<12} {'model':<6} {'rank':>4} {'link':<5} {'GB/s':>7} {'copy/fwd':>8} {'peak off MiB':>12} "
-           f"{'peak on MiB':>12} {'theory MiB':>10} {'saved MiB':>10} {'R':>7} {'bitwise':>8} {'exposed s':>9}")
+           f"{'peak on MiB':>12} {'theory MiB':>10} {'saved MiB':>10} {'R':>7} {'bitwise':>8} {'exposed s':>9} "
+           f"{'step s':>7}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for c in doc["cases"]:
@@ -108,7 +109,7 @@ def table(doc, out) -> None:
               f"{_fmt(c['copy_to_compute'], '8.2f'):>8} {c['peak_off_bytes'] / 2**20:>12.3f} "
               f"{c['peak_on_bytes'] / 2**20:>12.3f} {c['theoretical_bytes'] / 2**20:>10.3f} "
               f"{c['saved_bytes'] / 2**20:>10.3f} {c['R']:>7.4f} {str(c['grads_bitwise_equal']):>8} "
-              f"{_fmt(c['exposed_copy_s'], '9.4f'):>9}", file=out)
+              f"{_fmt(c['exposed_copy_s'], '9.4f'):>9} {c['step_s']:>7.3f}", file=out)
     print(f"overhead: {doc['overhead']}", file=out)
 
 
@@ -152,7 +153,7 @@ def main(argv=None):
         big = dict(MODEL, mbs=1, vocab=32000, microbatches=4, dtype="bfloat16", **shape)
         overhead = launch.run(1, [("megatron_ext.bench.offload:time_steps", dict(
             modules=DENSE, offload_kw=dict(OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10,
-                                           pool_bytes=32 << 30), **big))])[0][0]
+                                           pool_bytes=16 << 30), **big))])[0][0]
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)

@@ -270,10 +270,12 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
                 t_on = tracker(mgr.pool.storage_ptrs())
                 on = []
                 for s in range(steps):
-                    if s == steps - 1:  # exposed copy time: the measured step's own
+                    if s == steps - 1:  # exposed copy time and wall time: the measured step's own
                         exposed0 = {k: mgr.stats[k] for k in EXPOSED}
+                        t0 = time.perf_counter()
                     on.append(run_step(chunks, config, c, step=s, tracker=t_on if s == steps - 1 else None))
                     mgr.synchronize()
+                step_s = time.perf_counter() - t0
                 last = dict(mgr.stats)
                 free_after = mgr.pool.free_slots == mgr.pool.num_slots
                 idle = mgr._pending is None and not mgr._outstanding and not mgr._offloading and not mgr._alive
@@ -284,7 +286,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             run = dict(
                 link_gbps=(gbps if gbps is not None else faithful.link_gbps()) if faithful.enabled() else None,
                 link_spec=spec, losses_on=[o[0] for o in on], stats=last, pool_all_free=free_after,
-                manager_idle=idle, threads_left=threads_left, peak_on=t_on.peak if track else None,
+                manager_idle=idle, threads_left=threads_left, step_s=step_s, peak_on=t_on.peak if track else None,
                 timeline_on=t_on.timeline if track else None, saved_bytes=saved,
                 R=(saved / theo) if (track and theo) else None,
                 **{k: (last[k] - exposed0[k] if not cuda else None) for k in EXPOSED},
