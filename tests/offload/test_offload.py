@@ -120,6 +120,19 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     assert opts.chunk_bytes == 1 << 20 and opts.pool_bytes == 64 << 20 and opts.min_tensor_bytes == 64 << 10
 
 
+def test_fused_expert_op_is_seen_on_the_built_layer():
+    """attach() refuses expert modules on a layer whose experts run TE's fused op (the seam reads
+    TEGroupedMLP._with_fused_impl); SequentialMLP and dense layers are not affected."""
+    from types import SimpleNamespace as NS
+
+    from megatron_ext import seams
+
+    assert seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
+    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
+    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
+    assert not seams.offload_fused_experts(NS(mlp=NS()))
+
+
 def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
     import arguments
 
