@@ -1,13 +1,17 @@
-"""Activation offload benchmark: per PP stage, peak device-resident activation bytes with and without
-offload (independent tracker), the theoretical saving from shapes and schedule, R = saved / theoretical,
-and whether loss and every gradient are bit-identical. Writes a memory-timeline PNG.
+"""Activation offload benchmark: per PP stage, peak device bytes with and without offload, the
+theoretical saving from shapes and schedule, R = saved / theoretical, whether loss and every gradient
+are bit-identical, and the compute-stream time spent waiting for copies (exposed_copy_s).
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_offload.py [--json out.json] [--png docs/offload_timeline.png]
+    PYTHONPATH=. .venv/bin/python scripts/bench_offload.py [--json [FILE]] [--png docs/offload_timeline.png]
 
-Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2; dense and MoE (all seven modules offloaded for MoE). On CPU the
-tracker is megatron_ext.offload.memtrack.LiveBytesTracker (every live storage outside parameters,
-gradients and the host pool, seen through a TorchDispatchMode). Step time is only meaningful on a GPU:
-on CPU it is reported as "not measured on GPU".
+Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2; dense and MoE (all seven modules offloaded for MoE); every PP
+rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
+(one layer's copy takes 0.1x that layer's measured forward time) and "slow" (1.5x); peak bytes come
+from the independent tracker (megatron_ext.bench.memtrack.LiveBytesTracker). On CUDA each case runs
+once on the real link, peak bytes from torch.cuda.max_memory_allocated (reset per measured step);
+--overhead adds step times from CUDA events. R is computed for the local layer spec only (the theory
+does not model the transformer-engine spec). The table goes to stderr; --json alone prints pure JSON
+on stdout.
 """
 from __future__ import annotations
 
@@ -26,50 +30,62 @@ MODEL = dict(layers=8, hidden=64, heads=4, seq=64, mbs=2, vocab=8192, ffn=256, e
 SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=2, vpp=2)}
 OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False,
                cross_pass_prefetch="after-forward")
+LINKS = {"fast": "x0.1", "slow": "x1.5"}  # one layer's copy time / that layer's forward time
 
 
-def run_case(schedule: str, model: str, timeline: bool = False, offload=None):
-    """Job (every rank): offload off vs on on the same model and data."""
+def run_case(schedule: str, model: str, timeline: bool = False, offload=None, links=None):
+    """Job (every rank): offload off vs on, on the same model and data, once per link."""
+    import torch
+
+    from megatron_ext.bench import offload as bench
     from megatron_ext.offload import theory
-    from tests.offload import jobs
 
     moe = model == "moe"
     kw = dict(MODEL, **SCHEDULES[schedule], model=model, shared=128 if moe else 0)
     offload = offload or OFFLOAD
-    r = jobs.compare(modules=MOE if moe else DENSE, steps=2, offload_kw=offload, track=True, timeline=timeline, **kw)
+    links = links if links is not None else ({"device": None} if torch.cuda.is_available() else LINKS)
+    r = bench.compare(modules=MOE if moe else DENSE, steps=2, offload_kw=offload, track=True, timeline=timeline,
+                      links=list(links.values()), **kw)
     pp, vpp = kw["pp"], kw.get("vpp")
-    per_chunk = kw["layers"] // (pp * (vpp or 1))
-    theo = theory.theoretical_saving(
-        r["theory_group_bytes"], pp, vpp, r["pp_rank"], kw["microbatches"], per_chunk, offload["prefetch_depth"]
-    )
-    saved = r["peak_off"] - r["peak_on"]
-    out = dict(
-        schedule=schedule, model=model, pp_rank=r["pp_rank"], peak_off_bytes=r["peak_off"], peak_on_bytes=r["peak_on"],
-        theoretical_bytes=theo, saved_bytes=saved, R=(saved / theo) if theo else None,
-        grads_bitwise_equal=bool(r["grads_equal"] and r["losses_equal"]), group_bytes=r["theory_group_bytes"],
-        inflight_passes=theory.inflight_passes(pp, vpp, r["pp_rank"], kw["microbatches"]),
-        layers_per_chunk=per_chunk, offloaded_bytes=r["stats"]["offloaded_bytes"],
-        kept_last_bytes=r["stats"]["kept_last_bytes"], prefetched_groups=r["stats"]["prefetched_groups"],
-        on_demand_groups=r["stats"]["on_demand_groups"], step_time="not measured on GPU",
-    )
-    if timeline:
-        out["timeline_off"], out["timeline_on"] = r["timeline_off"], r["timeline_on"]
-    return out
+    rows = []
+    for name, run in zip(links, r["runs"]):
+        s = run["stats"]
+        row = dict(
+            schedule=schedule, model=model, pp_rank=r["pp_rank"], spec="local", link=name,
+            link_gbps=run["link_gbps"], copy_to_compute=run["copy_to_compute"],
+            peak_off_bytes=r["peak_off"], peak_on_bytes=run["peak_on"], theoretical_bytes=r["theoretical_bytes"],
+            saved_bytes=run["saved_bytes"], R=run["R"],
+            grads_bitwise_equal=bool(run["grads_equal"] and run["losses_equal"] and not run["nan_grads"]),
+            **{k: run[k] if run[k] is not None else "not measured on GPU"
+               for k in ("exposed_copy_s", "exposed_d2h_s", "exposed_h2d_s")},
+            step_s=run["step_s"], layer_forward_s=r["layer_forward_s"], group_bytes=r["theory_group_bytes"],
+            inflight_passes=theory.inflight_passes(pp, vpp, r["pp_rank"], kw["microbatches"]),
+            layers_per_chunk=kw["layers"] // (pp * (vpp or 1)), offloaded_bytes=s["offloaded_bytes"],
+            kept_last_bytes=s["kept_last_bytes"], served_in_flight_bytes=s["served_in_flight_bytes"],
+            prefetched_groups=s["prefetched_groups"], on_demand_groups=s["on_demand_groups"],
+        )
+        if timeline:
+            row["timeline_off"], row["timeline_on"] = r["timeline_off"], run["timeline_on"]
+        rows.append(row)
+    return rows
 
 
-def plot(cases, path):
+def plot(rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 3.6), squeeze=False)
-    for ax, c in zip(axes[0], cases):
-        for key, label in (("timeline_off", "offload off"), ("timeline_on", "offload on")):
-            ys = c[key]
+    ranks = sorted({r["pp_rank"] for r in rows})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 3.6), squeeze=False)
+    for ax, rank in zip(axes[0], ranks):
+        mine = [r for r in rows if r["pp_rank"] == rank]
+        curves = [("offload off", mine[0]["timeline_off"])]
+        curves += [(f"offload on, {r['link']} link (R={r['R']:.3f})", r["timeline_on"]) for r in mine]
+        for label, ys in curves:
             xs = [i / max(1, len(ys) - 1) for i in range(len(ys))]
             ax.plot(xs, [y / 2**20 for y in ys], label=label, lw=1)
-        ax.set_title(f"{c['schedule']} {c['model']}, PP rank {c['pp_rank']} (R={c['R']:.3f})", fontsize=9)
+        ax.set_title(f"{mine[0]['schedule']} {mine[0]['model']}, PP rank {rank}", fontsize=9)
         ax.set_xlabel("fraction of the step's ops (forward+backward)")
         ax.set_ylabel("device-resident activation MiB")
         ax.legend(fontsize=8)
@@ -77,13 +93,37 @@ def plot(cases, path):
     fig.savefig(path, dpi=110)
 
 
+def _fmt(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+
+
+def table(doc, out) -> None:
+    print(f"device: {doc['device']}", file=out)
+    hdr = (f"{'schedule':<12} {'model':<6} {'rank':>4} {'link':<5} {'GB/s':>7} {'copy/fwd':>8} {'peak off MiB':>12} "
+           f"{'peak on MiB':>12} {'theory MiB':>10} {'saved MiB':>10} {'R':>7} {'bitwise':>8} {'exposed s':>9} "
+           f"{'step s':>7}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for c in doc["cases"]:
+        print(f"{c['schedule']:<12} {c['model']:<6} {c['pp_rank']:>4} {c['link']:<5} {_fmt(c['link_gbps'], '7.4f'):>7} "
+              f"{_fmt(c['copy_to_compute'], '8.2f'):>8} {c['peak_off_bytes'] / 2**20:>12.3f} "
+              f"{c['peak_on_bytes'] / 2**20:>12.3f} {c['theoretical_bytes'] / 2**20:>10.3f} "
+              f"{c['saved_bytes'] / 2**20:>10.3f} {c['R']:>7.4f} {str(c['grads_bitwise_equal']):>8} "
+              f"{_fmt(c['exposed_copy_s'], '9.4f'):>9} {c['step_s']:>7.3f}", file=out)
+    print(f"overhead: {doc['overhead']}", file=out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or '-' for stdout)")
+    ap.add_argument("--json", nargs="?", const="-", default=None,
+                    help="write JSON to FILE, or with no FILE print only JSON on stdout (the table goes to stderr)")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "offload_timeline.png"))
     ap.add_argument("--timeline-case", default="PP=2xVPP=2:moe")
     ap.add_argument("--overhead", action="store_true",
-                    help="also time steps with/without offload (GPU only; on CPU: 'not measured on GPU')")
+                    help="also time steps with/without offload at a GPU-sized shape (GPU only; on CPU: "
+                    "'not measured on GPU')")
+    ap.add_argument("--overhead-shape", default="layers=8,hidden=4096,heads=32,seq=4096,ffn=16384",
+                    help="model of the --overhead run (comma-separated key=value)")
     ap.add_argument("--cross-pass-prefetch", choices=("off", "after-forward", "always"), default="after-forward",
                     help="as --activation-offload-cross-pass-prefetch")
     a = ap.parse_args(argv)
@@ -91,46 +131,44 @@ def main(argv=None):
 
     import torch
 
-    from tests.dist import run_distributed
+    from megatron_ext.bench import launch
+    from megatron_ext.platform import faithful
 
-    device = "cuda" if torch.cuda.is_available() else "cpu (2 cores; device and host are the same memory)"
+    cuda = torch.cuda.is_available()
+    if not cuda:  # the copy engine of the CUDA-faithful CPU mode; the workers inherit it
+        os.environ[faithful.ENV] = "1"
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores, gloo; CUDA-faithful copy engine)"
     cases = []
     for schedule, extra in SCHEDULES.items():
-        world = extra["pp"]
-        for model in ("dense", "moe"):
-            want_tl = a.timeline_case == f"{schedule}:{model}"
-            cases += run_distributed(world, "scripts.bench_offload:run_case", timeout=900,
-                                     schedule=schedule, model=model, timeline=want_tl, offload=OFFLOAD)
+        jobs = [("scripts.bench_offload:run_case", dict(schedule=schedule, model=model, offload=OFFLOAD,
+                                                         timeline=a.timeline_case == f"{schedule}:{model}"))
+                for model in ("dense", "moe")]
+        for per_rank in launch.run(extra["pp"], jobs):
+            # rows ordered (rank, link) -> (link, rank)
+            rows = [row for rank_rows in per_rank for row in rank_rows]
+            cases += sorted(rows, key=lambda r: (r["link"] != "fast", r["pp_rank"]))
     overhead = {"step_time": "not measured on GPU"}
-    if a.overhead and torch.cuda.is_available():
-        big = dict(MODEL, layers=8, hidden=1024, heads=16, seq=2048, mbs=1, vocab=32000, ffn=4096, microbatches=4)
-        overhead = run_distributed(1, "tests.offload.jobs:time_steps", timeout=900, modules=DENSE,
-                                   offload_kw=dict(OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10), **big)[0]
+    if a.overhead and cuda:
+        shape = {k: int(v) for k, v in (kv.split("=") for kv in a.overhead_shape.split(","))}
+        big = dict(MODEL, mbs=1, vocab=32000, microbatches=4, dtype="bfloat16", **shape)
+        overhead = launch.run(1, [("megatron_ext.bench.offload:time_steps", dict(
+            modules=DENSE, offload_kw=dict(OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10,
+                                           pool_bytes=16 << 30), **big))])[0][0]
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)
     for c in cases:
         c.pop("timeline_on", None), c.pop("timeline_off", None)
 
-    hdr = f"{'schedule':<12} {'model':<6} {'rank':>4} {'peak off MiB':>12} {'peak on MiB':>12} " \
-          f"{'theory MiB':>10} {'saved MiB':>10} {'R':>7} {'bitwise':>8}"
-    print(f"device: {device}; step-time overhead: not measured on GPU")
-    print(hdr)
-    print("-" * len(hdr))
-    for c in cases:
-        print(f"{c['schedule']:<12} {c['model']:<6} {c['pp_rank']:>4} {c['peak_off_bytes'] / 2**20:>12.3f} "
-              f"{c['peak_on_bytes'] / 2**20:>12.3f} {c['theoretical_bytes'] / 2**20:>10.3f} "
-              f"{c['saved_bytes'] / 2**20:>10.3f} {c['R']:>7.4f} {str(c['grads_bitwise_equal']):>8}")
+    doc = {"device": device, "cases": cases, "overhead": overhead}
+    table(doc, sys.stderr)
     if a.png and timelines:
-        print(f"timeline: {a.png}")
-    print(f"overhead: {overhead}")
-    if a.json:
-        doc = json.dumps({"device": device, "cases": cases, "overhead": overhead}, indent=1)
-        if a.json == "-":
-            print(doc)
-        else:
-            with open(a.json, "w") as f:
-                f.write(doc)
+        print(f"timeline: {a.png}", file=sys.stderr)
+    if a.json == "-":
+        print(json.dumps(doc, indent=1))
+    elif a.json:
+        with open(a.json, "w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
     ok = all(c["R"] is not None and c["R"] >= 0.99 and c["grads_bitwise_equal"] for c in cases)
     return 0 if ok else 1
 

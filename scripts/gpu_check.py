@@ -382,8 +382,8 @@ def section_offload(size, claims) -> dict:
     from megatron_ext.offload import manager as om
     from megatron_ext.offload import theory
     from megatron_ext.platform import streams
+    from megatron_ext.bench import offload as jobs
     from megatron_ext.training import parallel
-    from tests.offload import jobs
 
     dtype = torch.bfloat16 if cuda() else torch.float32
     dtype_bytes = torch.finfo(dtype).bits // 8
@@ -391,7 +391,7 @@ def section_offload(size, claims) -> dict:
     cases = []
 
     def step(chunks, c, batches):
-        """One forward+backward through megatron-core's schedule (tests/offload/jobs.py's run_step
+        """One forward+backward through megatron-core's schedule (megatron_ext/bench/offload.py's run_step
         without its gradient copy, which would add to the measured device peak)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -405,7 +405,7 @@ def section_offload(size, claims) -> dict:
 
     def measure(chunks, c, mgr):
         def batches(s):  # fresh copies that only the forward holds, as a data loader's
-            return [{k: v.clone() for k, v in b.items()} for b in jobs._batches(c, s)]
+            return [{k: v.clone() for k, v in b.items()} for b in jobs.batches(c, s)]
 
         for s in range(warmup):
             step(chunks, c, batches(s))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from megatron_ext.errors import ConfigError
 from megatron_ext.offload.manager import ALIASES, MODULES, Options, attach, canonical_modules, current, detach
 
-__all__ = ["add_arguments", "validate", "after_model", "options_from_args", "attach", "detach", "current",
+__all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
            "MODULES", "ALIASES", "Options"]
 
 # megatron-core recompute module names (--recompute-modules) -> ours they make pointless to offload
@@ -20,6 +20,10 @@ _RECOMPUTE_CONFLICTS = {
     "shared_experts": ("shared_experts",),
     "moe": ("router_fc1", "router_fc2", "moe_act", "shared_experts"),
 }
+
+
+# ours that live on the expert linears (hooked on linear_fc1 / linear_fc2 of the experts)
+_EXPERT_LINEAR_MODULES = ("router_fc1", "router_fc2", "moe_act")
 
 
 def add_arguments(parser):
@@ -99,6 +103,14 @@ def validate(args) -> None:
             f"--cuda-graph-impl={getattr(args, 'cuda_graph_impl', None)}: a captured graph does not run the "
             f"Python hooks --activation-offload-modules={mods} relies on"
         )
+    expert = [m for m in modules if m in _EXPERT_LINEAR_MODULES]
+    if expert and getattr(args, "use_transformer_engine_op_fuser", False):
+        raise ConfigError(
+            f"--use-transformer-engine-op-fuser=True: the experts run as one fused transformer-engine op that "
+            f"never calls their linear_fc1/linear_fc2 (transformer/moe/experts.py:753), so "
+            f"--activation-offload-modules {' '.join(expert)} would offload nothing; drop those modules or "
+            "--use-transformer-engine-op-fuser"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         raise ConfigError(
             "--overlap-moe-expert-parallel-comm=True: the combined-1F1B plan calls layer sub-modules "
@@ -150,6 +162,14 @@ def after_model(args, model) -> None:
         attach(model, options_from_args(args))
     else:
         detach()
+
+
+def teardown() -> None:
+    """End of a run: no copy in flight and no copy-stream worker left; ``current()`` keeps the
+    manager's counters readable until the next attach or detach."""
+    manager = current()
+    if manager is not None:
+        manager.close()
 
 
 _LOGGED: dict = {}

@@ -15,20 +15,29 @@ Life of a group (one layer of one micro-batch)::
 - The D2H copy of a group is issued one group late. If the group's own backward begins first (the
   last layer before a backward: PP=1, the last PP stage, the last virtual chunk), the group is never
   copied at all: it was going to be needed at once, so offloading it cannot lower the peak.
+- Release in stream order, never on a host poll. The hooks are the clock: a layer's forward start
+  and end, a chunk's forward end and every layer's backward start are ticks. A group whose D2H was
+  issued at one tick is released at the next one: the compute stream waits for its copy-done event,
+  then the device storage is dropped. The caching allocator hands that block only to later work of
+  the compute stream, which is ordered after the copy, so the bytes come free at once whatever the
+  host sees. In forward, layer i-1's copy is issued when layer i starts and waited for when layer i
+  ends: it overlaps one layer of compute, and when the link is slower than that the compute stream
+  stalls (``stats['exposed_copy_s']``, measured on the CPU model; on CUDA the step time shows it).
 - Race freedom by construction, with no ``record_stream``: (1) the D2H stream waits for an event
-  recorded on the compute stream; (2) the device storage is held until the D2H event has completed,
-  then released; a group is reloaded from the host only after that release, so a reload never reads a
-  slot before its D2H copy finished (Megatron-LM #7398); a group whose D2H is still in flight is
-  served from its device storage instead; (3) the reload buffer is allocated on the compute stream and
-  the H2D stream waits for an event recorded after that allocation; the compute stream waits for the
-  H2D event before the tensor is handed to autograd; (4) a pool slot is returned only after the last
-  copy out of it has completed.
+  recorded on the compute stream; (2) the device storage is dropped only after the compute stream
+  waited for the D2H event; a group is reloaded from the host only after that release, so a reload
+  never reads a slot before its D2H copy finished (Megatron-LM #7398); a group whose D2H is still in
+  flight is served from its device storage instead; (3) the reload buffer is allocated on the compute
+  stream and the H2D stream waits for an event recorded after that allocation; the compute stream
+  waits for the H2D event before the tensor is handed to autograd; (4) a pool slot comes back with
+  the event of the last copy out of it, and the D2H stream waits for that event before it writes the
+  slot again.
 - A storage is offloaded only if nothing else holds it when the copy is issued (C++ use count and
   Python references, see ``_solely_ours``), so releasing it really frees device memory; otherwise it
   stays (counted).
-- Debug mode: on CPU the two copy streams are deferred queues (``streams.Stream(deferred=True)``)
-  that run as late as a device could; released storages, free pool slots and not-yet-filled reload
-  buffers are filled with NaN bytes and released storages are resized to 0, so a missing wait or an
+- Debug mode: released storages, free pool slots and not-yet-filled reload buffers are filled with NaN
+  bytes and released storages are resized to 0; on CPU the two copy streams are deferred
+  (``streams.Stream(deferred=True)``: they run as late as a device could), so a missing wait or an
   early release gives NaN or an error instead of silently right or wrong numbers.
 """
 from __future__ import annotations
@@ -36,10 +45,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import time
 import weakref
 
 import torch
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.offload.pool import POISON, HostPool
 from megatron_ext.platform import streams
 
@@ -69,6 +80,8 @@ class Options:
     # prefetch into the pass predicted to run backward next: "off"; "after-forward" (when a chunk's
     # forward returns and backward comes next); "always" (also at the end of a pass's backward)
     cross_pass_prefetch: str = "after-forward"
+    # CPU copy streams deferred (run only when waited on: the latest a device could); None: as debug
+    deferred_copies: bool | None = None
 
 
 # record states
@@ -147,7 +160,7 @@ def _in_backward() -> bool:
 STAT_KEYS = (
     "offloaded_bytes", "reloaded_bytes", "prefetched_groups", "on_demand_groups", "d2h_chunks", "h2d_chunks",
     "kept_small_bytes", "kept_shared_bytes", "kept_pool_full_bytes", "kept_last_bytes", "served_in_flight_bytes",
-    "groups",
+    "groups", "exposed_d2h_s", "exposed_h2d_s", "exposed_copy_s",
 )
 
 
@@ -156,9 +169,10 @@ class OffloadManager:
         self.options = options
         self.debug = options.debug
         self.pool = HostPool(options.pool_bytes, options.chunk_bytes, debug=options.debug)
-        deferred = options.debug and not streams.cuda()
+        deferred = options.debug if options.deferred_copies is None else options.deferred_copies
         self.d2h = streams.Stream(deferred=deferred)
         self.h2d = streams.Stream(deferred=deferred)
+        self._timed = not streams.cuda()  # on CUDA a compute-stream wait does not block the host
         self._handles = []
         self._param_ptrs: set = set()
         self._pass: _Pass | None = None
@@ -176,8 +190,9 @@ class OffloadManager:
         self._pass_counter: dict = {}
         self._group: _Group | None = None
         self._pending: _Group | None = None
-        self._offloading: list = []
-        self._returns: list = []  # (event, slot ids, keep-alive) until the copy out of the slots is done
+        self._offloading: list = []  # groups whose D2H was issued since the last tick
+        self._last_d2h = None  # the D2H stream's latest event: waiting for it covers every earlier copy
+        self._alive: list = []  # CUDA reload buffers (h2d event, record, buffer) until the compute stream waited
         self._pushed = 0
         self._faults: set = set()  # tests only: skip_h2d_wait, early_release, early_slot_return, reload_in_flight
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -197,6 +212,13 @@ class OffloadManager:
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
             for layer in seams.offload_layers(root):
+                fused = [m for m in modules if m in ("router_fc1", "router_fc2", "moe_act")]
+                if fused and seams.offload_fused_experts(layer):
+                    raise ConfigError(
+                        f"--use-transformer-engine-op-fuser=True: the experts run as one fused op that never "
+                        f"calls their linear_fc1/linear_fc2; --activation-offload-modules {' '.join(fused)} "
+                        "would offload nothing"
+                    )
                 targets = seams.offload_targets(layer, modules)
                 if not targets:
                     continue
@@ -217,7 +239,16 @@ class OffloadManager:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.synchronize()
+        self.close()
+
+    def close(self) -> None:
+        """Finish the copies in flight and stop the copy streams' CPU workers (they restart if used
+        again); the counters stay readable."""
+        try:
+            self.synchronize()
+        finally:
+            self.d2h.close()
+            self.h2d.close()
 
     # ------------------------------------------------------------------ forward hooks
     def _active(self) -> bool:
@@ -233,10 +264,10 @@ class OffloadManager:
         if not self._active():
             self._group = None
             return
+        self._tick()
         if self._pending is not None:
             self._offload(self._pending)
             self._pending = None
-        self._reap()
         if self._pass is None or self._pass.chunk != chunk_idx:
             self._begin_pass(chunk_idx, None, None)
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
@@ -259,6 +290,7 @@ class OffloadManager:
             self._pop()
         if group is None:
             return
+        self._tick()  # the previous layer's copy had this layer's forward to finish
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         if not group.records or not (isinstance(hidden, torch.Tensor) and hidden.requires_grad):
             group.state = "kept"
@@ -311,7 +343,9 @@ class OffloadManager:
         if rec.state == RELOADING:
             if not rec.waited:
                 if "skip_h2d_wait" not in self._faults:
+                    t0 = time.perf_counter()
                     rec.h2d_event.wait(streams.Stream.current())
+                    self._exposed("exposed_h2d_s", t0)
                 rec.waited = True
             storage = rec.reloaded
         else:
@@ -339,13 +373,13 @@ class OffloadManager:
             if not self._outstanding:  # every forwarded pass is back-propagated: an epoch ends
                 self._prev_log, self._epoch_log = self._epoch_log, []
                 self._prev_events, self._events = self._events, []
+        self._tick()
         if group is self._pending:
             self._cancel(group)
         else:
             if self._pending is not None:
                 self._offload(self._pending)
                 self._pending = None
-            self._reap()
             if group.state in ("offloading", "offloaded"):
                 self._reload(list(group.records.values()), group)
                 self.stats["on_demand_groups"] += 1
@@ -367,14 +401,33 @@ class OffloadManager:
                 self.stats["prefetched_groups"] += 1
 
     def _end_pass(self, _module, _args, _output):
-        """A chunk's forward returned: if backward comes next (as in the last epoch), prefetch the
-        last layers of the pass predicted to run backward next, overlapping the pipeline's
-        send/recv wait instead of holding them through another forward."""
-        if self._active() and self._events and self._events[-1] == "F" and self._next_is_backward():
+        """A chunk's forward returned. Its last group's copy starts now unless this pass's own
+        backward is predicted to come first (so it is released by the next tick instead of staying
+        on the device through the first layer of another pass's backward). If backward comes next
+        (as in the last epoch), prefetch the last layers of the pass predicted to run backward next,
+        overlapping the pipeline's send/recv wait instead of holding them through another forward."""
+        if not self._active():
+            return
+        self._tick()  # before the loss and its gradient: the last copies of this pass are released
+        pending = self._pending
+        if pending is not None and pending.pass_ is self._pass and self._other_comes_next(pending.pass_):
+            self._pending = None
+            self._offload(pending)
+        if self._events and self._events[-1] == "F" and self._next_is_backward():
             nxt = self._predict_next_pass(None)
             if nxt is not None:
-                self._reap()
                 self._prefetch(list(reversed(nxt.groups))[: self.options.prefetch_depth])
+
+    def _other_comes_next(self, pass_) -> bool:
+        """As in the last epoch, what follows this forward is a forward or another pass's backward
+        (no prediction in the first epoch: False)."""
+        n = len(self._events)
+        if n >= len(self._prev_events) or self._prev_events[:n] != self._events:
+            return False
+        if self._prev_events[n] == "F":
+            return True
+        nxt = self._predict_next_pass(None)
+        return nxt is not None and nxt is not pass_
 
     def _next_is_backward(self) -> bool:
         if self.options.cross_pass_prefetch in ("off", None, False):
@@ -418,9 +471,11 @@ class OffloadManager:
             if compute_done is None:
                 compute_done = streams.Stream.current().record()
                 compute_done.wait(self.d2h)
+            for fence in self.pool.fences(slots):  # the last copy out of a reused slot is done first
+                fence.wait(self.d2h)
             rec.slots, rec.state = slots, COPYING
-            self.d2h.run(functools.partial(self._copy_out, rec.storage, rec.device, rec.nbytes, slots))
-            rec.d2h_event = self.d2h.record()
+            self.d2h.run(functools.partial(self._copy_out, rec.storage, rec.device, rec.nbytes, slots), rec.nbytes)
+            rec.d2h_event = self._last_d2h = self.d2h.record()
             self.stats["offloaded_bytes"] += rec.nbytes
             self.stats["d2h_chunks"] += len(slots)
         if compute_done is None:
@@ -455,23 +510,35 @@ class OffloadManager:
                 rec.state = OFFLOADED
         group.state = "offloaded"
 
-    def _reap(self) -> None:
-        still = []
-        for g in self._offloading:
-            if g.state != "offloading":
-                continue
-            if all(r.d2h_event.query() for r in g.records.values() if r.state == COPYING):
-                self._release(g)
-            else:
-                still.append(g)
-        self._offloading = still
-        keep = []
-        for event, slots, alive in self._returns:
-            if event.query():
-                self.pool.give(slots)
-            else:
-                keep.append((event, slots, alive))
-        self._returns = keep
+    def _tick(self) -> None:
+        """A hook boundary: the compute stream waits for every D2H issued before it (one wait on the
+        latest covers all: the D2H stream runs in order), then those groups' device storages are
+        dropped. Stream-ordered: on CUDA the host does not block and the caching allocator can reuse
+        the bytes at once for later compute-stream work; the CPU model's host blocks for the copy's
+        remaining time, which is counted as exposed copy time."""
+        if self._offloading:
+            t0 = time.perf_counter()
+            self._last_d2h.wait(streams.Stream.current())
+            self._exposed("exposed_d2h_s", t0)
+            for g in self._offloading:
+                if g.state == "offloading":
+                    self._release(g)
+            self._offloading = []
+        if self._alive:
+            self._alive = [a for a in self._alive if not a[1].waited and not a[0].query()]
+
+    def _exposed(self, key: str, t0: float) -> None:
+        if self._timed:
+            dt = time.perf_counter() - t0
+            self.stats[key] += dt
+            self.stats["exposed_copy_s"] += dt
+
+    def _give(self, slots, stream) -> None:
+        """Slots go back to the pool with the event that ends the last copy out of them (queued so
+        far on ``stream``); in debug mode they are poisoned in that stream's order."""
+        if self.debug:
+            stream.run(functools.partial(self.pool.poison, slots))
+        self.pool.give(slots, fence=stream.record())
 
     def _reload(self, records, group: _Group | None) -> None:
         current = None
@@ -480,7 +547,7 @@ class OffloadManager:
                 # D2H still in flight: the device storage is still ours, use it (never read the slots)
                 rec.state = KEPT
                 self.stats["served_in_flight_bytes"] += rec.nbytes
-                self._returns.append((rec.d2h_event, rec.slots, None))
+                self._give(rec.slots, self.d2h)
                 rec.slots = None
             elif rec.state in (OFFLOADED, COPYING):
                 if current is None:
@@ -489,14 +556,15 @@ class OffloadManager:
                 if self.debug:
                     dst.fill_(POISON)
                 current.record().wait(self.h2d)
-                self.h2d.run(functools.partial(self._copy_in, dst, rec.nbytes, rec.slots))
+                self.h2d.run(functools.partial(self._copy_in, dst, rec.nbytes, rec.slots), rec.nbytes)
                 rec.h2d_event = self.h2d.record()
                 rec.reloaded, rec.state = dst.untyped_storage(), RELOADING
-                alive = dst if streams.cuda() else None  # keep the block ours until the H2D is done
+                if streams.cuda():  # should the record die unconsumed, the block stays ours until the H2D is done
+                    self._alive.append((rec.h2d_event, rec, dst))
                 if "early_slot_return" in self._faults:
-                    self.pool.give(rec.slots)
+                    self.pool.give(rec.slots)  # no fence: poisoned (debug) and reusable at once
                 else:
-                    self._returns.append((rec.h2d_event, rec.slots, alive))
+                    self._give(rec.slots, self.h2d)
                 rec.slots = None
                 self.stats["reloaded_bytes"] += rec.nbytes
                 self.stats["h2d_chunks"] += self.pool.slots_for(rec.nbytes)
@@ -512,10 +580,14 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ step level
     def synchronize(self) -> None:
-        """Wait for every copy in flight and return their slots (end of a step / detach)."""
+        """Wait (host) for every copy in flight and release what they carried (end of a step / detach)."""
         self.d2h.synchronize()
         self.h2d.synchronize()
-        self._reap()
+        for g in self._offloading:
+            if g.state == "offloading":
+                self._release(g)
+        self._offloading = []
+        self._alive = []
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -533,9 +605,9 @@ def attach(model_chunks, options: Options) -> OffloadManager:
 
 def detach() -> None:
     global _MANAGER
-    if _MANAGER is not None:
-        _MANAGER.detach()
-        _MANAGER = None
+    manager, _MANAGER = _MANAGER, None
+    if manager is not None:
+        manager.detach()
 
 
 def current() -> OffloadManager | None:

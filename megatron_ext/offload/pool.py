@@ -2,7 +2,8 @@
 
 One host allocation of ``capacity_bytes`` made once, cut into ``chunk_bytes`` slots. A tensor's bytes
 move through as many slots as it needs; when too few are free the caller keeps the tensor on the
-device. Slots come back only when the caller knows the last copy out of them has finished.
+device. A slot comes back with a fence, the event that ends the last copy out of it; whoever takes it
+makes its own stream wait for that fence before writing it (stream order, no host poll).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class HostPool:
             self.buffer[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(self.num_slots)
         ]
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._fence = [None] * self.num_slots
         self.high_water = 0
 
     @property
@@ -49,11 +51,27 @@ class HostPool:
         self.high_water = max(self.high_water, self.num_slots - len(self._free))
         return ids
 
-    def give(self, ids: list[int]) -> None:
+    def give(self, ids: list[int], fence=None) -> None:
+        """Free these slots. ``fence``: the event after the last copy out of them (None: none in
+        flight; then a debug pool poisons them at once)."""
         for i in ids:
-            if self.debug:
+            if self.debug and fence is None:
                 self.slots[i].fill_(POISON)
+            self._fence[i] = fence
             self._free.append(i)
+
+    def fences(self, ids: list[int]) -> list:
+        """The distinct fences of freshly taken slots that a writer must wait for (then forgotten)."""
+        out = []
+        for i in ids:
+            f, self._fence[i] = self._fence[i], None
+            if f is not None and all(f is not g for g in out) and not f.query():
+                out.append(f)
+        return out
+
+    def poison(self, ids: list[int]) -> None:
+        for i in ids:
+            self.slots[i].fill_(POISON)
 
     def storage_ptrs(self) -> set:
         return {self.buffer.untyped_storage().data_ptr()} if self.num_slots else set()

@@ -4,6 +4,8 @@
 configuration the tests and the benchmark use: local layer spec, multi-head attention (no GQA, no
 rotary: q/k/v stay views of the fused QKV output), no attention dropout, non-gated GELU experts
 (SequentialMLP, probabilities applied after the activation), dropless routing with TP=EP=1.
+Only the local layer spec: with the transformer-engine spec (fused attention keeps no softmax
+probabilities; TE modules choose what they save) these counts do not hold, so R is not computed for it.
 
 ``inflight_passes``: (chunk, micro-batch) forward passes whose activations are all alive when the
 first backward of the step starts on a PP rank (megatron-core's schedules: no pipelining 1;

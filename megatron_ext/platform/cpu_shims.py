@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from megatron_ext.patching import Patch as Shim
 from megatron_ext.patching import set_attr as _patch
 from megatron_ext.patching import undo_all as _undo_all
+from megatron_ext.platform import streams
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,59 +178,10 @@ def _mode_rule(rule: str):
 # --------------------------------------------------------------------------------------------
 # 4. CUDA runtime calls with no CPU meaning: streams, events, synchronize, current_device.
 # --------------------------------------------------------------------------------------------
-class CpuStream(torch.Stream):
-    """Stand-in for torch.cuda.Stream: CPU work is already ordered, so waits are no-ops. A real
-    (CPU) torch.Stream, so torch's argument parser accepts it (e.g. in Tensor.record_stream)."""
-
-    def __new__(cls, *_, **__):
-        return super().__new__(cls, "cpu")
-
-    def __init__(self, *_, **__):
-        pass
-
-    def wait_stream(self, _other):
-        pass
-
-    def wait_event(self, _event):
-        pass
-
-    def record_event(self, event=None):
-        return event or CpuEvent()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class CpuEvent:
-    def __init__(self, *_, **__):
-        pass
-
-    def record(self, _stream=None):
-        pass
-
-    def wait(self, _stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, _other):
-        return 0.0
-
-
-_DEFAULT_STREAM = CpuStream()
+# The one CPU stream/event stand-in is streams.CpuStream / CpuEvent (in the faithful mode side-stream
+# work runs later on a worker, at a modelled link bandwidth); megatron-core's torch.cuda.Stream / Event
+# become it, and torch.cuda.synchronize waits for every CPU stream.
+_DEFAULT_STREAM = streams.host_stream()
 
 
 def _install_cuda_runtime_stand_ins():
@@ -238,9 +190,9 @@ def _install_cuda_runtime_stand_ins():
         [
             _patch(c, "current_device", lambda: 0),
             _patch(c, "set_device", lambda _d: None),
-            _patch(c, "synchronize", lambda _d=None: None),
-            _patch(c, "Stream", CpuStream),
-            _patch(c, "Event", CpuEvent),
+            _patch(c, "synchronize", lambda _d=None: streams.synchronize_all()),
+            _patch(c, "Stream", streams.CpuStream),
+            _patch(c, "Event", streams.CpuEvent),
             _patch(c, "current_stream", lambda _d=None: _DEFAULT_STREAM),
             _patch(c, "default_stream", lambda _d=None: _DEFAULT_STREAM),
             _patch(c, "stream", lambda _s=None: contextlib.nullcontext()),

@@ -21,3 +21,15 @@ ENV = "MEGATRON_EXT_CUDA_FAITHFUL"
 
 def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1" and not torch.cuda.is_available()
+
+
+# The host link of the CPU copy engine (platform/streams.py). Default: a link that is to this kind of
+# CPU what PCIe Gen5 x16 (~50 GB/s D2H) is to an H100's HBM3 (~3.35 TB/s), about 1/64 of memory
+# bandwidth: a 2-core CPU copies ~7 GB/s, so ~0.1 GB/s. Read at call time (a job may change it).
+LINK_ENV = "MEGATRON_EXT_LINK_GBPS"
+DEFAULT_LINK_GBPS = 0.1
+
+
+def link_gbps() -> float:
+    """Bandwidth of each direction of the modelled host link, in GB/s (1e9 bytes/s); 'inf': no limit."""
+    return float(os.environ.get(LINK_ENV, DEFAULT_LINK_GBPS))

@@ -14,7 +14,7 @@ from tests.dist import run_distributed
 
 DENSE = ["core_attention", "qkv_linear", "attn_proj"]
 MOE = ["core_attn", "qkv_linear", "attn_proj", "expert_fc1", "router_fc2", "moe_act", "shared_experts"]
-JOB = "tests.offload.jobs:compare"
+JOB = "megatron_ext.bench.offload:compare"
 
 
 def _check_exact(results, offloaded=True):
@@ -24,6 +24,7 @@ def _check_exact(results, offloaded=True):
         assert not r["nan_grads"]
         assert r["pool_all_free"], "every pool slot must come back"
         assert r["manager_idle"], "after a step nothing may stay pending, outstanding or in flight"
+        assert r["threads_left"] == 0, "detach stops the copy streams' workers"
         if offloaded:
             assert r["stats"]["offloaded_bytes"] > 0
             assert r["stats"]["reloaded_bytes"] == r["stats"]["offloaded_bytes"]
@@ -89,6 +90,11 @@ def _args(**kw):
          "every layer is recomputed"),
         (dict(cuda_graph_impl="local"), "--cuda-graph-impl=local"),
         (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm=True"),
+        (dict(activation_offload_modules=["core_attention", "router_fc1", "moe_act"],
+              use_transformer_engine_op_fuser=True),
+         "--use-transformer-engine-op-fuser=True: the experts run as one fused transformer-engine op"),
+        (dict(activation_offload_modules=["router_fc2"], use_transformer_engine_op_fuser=True),
+         "--activation-offload-modules router_fc2 would offload nothing"),
     ],
 )
 def test_validate_refuses(kw, needle):
@@ -107,8 +113,24 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     offload.validate(a)
     assert a.activation_offload_modules == ["core_attention", "router_fc1"]
     offload.validate(_args(recompute_granularity="selective", recompute_modules=["mlp"]))
+    # the op fuser only bypasses the expert linears: attention and shared-expert offload still work
+    offload.validate(_args(activation_offload_modules=["core_attention", "shared_experts"],
+                           use_transformer_engine_op_fuser=True))
     opts = offload.options_from_args(a)
     assert opts.chunk_bytes == 1 << 20 and opts.pool_bytes == 64 << 20 and opts.min_tensor_bytes == 64 << 10
+
+
+def test_fused_expert_op_is_seen_on_the_built_layer():
+    """attach() refuses expert modules on a layer whose experts run TE's fused op (the seam reads
+    TEGroupedMLP._with_fused_impl); SequentialMLP and dense layers are not affected."""
+    from types import SimpleNamespace as NS
+
+    from megatron_ext import seams
+
+    assert seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
+    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
+    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
+    assert not seams.offload_fused_experts(NS(mlp=NS()))
 
 
 def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
@@ -188,6 +210,39 @@ def test_reload_while_d2h_in_flight_is_served_from_device():
     ok, bad = run_distributed(1, "tests.offload.jobs:reload_in_flight")[0]
     assert ok["equal"] and ok["served_in_flight_bytes"] > 0
     assert not bad["equal"] and bad["nan"]
+
+
+# ----------------------------------------------------------------------------- slow and fast host link
+# The CPU copy engine (CUDA-faithful mode) runs each copy on a worker at the link's bandwidth, set per
+# run as (one layer's copy time) / (that layer's measured forward time): slow 2, fast 0.1. Copies
+# are asynchronous (not deferred) and debug poison is on. The vocabulary is large enough for the
+# last stage's peak to be the logits gradient, as the theory assumes (offload/theory.py).
+LINKS = ("x2", "x0.1")
+LINK_CASES = {
+    "pp1-dense": dict(modules=DENSE),
+    "pp1-moe": dict(model="moe", shared=64, modules=MOE),
+    "1f1b-dense": dict(pp=2, modules=DENSE),
+    "1f1b-moe": dict(pp=2, model="moe", modules=MOE),
+    "vpp-dense": dict(pp=2, vpp=2, layers=8, modules=DENSE),
+    "vpp-moe": dict(pp=2, vpp=2, layers=8, model="moe", shared=64, modules=MOE),
+}
+
+
+@pytest.mark.parametrize("case", list(LINK_CASES))
+def test_slow_and_fast_link_release_in_stream_order(case):
+    kw = LINK_CASES[case]
+    res = run_distributed(kw.get("pp", 1), JOB, steps=2, track=True, links=LINKS, vocab=8192,
+                          offload_kw=dict(deferred_copies=False), **kw)
+    for r in res:
+        slow, fast = r["runs"]
+        for run in (slow, fast):
+            _check_exact([run])
+            # every stage, both links: the saving theory predicts (stream-ordered release)
+            assert 0.99 <= run["R"] <= 1.05, (case, r["pp_rank"], run["link_spec"], run["R"])
+        assert slow["copy_to_compute"] == pytest.approx(2) and fast["copy_to_compute"] == pytest.approx(0.1)
+        assert slow["link_gbps"] < fast["link_gbps"]
+        # the price of a slow link is compute-stream time spent waiting for copies, and it is reported
+        assert slow["exposed_copy_s"] > fast["exposed_copy_s"] >= 0, (slow["exposed_copy_s"], fast["exposed_copy_s"])
 
 
 # ----------------------------------------------------------------------------- 2 processes

@@ -6,8 +6,8 @@ keeps a weak reference to each distinct storage it sees; after every op it drops
 died and sums the live ones. Storages named in ``exclude`` (parameters, gradient buffers, the host
 pool) and storages already alive when tracking starts (found through the garbage collector: the
 step's input batches, for instance) are not counted, so what is left is the activations and
-temporaries the step itself allocates. On CUDA use
-``torch.cuda.max_memory_allocated`` instead (the benchmark does).
+temporaries the step itself allocates. On CUDA :class:`CudaPeak` measures the same thing with the
+caching allocator's own counters (``torch.cuda.max_memory_allocated``, reset per measured step).
 """
 from __future__ import annotations
 
@@ -92,6 +92,28 @@ class LiveBytesTracker(TorchDispatchMode):
         """Live bytes now (frees since the last op included)."""
         self._sweep()
         return self.current
+
+
+class CudaPeak:
+    """Peak device bytes allocated during the ``with`` block above what was allocated at its start
+    (parameters, gradients, the step's inputs), from the caching allocator; same interface as
+    :class:`LiveBytesTracker` (``peak``; no timeline)."""
+
+    def __init__(self, *_, **__):
+        self.peak = 0
+        self.timeline = None
+        self._base = 0
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated() - self._base
+        return False
 
 
 def model_state_ptrs(model_chunks) -> set:
