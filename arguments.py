@@ -253,18 +253,25 @@ def finalize(args, parser=None) -> None:
     args.config_sources["padded_vocab_size"] = "derived (--vocab-size padded)"
     features.validate(args)
     with _megatron_refusals(args, actions):
-        build_configs(args)
+        args.megatron_configs_checked = build_configs(args)
+    args.config_sources["megatron_configs_checked"] = "derived (built at parse time)"
 
 
-def build_configs(args):
+def build_configs(args) -> list:
     """megatron's TransformerConfig, DDP and optimizer configs from the arguments, as the model build
-    will make them: their __post_init__ checks run here, before any compute. Nothing is allocated."""
+    will make them: their __post_init__ checks run here, before any compute. Nothing is allocated.
+    Not the TransformerConfig where a --platform target assumes a transformer-engine this machine
+    lacks: its checks probe the installed version, which would answer for this machine."""
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
 
+    built = []
     with contextlib.redirect_stdout(io.StringIO()):
-        return (core_transformer_config_from_args(args), get_megatron_ddp_config(args),
-                get_megatron_optimizer_config(args))
+        if not (rules.target(args).te and not target.te_importable()):
+            built.append(type(core_transformer_config_from_args(args)).__name__)
+        built.append(type(get_megatron_ddp_config(args)).__name__)
+        built.append(type(get_megatron_optimizer_config(args)[0]).__name__)
+    return built
 
 
 def _refuse_if(line: str | None) -> None:
@@ -324,8 +331,8 @@ _DERIVED = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "exper
 
 
 def _shown(key: str, source: str, value) -> bool:
-    return source in ("recipe", "cli") or source.startswith(("default (", "cleared", "megatron (")) or (
-        key in _DERIVED and source != "default" and value is not None)
+    """Not a plain default, nor a value megatron derived from defaults (unless a size worth seeing)."""
+    return source not in ("default", "megatron") or (key in _DERIVED and source != "default" and value is not None)
 
 
 def print_config(args) -> None:
