@@ -18,6 +18,7 @@ import argument_rules as rules
 import arguments
 from megatron_ext import errors
 from megatron_ext.errors import ConfigError
+from megatron_ext.platform import target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSE = os.path.join(ROOT, "recipes", "tiny_dense.yaml")
@@ -217,8 +218,10 @@ def test_platform_rules_ask_the_target():
     assert refused(*layernorm_1p, *CUDA_NO_TE).startswith("--apply-layernorm-1p=True, --transformer-impl=local: ")
     # apex's FusedLayerNorm has the zero-centred gamma; transformer-engine's layers have MLA
     assert parse(*layernorm_1p, *CUDA_NO_TE, "--assume-apex").layernorm_zero_centered_gamma
-    assert parse("--multi-latent-attention", "--transformer-impl", "transformer_engine", "--platform", "cuda",
-                 "--assume-te").multi_latent_attention
+    mla = parse("--multi-latent-attention", "--transformer-impl", "transformer_engine", "--platform", "cuda",
+                "--assume-te")
+    # megatron's TransformerConfig checks probe the transformer-engine installed here: built only if there is one
+    assert ("MLATransformerConfig" in mla.megatron_configs_checked) == target.te_importable()
 
 
 @pytest.mark.parametrize("argv,recipe,world,flags", [  # on a CUDA cluster without transformer-engine
@@ -285,6 +288,7 @@ def test_megatron_bare_asserts_become_a_line_naming_the_flags(argv, line):
 
 def test_dry_run_builds_megatrons_transformer_config():
     """Only TransformerConfig.__post_init__ checks this one: caught at --dry-run, named by flag."""
+    assert parse().megatron_configs_checked == ["TransformerConfig", "DistributedDataParallelConfig", "OptimizerConfig"]
     line = refused("--moe-ffn-hidden-size", "64")
     assert line.startswith("--num-experts=None, --moe-ffn-hidden-size=64: --moe-ffn-hidden-size is set but "
                            "--num-experts is None") and "megatron/core/transformer/transformer_config.py:" in line
