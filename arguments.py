@@ -9,35 +9,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import difflib
 import io
 import os
 import re
 import sys
+import warnings
 
 import yaml
 
 from megatron.training.arguments import add_megatron_arguments, validate_args
 
-from megatron_ext.errors import ConfigError
+import argument_rules as rules
+from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
 from megatron_ext.training import features
 
 SOURCES = ("default", "recipe", "cli")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, raised like every other refusal (not usage + exit 2 per rank)
+        raise ConfigError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="train.py", description="megatron_ext: Megatron-Core training", allow_abbrev=False
-    )
+    parser = _Parser(prog="train.py", description="megatron_ext: Megatron-Core training", allow_abbrev=False)
     add_megatron_arguments(parser)
     group = parser.add_argument_group("megatron_ext")
     group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
     group.add_argument(
         "--dry-run",
         action="store_true",
-        help="Validate everything, print the resolved configuration with each value's source, exit.",
+        help="Validate everything (building megatron's config objects, not the model), print what the "
+        "recipe, the command line, the platform or megatron set, with each value's source, and exit.",
     )
+    group.add_argument("--all", action="store_true", help="With --dry-run: print every value, defaults too.")
     group.add_argument(
         "--world-size",
         type=int,
@@ -55,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _actions(parser) -> dict:
     return {a.dest: a for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)}
+
+
+def _flag_actions(parser) -> dict:
+    """dest -> the first action declaring it (its flag is the one refusals name)."""
+    found = {}
+    for a in parser._actions:
+        if a.option_strings and a.dest not in ("help", argparse.SUPPRESS):
+            found.setdefault(a.dest, a)
+    return found
 
 
 def _option_names(parser) -> dict:
@@ -137,7 +154,7 @@ def load_recipe(path: str, parser) -> dict:
     resolved = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
-        if name in ("recipe", "dry_run", *target.CLI_ONLY) or (name not in actions and name not in options):
+        if name in ("recipe", "dry_run", "all", *target.CLI_ONLY) or (name not in actions and name not in options):
             close = difflib.get_close_matches(name, [*actions, *options], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{path}: unknown key '{key}'{hint}")
@@ -165,7 +182,8 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> arg
     args.config_sources = {
         dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
     }
-    finalize(args)
+    finalize(args, parser)
+    _LAST["args"] = args  # explain() names these values for refusals raised after parsing
     if args.dry_run:
         print_config(args)
         if exit_on_dry_run:
@@ -190,8 +208,8 @@ def _one_data_source(args) -> None:
             args.mock_data, args.config_sources["mock_data"] = False, "cleared by --data-path"
 
 
-def finalize(args) -> None:
-    """Everything megatron's validate_args checks, plus ours, before any compute starts."""
+def finalize(args, parser=None) -> None:
+    """Everything megatron's validate_args and config classes check, plus ours, before any compute."""
     launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world_size is None:
         args.world_size = launcher_world
@@ -200,6 +218,8 @@ def finalize(args) -> None:
             f"--world-size={args.world_size}: the launcher started {launcher_world} processes"
         )
     args.rank = int(os.environ.get("RANK", "0"))
+    actions = _flag_actions(parser or build_parser())
+    _refuse_if(rules.check_domains(args, actions))
     _fit_defaults_to_platform(args)
     _one_data_source(args)
     if not args.mock_data and not args.data_path:
@@ -213,25 +233,112 @@ def finalize(args) -> None:
             f"--lr-warmup-iters={args.lr_warmup_iters} (or --lr-warmup-fraction) must be below the decay "
             f"length {decay} (--lr-decay-iters, else --train-iters)"
         )
+    _refuse_if(rules.check_rules(args, actions, "given"))
     world_size_holder = args.world_size
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args dumps every argument on rank 0
-        try:
-            validate_args(args)
-        except AssertionError as e:
-            raise ConfigError(f"invalid configuration: {e}") from None
+    given = {k: copy.copy(v) for k, v in vars(args).items()}
+    with contextlib.redirect_stdout(io.StringIO()), _megatron_refusals(args, actions):
+        validate_args(args)  # prints every argument on rank 0
     args.world_size = world_size_holder
+    _mark_megatron_changes(args, given)
+    _refuse_if(rules.check_rules(args, actions, "resolved"))
     from megatron_ext.training.data import padded_vocab_size
 
     if args.vocab_size is None:
         raise ConfigError("--vocab-size is required (257 for the byte-level data of scripts/prepare_data.py)")
     args.padded_vocab_size = padded_vocab_size(args)
+    args.config_sources["padded_vocab_size"] = "derived (--vocab-size padded)"
     features.validate(args)
+    with _megatron_refusals(args, actions):
+        args.megatron_configs_checked = build_configs(args)
+    args.config_sources["megatron_configs_checked"] = "derived (built at parse time)"
+
+
+def build_configs(args) -> list:
+    """megatron's TransformerConfig, DDP and optimizer configs from the arguments, as the model build
+    will make them: their __post_init__ checks run here, before any compute. Nothing is allocated.
+    Not the TransformerConfig where a --platform target assumes a transformer-engine this machine
+    lacks: its checks probe the installed version, which would answer for this machine."""
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+
+    built = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        if not (rules.target(args).te and not target.te_importable()):
+            built.append(type(core_transformer_config_from_args(args)).__name__)
+        built.append(type(get_megatron_ddp_config(args)).__name__)
+        built.append(type(get_megatron_optimizer_config(args)[0]).__name__)
+    return built
+
+
+def _refuse_if(line: str | None) -> None:
+    if line:
+        raise ConfigError(line)
+
+
+_LAST: dict = {}
+
+
+@contextlib.contextmanager
+def _megatron_refusals(args, actions):
+    """megatron's own refusals (bare asserts included) as one line naming the flags."""
+    try:
+        with warnings.catch_warnings():  # without a launcher megatron warns that it guessed rank 0
+            warnings.filterwarnings("ignore", message="Could not determine rank")
+            yield
+    except (AssertionError, ValueError, RuntimeError, NotImplementedError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        line = rules.explain(e, args, actions)
+        if line is None:
+            raise
+        raise ConfigError(line) from None
+
+
+def explain(exc: BaseException) -> str | None:
+    """The one-line refusal for an exception megatron raised from a flag after parsing (model
+    build, checkpoint load), or None: then it is not about a flag and keeps its traceback."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    line = rules.explain(exc, _LAST.get("args"), _flag_actions(build_parser()), strict=True)
+    return line and f"{line}; {TRACEBACK_ENV}=1 shows the traceback"
+
+
+def _mark_megatron_changes(args, given: dict) -> None:
+    """A value megatron's validate_args set or changed is labelled so, not with the source it had."""
+    for key, value in vars(args).items():
+        if key == "config_sources":
+            continue
+        if key not in given:
+            args.config_sources[key] = "megatron"
+            continue
+        try:
+            same = bool(given[key] == value)
+        except Exception:  # noqa: BLE001 - values that do not compare (tensors, dtypes vs str)
+            same = given[key] is value
+        if not same:
+            was = args.config_sources.get(key, "default")
+            args.config_sources[key] = "megatron" if was == "default" else f"megatron (was {given[key]!r}, {was})"
+
+
+# Derived values worth seeing without --all.
+_DERIVED = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size",
+            "ffn_hidden_size", "moe_ffn_hidden_size", "kv_channels", "padded_vocab_size", "params_dtype",
+            "world_size")
+
+
+def _shown(key: str, source: str, value) -> bool:
+    """Not a plain default, nor a value megatron derived from defaults (unless a size worth seeing)."""
+    return source not in ("default", "megatron") or (key in _DERIVED and source != "default" and value is not None)
 
 
 def print_config(args) -> None:
-    width = max(len(k) for k in vars(args))
-    print("resolved configuration (value  [source]):")
-    for key in sorted(vars(args)):
-        if key == "config_sources":
-            continue
-        print(f"  {key:<{width}} {getattr(args, key)!r}  [{args.config_sources.get(key, 'derived')}]")
+    keys = [k for k in sorted(vars(args)) if k != "config_sources"]
+    source = {k: args.config_sources.get(k, "derived") for k in keys}
+    shown = keys if args.all else [k for k in keys if _shown(k, source[k], getattr(args, k))]
+    width = max(len(k) for k in shown)
+    print("resolved configuration (value  [source]):" if args.all else
+          "resolved configuration: what the recipe, the command line, the platform or megatron set (value  [source]):")
+    for key in shown:
+        print(f"  {key:<{width}} {getattr(args, key)!r}  [{source[key]}]")
+    if not args.all:
+        print(f"  ... {len(keys) - len(shown)} more at their defaults or derived by megatron: --dry-run --all lists every value")

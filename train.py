@@ -55,11 +55,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import sys
+    from megatron_ext import errors
 
-    from megatron_ext.errors import ConfigError
-
-    try:
-        main()
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    errors.run(main, explain=arguments.explain)  # a refused flag: one line on rank 0, exit 1

@@ -103,7 +103,7 @@ def test_real_run_refuses_a_world_size_the_launcher_did_not_start(monkeypatch):
 
 def test_dry_run_prints_sources_and_exits(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        arguments.parse(["--recipe", TINY, "--mock-data", "--dry-run", "--hidden-size", "96",
+        arguments.parse(["--recipe", TINY, "--mock-data", "--dry-run", "--all", "--hidden-size", "96",
                          "--num-attention-heads", "4"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
@@ -128,3 +128,19 @@ def test_tiny_recipes_dry_run(name):
     args = arguments.parse(["--recipe", os.path.join(ROOT, "recipes", name), "--dry-run", "--mock-data"],
                            exit_on_dry_run=False)
     assert args.train_iters > 0
+
+
+def test_dry_run_shows_what_was_set_and_labels_megatrons_changes(capsys):
+    """Without --all: only values the recipe, the command line, the platform or megatron set; a value
+    megatron's validate_args changed is labelled megatron, with what it was and who set it."""
+    args = arguments.parse(["--recipe", TINY, "--mock-data", "--dry-run", "--sequence-parallel"], exit_on_dry_run=False)
+    out = capsys.readouterr().out
+    lines = {l.split()[0]: l for l in out.splitlines()[1:] if l.strip() and not l.strip().startswith("...")}
+    assert args.sequence_parallel is False  # TP=1: megatron turns it off
+    assert lines["sequence_parallel"].endswith("[megatron (was True, cli)]")
+    assert lines["num_layers"].endswith("[recipe]") and lines["dry_run"].endswith("[cli]")
+    assert lines["data_parallel_size"].endswith("[megatron]")
+    assert "default (off: CPU)" in lines["bias_swiglu_fusion"]
+    assert "adam_beta1" not in lines and len(lines) < 80
+    hidden = len(vars(args)) - 1 - len(lines)
+    assert f"... {hidden} more at their defaults or derived by megatron: --dry-run --all lists every value" in out
