@@ -57,4 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 if __name__ == "__main__":
     from megatron_ext import errors
 
+    platform.setup()
+    import arguments
+
     errors.run(main, explain=arguments.explain)  # a refused flag: one line on rank 0, exit 1
