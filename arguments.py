@@ -197,15 +197,34 @@ def _fit_defaults_to_platform(args) -> None:
     target.fit_defaults(args)
 
 
+# Alternatives: when both are set at different precedence (recipe vs cli), the higher one wins.
+# Iteration- and sample-based lengths go as groups: a recipe's iteration schedule gives way to
+# --train-samples/--lr-*-samples on the command line (and the other way round).
+_UNSET = {"mock_data": False, "data_path": None, "lr_warmup_iters": 0, "lr_warmup_samples": 0}
+_ALTERNATIVES = (
+    (("mock_data",), ("data_path",)),
+    (("train_iters", "lr_decay_iters", "lr_warmup_iters"), ("train_samples", "lr_decay_samples", "lr_warmup_samples")),
+)
+
+
 def _one_data_source(args) -> None:
-    """--mock-data and --data-path are alternatives: the one given at higher precedence wins."""
+    """--mock-data / --data-path, and iteration- / sample-based lengths, are alternatives."""
     rank = {"default": 0, "recipe": 1, "cli": 2}
-    mock, path = rank[args.config_sources["mock_data"]], rank[args.config_sources["data_path"]]
-    if args.mock_data and args.data_path and mock != path:
-        if mock > path:
-            args.data_path, args.config_sources["data_path"] = None, "cleared by --mock-data"
-        else:
-            args.mock_data, args.config_sources["mock_data"] = False, "cleared by --data-path"
+
+    def level(group):
+        return max(rank[args.config_sources[d]] for d in group if getattr(args, d) != _UNSET.get(d))
+
+    for a, b in _ALTERNATIVES:
+        if not any(getattr(args, d) != _UNSET.get(d) for d in a) or not any(getattr(args, d) != _UNSET.get(d) for d in b):
+            continue
+        ra, rb = level(a), level(b)
+        if ra == rb:
+            continue
+        losers, winner = (b, a[0]) if ra > rb else (a, b[0])
+        for d in losers:
+            if getattr(args, d) != _UNSET.get(d):
+                setattr(args, d, _UNSET.get(d))
+                args.config_sources[d] = "cleared by --" + winner.replace("_", "-")
 
 
 def finalize(args, parser=None) -> None:
@@ -224,16 +243,8 @@ def finalize(args, parser=None) -> None:
     _one_data_source(args)
     if not args.mock_data and not args.data_path:
         raise ConfigError("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
-    if args.train_iters is None:
-        raise ConfigError("--train-iters is required (sample-based training is not supported)")
-    decay = args.lr_decay_iters or args.train_iters
-    warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_iters
-    if decay and warmup >= decay:
-        raise ConfigError(
-            f"--lr-warmup-iters={args.lr_warmup_iters} (or --lr-warmup-fraction) must be below the decay "
-            f"length {decay} (--lr-decay-iters, else --train-iters)"
-        )
     _refuse_if(rules.check_rules(args, actions, "given"))
+    features.before_validate(args)
     world_size_holder = args.world_size
     given = {k: copy.copy(v) for k, v in vars(args).items()}
     with contextlib.redirect_stdout(io.StringIO()), _megatron_refusals(args, actions):
@@ -241,13 +252,10 @@ def finalize(args, parser=None) -> None:
     args.world_size = world_size_holder
     _mark_megatron_changes(args, given)
     _refuse_if(rules.check_rules(args, actions, "resolved"))
-    from megatron_ext.training.data import padded_vocab_size
-
-    if args.vocab_size is None:
-        raise ConfigError("--vocab-size is required (257 for the byte-level data of scripts/prepare_data.py)")
-    args.padded_vocab_size = padded_vocab_size(args)
-    args.config_sources["padded_vocab_size"] = "derived (--vocab-size padded)"
-    features.validate(args)
+    features.validate(args)  # training's: tokenizer (padded vocab), train_iters from --train-samples, ...
+    args.config_sources.setdefault("padded_vocab_size", "derived (the tokenizer's vocabulary, padded)")
+    if args.config_sources.get("padded_vocab_size") == "default":
+        args.config_sources["padded_vocab_size"] = "derived (the tokenizer's vocabulary, padded)"
     with _megatron_refusals(args, actions):
         args.megatron_configs_checked = build_configs(args)
     args.config_sources["megatron_configs_checked"] = "derived (built at parse time)"

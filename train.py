@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
-from megatron_ext import platform
+PROGRAM_START = time.time()  # --exit-duration-in-mins counts from here, as pretrain_gpt.py's
+
+from megatron_ext import platform  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -17,47 +20,56 @@ def main(argv: list[str] | None = None) -> list[dict]:
     platform.init_distributed(args.distributed_timeout_minutes * 60)
     logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
 
-    from megatron_ext import schedules
-    from megatron_ext.training import checkpointing, data, model as models, observability, optimizer as optim
-    from megatron_ext.training import parallel, run, step
+    from megatron_ext import schedules, seams
+    from megatron_ext.training import checkpointing, data, evaluation, exits, model as models, observability
+    from megatron_ext.training import optimizer as optim, parallel, run, step
     from megatron_ext.training.log_line import TrainingLogger
 
     run.initialize_parallel(args)
     logger = None
     try:
-        config = models.transformer_config(args)
-        model = models.build_model(args, config)
-        optimizer, scheduler = optim.build_optimizer(args, model)
-        step.configure_schedule_hooks(args, config, model, optimizer)
-        ckpt = checkpointing.Checkpointer(args, model, optimizer, scheduler)
-        start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
-        iterators = data.build_train_iterators(args, len(model), consumed_samples=start * args.global_batch_size)
-        ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
-        forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
-        logger = TrainingLogger(args)
-        observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
-
-        for iteration in range(start + 1, args.train_iters + 1):
-            observer.before_step(iteration)
-            result = step.train_step(args, model, optimizer, scheduler, iterators, forward_backward)
-            logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
-            observer.after_step(iteration, result)
-            ckpt.after_step(iteration)  # saves every --save-interval
-            if args.exit_interval and iteration % args.exit_interval == 0:
-                break
-        observer.close()
-        ckpt.close(iteration)  # saves at exit, waits for async saves
-        return logger.history
+        with seams.megatron_training_globals(args):  # megatron.training's pieces read their args there
+            config = models.transformer_config(args)
+            model = models.build_model(args, config)
+            optimizer, scheduler = optim.build_optimizer(args, model)
+            step.configure_schedule_hooks(args, config, model, optimizer)
+            ckpt = checkpointing.Checkpointer(args, model, optimizer, scheduler)
+            start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
+            iterators = data.build_iterators(args, len(model), iteration=start)  # train, valid, test
+            ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
+            forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
+            logger = TrainingLogger(args)
+            observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
+            with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
+                last = start if args.skip_train else args.train_iters
+                for iteration in range(start + 1, last + 1):
+                    observer.before_step(iteration)
+                    result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
+                    logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+                    observer.after_step(iteration, result)
+                    if evaluation.due(args, iteration, iterators):
+                        evaluation.run(args, f"iteration {iteration}", iterators.valid, model, config, iteration,
+                                       logger.writer)
+                    ckpt.after_step(iteration)  # saves every --save-interval
+                    if stop.after_step(iteration):
+                        break
+            observer.close()
+            ckpt.close(iteration)  # saves at exit, waits for async saves
+            if not stop.reason:
+                evaluation.after_training(args, iterators, model, config, iteration, logger.writer)
+            return logger.history
     finally:
         if logger is not None:
-            logger.close()  # on every exit path: the TensorBoard writer owns a thread
+            logger.close()  # on every exit path: the TensorBoard writer owns a thread (and W&B's run)
         parallel.destroy()
 
 
 if __name__ == "__main__":
-    from megatron_ext import errors
-
     platform.setup()
     import arguments
+    from megatron.training.training import set_startup_timestamps
 
+    from megatron_ext import errors
+
+    set_startup_timestamps(program_start=PROGRAM_START)
     errors.run(main, explain=arguments.explain)  # a refused flag: one line on rank 0, exit 1

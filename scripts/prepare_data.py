@@ -1,15 +1,25 @@
-"""Turn text files into a Megatron indexed dataset (.bin/.idx) with the byte-level tokenizer.
+"""Turn text into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx).
 
+With Megatron-LM's tokenizer flags, as its tools/preprocess_data.py (megatron's tokenizer builder):
+    python scripts/prepare_data.py --input docs.jsonl --json-keys text --output-prefix data/my \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 2
+    -> data/my_text_document.bin/.idx; train with the same tokenizer flags and --data-path data/my_text_document
+
+Without --tokenizer-type, byte-level (nothing to download): every file is one document, its UTF-8
+bytes (ids 0..255) and end-of-document (256) after it; train with
+`--tokenizer-type NullTokenizer --vocab-size 257`.
     python scripts/prepare_data.py --input DIR_OR_FILE [...] --output-prefix data/mytext
     python scripts/prepare_data.py --python-stdlib --output-prefix data/pystdlib
 
-Each file is one document: its UTF-8 bytes (ids 0..255) followed by end-of-document (256). Train on
-it with `--data-path data/mytext_text_document --tokenizer-type NullTokenizer --vocab-size 257`.
-`--python-stdlib` uses this interpreter's own standard-library sources, present on every machine.
+--input takes JSON-lines files (.json/.jsonl: one document per line, text under --json-keys), and
+text files or directories (one document per file). `--python-stdlib` reads this interpreter's own
+standard-library sources, present on every machine.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import os
 import sysconfig
 import time
@@ -17,6 +27,9 @@ import time
 import numpy as np
 
 from megatron_ext import platform
+
+BYTE_EOD = 256  # megatron_ext.training.data.BYTE_EOD (not imported here: it imports megatron-core)
+JSON_SUFFIXES = (".json", ".jsonl")
 
 
 def stdlib_files(limit_mb: float) -> list[str]:
@@ -49,55 +62,161 @@ def text_files(inputs: list[str], suffixes: tuple[str, ...]) -> list[str]:
     return files
 
 
-def build(files: list[str], output_prefix: str, progress_every: float = 2.0) -> dict:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+def documents(files: list[str], json_keys: list[str]):
+    """(key, text, bytes read) for every document: each JSON line's --json-keys, or each text file."""
+    for path in files:
+        if path.endswith(JSON_SUFFIXES):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    for key in json_keys:
+                        if key not in record:
+                            raise SystemExit(f"error: {path}:{n}: no key '{key}' (--json-keys)")
+                        text = record[key]
+                        yield key, "".join(text) if isinstance(text, list) else text, len(line)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
+            yield json_keys[0], raw, len(raw)  # bytes: the byte-level tokenizer keeps them exactly
 
-    from megatron_ext.training.data import BYTE_EOD
 
-    prefix = output_prefix + "_text_document"
-    print(f"tokenizing {len(files)} files (byte-level, eod={BYTE_EOD}) -> {prefix}.bin/.idx", flush=True)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
-    tokens = 0
+class _Encoder:
+    """Per worker process: the tokenizer built once from the flags (preprocess_data.py's Encoder)."""
+
+    tokenizer = None
+
+    def __init__(self, args):
+        self.args = args
+
+    def initializer(self):
+        _Encoder.tokenizer = build_tokenizer(self.args)
+
+    def encode(self, item):
+        from megatron_ext.training.data import ByteTokenizer
+
+        key, text, nbytes = item
+        tok = _Encoder.tokenizer
+        if isinstance(tok, ByteTokenizer):
+            raw = text if isinstance(text, bytes) else text.encode("utf-8")
+            ids = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+        else:
+            ids = np.asarray(tok.tokenize(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text))
+        if len(ids) and self.args.append_eod:
+            ids = np.append(ids, tok.eod)
+        return key, ids, nbytes
+
+
+def build_tokenizer(args):
+    """Byte-level without --tokenizer-type; else megatron's tokenizer, exactly as training builds it."""
+    from megatron_ext.training.data import ByteTokenizer
+
+    if args.tokenizer_type is None:
+        return ByteTokenizer()
+    from megatron_ext.training import tokenizer
+
+    return tokenizer.build(args)
+
+
+def build(args, files: list[str], progress_every: float = 2.0) -> dict:
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    tok = build_tokenizer(args)
+    dtype = np.uint16 if args.tokenizer_type is None else DType.optimal_dtype(tok.vocab_size)
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    os.makedirs(os.path.dirname(args.output_prefix) or ".", exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for key, p in prefixes.items()}
+    encoder = _Encoder(args)
+    if args.workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(args.workers, initializer=encoder.initializer)
+        encoded = pool.imap(encoder.encode, documents(files, args.json_keys), 32)
+    else:
+        pool, _Encoder.tokenizer = None, tok
+        encoded = map(encoder.encode, documents(files, args.json_keys))
+    counts = {key: [0, 0] for key in args.json_keys}  # documents, tokens
     start = last = time.perf_counter()
-    for i, path in enumerate(files, 1):
-        with open(path, "rb") as f:
-            data = np.frombuffer(f.read(), dtype=np.uint8).astype(np.uint16)
-        if data.size == 0:
+    nbytes = 0
+    for i, (key, ids, size) in enumerate(encoded, 1):
+        nbytes += size
+        if not len(ids):
             continue
-        document = np.append(data, np.uint16(BYTE_EOD))
-        builder.add_document(document, [document.size])
-        tokens += document.size
+        builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+        counts[key][0] += 1
+        counts[key][1] += len(ids)
         now = time.perf_counter()
-        if now - last >= progress_every or i == len(files):
+        if now - last >= progress_every or i % args.log_interval == 0:
             last = now
-            rate = tokens / max(now - start, 1e-9) / 1e6
-            print(f"  {i}/{len(files)} files | {tokens / 1e6:.2f} M tokens | {rate:.1f} M tokens/s", flush=True)
-    builder.finalize(get_idx_path(prefix))
-    return {"prefix": prefix, "documents": len(files), "tokens": tokens}
+            rate = nbytes / max(now - start, 1e-9) / 2**20
+            print(f"  {i} documents | {nbytes / 2**20:.1f} MiB | {rate:.1f} MiB/s", flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
+    for key, builder in builders.items():
+        builder.finalize(get_idx_path(prefixes[key]))
+    key = args.json_keys[0]
+    return {"prefix": prefixes[key], "prefixes": prefixes, "documents": counts[key][0], "tokens": counts[key][1],
+            "vocab_size": tok.vocab_size, "eod": tok.eod}
+
+
+def get_args(argv=None):
+    from megatron.training.arguments import _add_tokenizer_args
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_tokenizer_args(parser)  # megatron's own tokenizer flags, as tools/preprocess_data.py
+    group = parser.add_argument_group("input data")
+    source = group.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", nargs="+", help="JSON-lines files (.json/.jsonl), text files or directories")
+    source.add_argument("--python-stdlib", action="store_true", help="this interpreter's stdlib .py files")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+    group.add_argument("--split-sentences", action="store_true", help="(refused: needs nltk)")
+    group.add_argument("--keep-newlines", action="store_true", help="(only with --split-sentences)")
+    group.add_argument("--suffixes", nargs="+", default=[".txt", ".md", ".py", ".rst", ".json", ".jsonl"],
+                       help="file endings taken from --input directories")
+    group.add_argument("--limit-mb", type=float, default=8.0, help="--python-stdlib: at most this much text")
+    group = parser.add_argument_group("tokenization process")
+    group.add_argument("--append-eod", action="store_true", help="append end-of-document to every document "
+                       "(always on byte-level)")
+    group.add_argument("--lang", type=str, default="english", help="(only with --split-sentences)")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes PREFIX_<json key>_document.bin/.idx")
+    group.add_argument("--skip-existing", action="store_true", help="do nothing if the dataset exists")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
+    group.add_argument("--partitions", type=int, default=1, help="(only 1: one output per key)")
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    args = parser.parse_args(argv)
+    if args.split_sentences:
+        parser.error("--split-sentences: sentence splitting needs nltk's punkt data, which is not available here")
+    if args.partitions != 1:
+        parser.error(f"--partitions={args.partitions}: only 1 is supported")
+    if args.tokenizer_type is None:
+        args.append_eod = True  # byte-level documents always end in BYTE_EOD
+    # as tools/preprocess_data.py: the tokenizer's own vocabulary, unpadded
+    args.rank, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 0, 1, 1
+    args.vocab_extra_ids = 0
+    return args
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", nargs="+", help="text files or directories")
-    source.add_argument("--python-stdlib", action="store_true", help="this interpreter's stdlib .py files")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin/.idx")
-    parser.add_argument("--suffixes", nargs="+", default=[".txt", ".md", ".py", ".rst"],
-                        help="file endings taken from --input directories")
-    parser.add_argument("--limit-mb", type=float, default=8.0, help="--python-stdlib: at most this much text")
-    parser.add_argument("--skip-existing", action="store_true", help="do nothing if the dataset exists")
-    args = parser.parse_args(argv)
+    platform.setup()  # before megatron-core is imported
+    args = get_args(argv)
+    from megatron_ext.errors import ConfigError
 
-    prefix = args.output_prefix + "_text_document"
+    prefix = f"{args.output_prefix}_{args.json_keys[0]}_document"
     if args.skip_existing and os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):
         print(f"{prefix}.bin/.idx exist; skipping")
         return {"prefix": prefix, "skipped": True}
     files = stdlib_files(args.limit_mb) if args.python_stdlib else text_files(args.input, tuple(args.suffixes))
     if not files:
         raise SystemExit("error: no input files found")
-    platform.setup()  # before megatron-core is imported (build)
-    result = build(files, args.output_prefix)
+    try:
+        build_tokenizer(args)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    kind = "byte-level, eod=%d" % BYTE_EOD if args.tokenizer_type is None else args.tokenizer_type
+    print(f"tokenizing {len(files)} files ({kind}) -> {prefix}.bin/.idx", flush=True)
+    result = build(args, files)
     print(f"done: {result['documents']} documents, {result['tokens']} tokens", flush=True)
     return result
 

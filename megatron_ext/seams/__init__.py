@@ -9,6 +9,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
+    megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
+                       megatron.training's global args/timers/writer set for the length of a run
 
 Every replacement of a megatron (or torch) attribute is a reversible record in SEAMS (the record
 type of the CPU shims, megatron_ext/patching.py). A run installs the records its flags need once,
@@ -29,6 +31,7 @@ from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
+from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
 _CAPABILITIES = (training, schedules, offload, moe, checkpointing, sharded_params)
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}

@@ -22,7 +22,26 @@ def add_arguments(parser):
     return parser
 
 
+def before_validate(args) -> None:
+    from megatron_ext.training.model import before_validate as model_before_validate
+    from megatron_ext.training.optimizer import refuse_batch_size_schedules
+
+    model_before_validate(args)
+    refuse_batch_size_schedules(args)
+
+
 def validate(args) -> None:
+    import contextlib
+    import io
+
+    from megatron_ext.training import data, optimizer, tokenizer
+    from megatron_ext.training import log_line as training_logging
+
+    tokenizer.configure(args)  # the vocabulary (and its padding) from the tokenizer flags
+    with contextlib.redirect_stdout(io.StringIO()):  # megatron prints 'setting training iterations to N'
+        optimizer.resolve_iterations(args)  # --train-iters, or from --train-samples; the LR schedule
+    data.validate(args)
+    training_logging.validate(args)
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
 
     validate_checkpointing(args)

@@ -1,89 +1,179 @@
-"""Training data: megatron-core GPT datasets (indexed .bin/.idx or mock) behind Megatron's sampler.
+"""Training, validation and test data as pretrain_gpt.py builds them: megatron-core GPT datasets
+(indexed .bin/.idx, or mock) split by --split or given per split (--train/valid/test-data-path),
+behind megatron's samplers and data loaders (--dataloader-type, --num-workers).
 
-Text is byte-level: ids 0..255 are UTF-8 bytes and 256 is end-of-document, so the tokenizer needs no
-download. Training uses megatron-core's NullTokenizer with ``--vocab-size 257`` (eod = vocab_size-1).
+The tokenizer comes from the tokenizer flags (megatron_ext/training/tokenizer.py); the byte-level
+text of scripts/prepare_data.py (ids 0..255 = UTF-8 bytes, 256 = end of document) reads with
+``--tokenizer-type NullTokenizer --vocab-size 257``.
 """
 from __future__ import annotations
 
-import torch
-from megatron.core import parallel_state
+import os
+from dataclasses import dataclass
+
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.training import cyclic_iter
+from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+from megatron_ext.training import tokenizer
 
 BYTE_VOCAB_SIZE = 257
 BYTE_EOD = 256
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids; ``eod`` ends a document."""
+    """UTF-8 bytes as token ids; ``eod`` ends a document (scripts/prepare_data.py's default)."""
 
     vocab_size = BYTE_VOCAB_SIZE
     eod = BYTE_EOD
 
-    def encode(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    encode = tokenize
+
+    def detokenize(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-
-def tokenizer(args):
-    return NullTokenizer(vocab_size=args.vocab_size)
-
-
-def padded_vocab_size(args) -> int:
-    """As megatron.training's tokenizer builder pads it: a multiple of divisible_by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-args.vocab_size // multiple) * multiple
+    decode = detokenize
 
 
 def dataset_config(args) -> GPTDatasetConfig:
+    """pretrain_gpt.py's core_gpt_dataset_config_from_args, for the options this loop supports."""
+    blend, blend_per_split = (None, None) if args.mock_data else get_blend_and_blend_per_split(args)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else _blend(args),
+        blend=blend,
+        blend_per_split=blend_per_split,
         split=args.split,
-        tokenizer=tokenizer(args),
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer.build(args),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        path_to_cache=args.data_cache_path,
     )
 
 
-def _blend(args):
-    """--data-path PREFIX, or --data-path W1 PREFIX1 W2 PREFIX2 ... (Megatron's format)."""
-    if len(args.data_path) == 1:
-        return args.data_path, None
-    weights, prefixes = args.data_path[0::2], args.data_path[1::2]
-    return prefixes, [float(w) for w in weights]
+def validate(args) -> None:
+    from megatron_ext.errors import ConfigError
+
+    for flag, value in (("--full-validation", args.full_validation),
+                        ("--multiple-validation-sets", args.multiple_validation_sets),
+                        ("--dataloader-type=external", args.dataloader_type == "external"),
+                        ("--fim-data", args.fim_data), ("--sft", args.sft)):
+        if value:
+            raise ConfigError(f"{flag}: not supported by this loop (pretrain_gpt.py's standard GPT data only)")
+    if not args.mock_data:
+        _check_splits(dataset_config(args), list(num_samples(args)))
+    import multiprocessing
+
+    if args.num_workers > 0 and multiprocessing.current_process().daemon:
+        raise ConfigError(
+            f"--num-workers={args.num_workers}: this is a daemonic process, which cannot start data-loader "
+            "worker processes; use --num-workers 0"
+        )
 
 
-def build_train_dataset(args):
-    samples = args.train_iters * args.global_batch_size
+def evaluating(args) -> bool:
+    """Validation/test run when --eval-iters > 0 and --eval-interval is set (megatron sizes the
+    validation set from --eval-interval: without it there is no evaluation)."""
+    return bool(args.eval_iters) and args.eval_interval is not None
+
+
+def num_samples(args) -> tuple[int, int, int]:
+    """(train, valid, test) samples, megatron's get_train_valid_test_num_samples."""
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    if not evaluating(args):
+        return train, 0, 0
+    points = (0 if args.skip_train else args.train_iters // args.eval_interval) + 1
+    if args.start_eval_at_iter is not None and not args.skip_train:
+        points = max(0, points - args.start_eval_at_iter // args.eval_interval)
+    return train, points * args.eval_iters * args.eval_global_batch_size, args.eval_iters * args.eval_global_batch_size
+
+
+def _check_splits(config: GPTDatasetConfig, sizes: list[int]) -> None:
+    """A split that is asked for samples but holds no document makes megatron's GPTDataset loop
+    forever (gpt_dataset.py _get_num_epochs); refuse it by name instead."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.errors import ConfigError
+
+    if config.blend is None or config.split_matrix is None:
+        return
+    for prefix in config.blend[0]:
+        if not os.path.exists(prefix + ".idx"):
+            continue  # megatron names the missing file when it opens it
+        documents = len(IndexedDataset(prefix, mmap=False).sequence_lengths)
+        for name, bounds, wanted in zip(("train", "validation", "test"), config.split_matrix, sizes):
+            if bounds is not None and wanted and round(bounds[0] * documents) == round(bounds[1] * documents):
+                raise ConfigError(
+                    f"--split={config.split}: the {name} split of {prefix} ({documents} documents) holds no "
+                    f"document, but {wanted} {name} samples are needed"
+                )
+
+
+def build_datasets(args):
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [samples, 0, 0], lambda: True, dataset_config(args)
-    ).build()
-    return train
+    config, sizes = dataset_config(args), list(num_samples(args))
+    _check_splits(config, sizes)
+    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+
+
+def consumed_valid_samples(args, iteration: int) -> int:
+    """Validation samples the evaluations up to `iteration` read (megatron's resume arithmetic)."""
+    if not evaluating(args):
+        return 0
+    start = args.start_eval_at_iter or 0
+    return max(0, iteration // args.eval_interval - start // args.eval_interval) * args.eval_iters * args.eval_global_batch_size
+
+
+@dataclass
+class Iterators:
+    train: list  # one iterator per model chunk (each virtual stage consumes every micro-batch)
+    valid: list | None
+    test: list | None
+
+
+def _iterators(args, dataset, consumed: int, num_chunks: int) -> list | None:
+    if dataset is None:
+        return None
+    from megatron_ext.seams import megatron_training_globals
+
+    out = []
+    with megatron_training_globals(args):
+        for _ in range(num_chunks):
+            loader = build_pretraining_data_loader(dataset, consumed)
+            out.append(iter(cyclic_iter(loader)) if args.dataloader_type == "cyclic" else iter(loader))
+    return out
+
+
+def build_iterators(args, num_chunks: int, iteration: int = 0) -> Iterators:
+    """Positioned after `iteration` iterations, so a resumed run reads exactly the data (training
+    and validation) an uninterrupted one would."""
+    train, valid, test = build_datasets(args)
+    if not evaluating(args):
+        valid = test = None
+    return Iterators(
+        train=_iterators(args, train, iteration * args.global_batch_size, num_chunks),
+        valid=_iterators(args, valid, consumed_valid_samples(args, iteration), num_chunks),
+        test=_iterators(args, test, 0, num_chunks),
+    )
 
 
 def build_train_iterators(args, num_chunks: int, consumed_samples: int = 0) -> list:
-    """One iterator per model chunk (each virtual stage consumes every micro-batch), positioned
-    after `consumed_samples` so a resumed run sees exactly the data an uninterrupted one would."""
-    dataset = build_train_dataset(args)
-    iterators = []
-    for _ in range(num_chunks):
-        sampler = MegatronPretrainingSampler(
-            total_samples=len(dataset),
-            consumed_samples=consumed_samples,
-            micro_batch_size=args.micro_batch_size,
-            data_parallel_rank=parallel_state.get_data_parallel_rank(),
-            data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        )
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
-        iterators.append(iter(loader))
-    return iterators
+    """The training iterators alone (benchmarks and schedule tests)."""
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if args.mock_data else GPTDataset,
+        [args.train_samples or args.train_iters * args.global_batch_size, 0, 0],
+        lambda: True,
+        dataset_config(args),
+    ).build()
+    return _iterators(args, train, consumed_samples, num_chunks)

@@ -2,6 +2,7 @@
 
     add_arguments(parser)          its flags, declared once, with help text, in an argparse group
                                    titled "megatron_ext: <capability>"
+    before_validate(args)          refuse flags before megatron's validate_args asserts on them
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig before the model is built
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
@@ -27,6 +28,11 @@ def add_arguments(parser):
     for fn in _hooks("add_arguments"):
         fn(parser)
     return parser
+
+
+def before_validate(args) -> None:
+    for fn in _hooks("before_validate"):
+        fn(args)
 
 
 def validate(args) -> None:

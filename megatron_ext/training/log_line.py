@@ -1,5 +1,8 @@
 """Megatron's per-iteration log line, plus tokens/s, TFLOP/s, MFU and peak memory; TensorBoard when
-installed. Printed by the last rank (where the loss lives), as megatron's print_rank_last does."""
+installed, W&B with --wandb-project (megatron's writer). Printed by the last rank (where the loss
+lives), as megatron's print_rank_last does. As megatron.training.training_log: the MoE auxiliary
+losses (load_balancing_loss, z_loss, ...) and MTP losses join the line, --moe-per-layer-logging
+writes them per layer to TensorBoard/W&B, --log-throughput adds 'throughput per GPU (TFLOP/s/GPU)'."""
 from __future__ import annotations
 
 import math
@@ -9,7 +12,22 @@ import torch
 from megatron.training.training import num_floating_point_operations
 
 from megatron_ext import platform
+from megatron_ext.errors import ConfigError
 from megatron_ext.training import features
+
+
+def validate(args) -> None:
+    """W&B as megatron sets it up (global_vars._set_wandb_writer): refused by name where it would fail."""
+    if not args.wandb_project:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project={args.wandb_project}: the wandb package is not installed")
+    if not args.wandb_exp_name:
+        raise ConfigError(f"--wandb-project={args.wandb_project} needs --wandb-exp-name")
+    if not args.wandb_save_dir and not args.save:
+        raise ConfigError(f"--wandb-project={args.wandb_project} needs --wandb-save-dir or --save")
 
 # Dense bf16 peak of one GPU, for MFU. Unknown devices report MFU as n/a rather than a guess.
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -41,6 +59,7 @@ class TrainingLogger:
         self.skipped = 0
         self.nan_iterations = 0
         self.writer = self._tensorboard(args) if self.is_logging_rank else None
+        self.wandb = self._wandb(args)
         self._records: list[dict] = []
         self._unread = 0  # trailing records whose loss is still a device tensor
 
@@ -55,9 +74,43 @@ class TrainingLogger:
             return None
         return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
 
+    @staticmethod
+    def _wandb(args):
+        if not args.wandb_project:
+            return None
+        from megatron.training import global_vars as gv
+
+        gv._set_wandb_writer(args)  # the last rank's wandb run (None elsewhere)
+        return gv.get_wandb_writer()
+
+    def _model_losses(self, iteration: int) -> dict:
+        """megatron's MoE tracker report and MTP metrics (every rank takes part in their reductions)."""
+        args, losses = self.args, {}
+        num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        if args.num_experts is not None:
+            from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+            names = [n for key, n in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                                      ("global_aux_loss", "global_load_balancing_loss"))
+                     if key in args.moe_router_load_balancing_type]
+            if args.moe_z_loss_coeff is not None:
+                names.append("z_loss")
+            get_moe_metrics_tracker().report(
+                loss_scale=1 / num_microbatches, iteration=iteration, writer=self.writer, wandb_writer=self.wandb,
+                per_layer_logging=args.moe_per_layer_logging, force_initialize=True, track_names=names,
+                num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq, mtp_num_layers=args.mtp_num_layers,
+                total_loss_dict=losses,
+            )
+        if args.mtp_num_layers is not None:
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            MTPLossLoggingHelper.track_mtp_metrics(1 / num_microbatches, iteration, self.writer, self.wandb, losses)
+        return {k: float(v) for k, v in losses.items()}
+
     def log(self, iteration: int, result, lr: float, extra: dict | None = None) -> dict:
         """Called every iteration; prints every --log-interval. Returns this iteration's record."""
         args = self.args
+        extra = {**self._model_losses(iteration), **(extra or {})}
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         if not result.update_successful:
@@ -79,18 +132,25 @@ class TrainingLogger:
             per_iteration = (now - self.interval_start) / self.interval_iterations
             shown = dict(record, **self._rates(per_iteration), **features.log_counters())
             print(self.format(shown), flush=True)
+            scalars = {k: v for k, v in shown.items() if isinstance(v, (int, float)) and k != "iteration"}
             if self.writer is not None:
-                for key, value in shown.items():
-                    if isinstance(value, (int, float)) and key != "iteration":
-                        self.writer.add_scalar(key, value, iteration)
+                for key, value in scalars.items():
+                    self.writer.add_scalar(key, value, iteration)
+            if self.wandb is not None:
+                self.wandb.log(scalars, iteration)
             self.interval_start, self.interval_iterations = now, 0
         return record
 
     def close(self) -> None:
-        """Flush and stop the TensorBoard writer (its background thread and file)."""
+        """Flush and stop the TensorBoard writer (its background thread and file); finish the W&B run."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            from megatron.training import global_vars as gv
+
+            self.wandb.finish()
+            self.wandb = gv._GLOBAL_WANDB_WRITER = None
 
     def _read_losses(self) -> None:
         """One host read per log line (not per iteration) for the losses since the last line."""
@@ -124,6 +184,7 @@ class TrainingLogger:
             f" iteration {r['iteration']:8d}/{args.train_iters:8d}",
             f"consumed samples: {r['iteration'] * args.global_batch_size:12d}",
             f"elapsed time per iteration (ms): {r['elapsed ms']:.1f}",
+            *([f"throughput per GPU (TFLOP/s/GPU): {r['TFLOP/s/GPU']:.1f}"] if args.log_throughput else []),
             f"learning rate: {r['learning rate']:.6E}",
             f"global batch size: {args.global_batch_size:5d}",
             f"lm loss: {r['lm loss']:.6E}",
@@ -143,7 +204,7 @@ class TrainingLogger:
         parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.current().is_cuda else f"{label}: {mem[0]:.2f}")
         for key, value in r.items():
             if key not in _CORE_KEYS:
-                parts.append(f"{key}: {value}")
+                parts.append(f"{key}: {value:.6E}" if key.endswith("loss") else f"{key}: {value}")
         return " | ".join(parts) + " |"
 
 

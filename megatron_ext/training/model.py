@@ -1,12 +1,16 @@
-"""Build the GPT model chunks (one per virtual-pipeline stage) and wrap them in megatron-core DDP."""
+"""Build the GPT model chunks (one per virtual-pipeline stage) as Megatron-LM's gpt_builder does
+(layer specs, the multi-token-prediction block of --mtp-num-layers) and wrap them in megatron-core
+DDP."""
 from __future__ import annotations
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,15 +31,42 @@ def transformer_config(args) -> TransformerConfig:
     return config
 
 
+def _layer_spec(config: TransformerConfig, use_te: bool):
+    """gpt_builders._get_transformer_layer_spec: one layer's spec from the config."""
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
+            qk_l2_norm=config.qk_l2_norm,
+        )
+    return get_gpt_layer_local_spec(
+        config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
+        normalization=config.normalization,
+    )
+
+
 def layer_spec(args, config: TransformerConfig, vp_stage: int | None):
     use_te = args.transformer_impl == "transformer_engine"
     if args.num_experts is not None:  # per-layer dense/MoE pattern from --moe-layer-freq
         return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+            config, use_transformer_engine=use_te, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+            vp_stage=vp_stage,
         )
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(None, False, args.qk_layernorm)
-    return get_gpt_layer_local_spec(None, False, args.qk_layernorm, normalization=args.normalization)
+    return _layer_spec(config, use_te)
+
+
+def mtp_spec(args, config: TransformerConfig, decoder_spec, vp_stage: int | None):
+    """gpt_builder's: the MTP block reuses the spec of the decoder's last layer."""
+    if args.mtp_num_layers is None:
+        return None
+    use_te = args.transformer_impl == "transformer_engine"
+    if hasattr(decoder_spec, "layer_specs") and len(decoder_spec.layer_specs) == 0:
+        last = _layer_spec(config, use_te)  # a block spec with no layer on this stage
+    else:
+        last = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=use_te, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+            vp_stage=vp_stage,
+        )[-1]
+    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def install_seams(args, config: TransformerConfig) -> None:
@@ -52,9 +83,10 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     chunks = []
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
+        decoder_spec = layer_spec(args, config, stage)
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(args, config, stage),
+            transformer_layer_spec=decoder_spec,
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -63,6 +95,8 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling,
+            mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
             vp_stage=stage,
         )
         chunk.to(platform.current().device)
@@ -114,3 +148,16 @@ def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:
 
 def num_parameters(model: list) -> int:
     return sum(p.numel() for c in model for p in c.parameters())
+
+
+def before_validate(args) -> None:
+    """Refused before megatron's validate_args, whose assertions for these would name something else."""
+    from megatron_ext.errors import ConfigError
+
+    for flag, on in (("--use-megatron-fsdp", args.use_megatron_fsdp), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
+        if on:
+            raise ConfigError(
+                f"{flag}: not supported by this loop: the model is wrapped in megatron-core DDP (with "
+                "--use-distributed-optimizer for sharded optimizer state), and checkpoints are written in "
+                "torch_dist format, not the fsdp_dtensor format megatron requires for FSDP"
+            )

@@ -1,9 +1,20 @@
-"""megatron-core optimizer (distributed optimizer when --use-distributed-optimizer) and LR schedule."""
+"""megatron-core optimizer (distributed optimizer when --use-distributed-optimizer) and the LR schedule
+megatron.training builds: iteration-based (--train-iters, --lr-decay-iters, --lr-warmup-iters) or
+sample-based (--train-samples, --lr-decay-samples, --lr-warmup-samples), with its own arithmetic."""
 from __future__ import annotations
+
+import argparse
+import warnings
 
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training.training import get_megatron_optimizer_config
+from megatron.training.training import (
+    get_megatron_optimizer_config,
+    get_optimizer_param_scheduler,
+    update_train_iters,
+)
+
+from megatron_ext.errors import ConfigError
 
 
 def build_optimizer(args, model: list):
@@ -13,27 +24,58 @@ def build_optimizer(args, model: list):
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    """Iteration-based schedule, as megatron.training.get_optimizer_param_scheduler computes it."""
-    samples = args.global_batch_size
-    decay_steps = (args.lr_decay_iters or args.train_iters) * samples
-    if args.lr_warmup_fraction is not None:
-        warmup_steps = args.lr_warmup_fraction * decay_steps
-    else:
-        warmup_steps = args.lr_warmup_iters * samples
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * samples,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=(args.lr_wsd_decay_iters * samples) if args.lr_wsd_decay_iters else None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-    )
+    """megatron.training.get_optimizer_param_scheduler on a copy of the flags (it fills in defaults
+    such as lr_decay_iters); for sample-based training train_iters, derived at parse time, is
+    hidden again so megatron takes its sample branch."""
+    from megatron_ext.seams import megatron_training_globals
+
+    view = argparse.Namespace(**vars(args))
+    if args.train_samples:
+        view.train_iters = None
+    with megatron_training_globals(view):
+        return get_optimizer_param_scheduler(optimizer)
+
+
+class _NoOptimizer:
+    param_groups = [{}]
+
+
+def refuse_batch_size_schedules(args) -> None:
+    """Before megatron's validate_args (which also rejects a schedule next to --global-batch-size)."""
+    if args.rampup_batch_size or args.step_batch_size_schedule:
+        flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
+        raise ConfigError(f"{flag}: batch-size schedules are not supported by this loop (constant --global-batch-size)")
+
+
+def resolve_iterations(args) -> None:
+    """Parse time: --train-iters, or megatron's train_iters from --train-samples (update_train_iters);
+    then the schedule megatron would build, so its checks fail before any compute, by flag name."""
+    if args.train_iters is None and not args.train_samples:
+        raise ConfigError("give --train-iters N or --train-samples N")
+    if args.train_samples:
+        update_train_iters(args)  # train_samples // global_batch_size, as megatron
+        if args.train_iters < 1:
+            raise ConfigError(
+                f"--train-samples={args.train_samples}: fewer than one --global-batch-size={args.global_batch_size}"
+            )
+        args.config_sources["train_iters"] = "derived (--train-samples / --global-batch-size)"
+    import logging
+
+    quiet = logging.getLogger("megatron.core.optimizer_param_scheduler")
+    level, quiet.level = quiet.level, logging.WARNING  # its INFO line belongs to the run, not to parsing
+    try:
+        with warnings.catch_warnings():  # its log_single_rank warns that no rank is known yet
+            warnings.simplefilter("ignore", UserWarning)
+            build_scheduler(args, _NoOptimizer())
+    except AssertionError:
+        unit = "samples" if args.train_samples else "iters"
+        warm = (f"--lr-warmup-fraction={args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
+                else f"--lr-warmup-{unit}={getattr(args, 'lr_warmup_' + unit)}")
+        decay_dest = "lr_decay_" + unit if getattr(args, "lr_decay_" + unit) else "train_" + unit
+        decay = f"--{decay_dest.replace('_', '-')}={getattr(args, decay_dest)}"
+        raise ConfigError(
+            f"{warm} must be below the decay length {decay} (--lr-decay-{unit}, else --train-{unit}); "
+            f"and --min-lr={args.min_lr} <= --lr={args.lr}, --lr-warmup-init={args.lr_warmup_init} <= --lr"
+        ) from None
+    finally:
+        quiet.setLevel(level)

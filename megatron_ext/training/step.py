@@ -31,9 +31,13 @@ def forward_step(data_iterator, model):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """pretrain_gpt.py's: the summed loss, the token count, and {'lm loss': [sum, count]}. The schedule
+    divides by the count (and the micro-batch count) unless --calculate-per-token-loss, where
+    finalize_model_grads divides the gradients by the tokens of the whole global batch instead."""
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(output_tensor.view(-1).float() * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
+    loss = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
 _HOOKED_CONFIGS: list = []  # configs whose callbacks release_schedule_hooks() drops after the run
@@ -81,23 +85,25 @@ def train_step(args, model, optimizer, scheduler, data_iterators, forward_backwa
     return StepResult(_average_loss(losses), grad_norm, num_zeros, update_successful)
 
 
-def run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches: int) -> list:
-    """One forward/backward over the micro-batches, with megatron's schedule calling convention."""
+def run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches: int,
+                 forward_only: bool = False, micro_batch_size: int | None = None) -> list:
+    """One forward(/backward) over the micro-batches, with megatron's schedule calling convention."""
     return forward_backward_func(
         forward_step_func=forward_step,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=num_microbatches,
         seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
+        micro_batch_size=micro_batch_size or args.micro_batch_size,
+        forward_only=forward_only,
     )
 
 
 def _average_loss(losses: list) -> torch.Tensor:
-    """Mean over micro-batches, then over data-parallel ranks; NaN off the last stage."""
+    """Token-weighted mean over micro-batches and data-parallel ranks, as megatron's train_step
+    reduces {'lm loss': [sum, count]}; NaN off the last stage."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not losses:
         return torch.tensor(float("nan"))
-    loss = torch.stack([x["lm loss"] for x in losses]).mean().to(platform.current().device)
-    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-    return loss / parallel_state.get_data_parallel_world_size()
+    total = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0).to(platform.current().device)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return total[0] / total[1].clamp(min=1)

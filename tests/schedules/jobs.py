@@ -58,7 +58,7 @@ def one_step(args, model, data, schedule, seed: int = 4321):
         for name, p in chunk.named_parameters():
             g = getattr(p, "main_grad", None)
             grads[f"{ci}.{name}"] = (g if g is not None else p.grad).detach().clone()
-    return [float(x["lm loss"]) for x in losses], grads, torch.get_rng_state()
+    return [float(x["lm loss"][0] / x["lm loss"][1]) for x in losses], grads, torch.get_rng_state()
 
 
 def _offload_stats():
