@@ -101,6 +101,8 @@ def teardown() -> None:
     from megatron_ext.schedules import lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()
+    lanes.GROUPS.tp = lanes.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
+    lanes.reset_buffers()
     lanes.EXPOSED_S.clear()
     _SINCE.reset()
 
