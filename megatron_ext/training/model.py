@@ -116,15 +116,14 @@ _BUILT: list = []  # this run's model chunks, released by release_models() at te
 
 
 def release_models() -> None:
-    """Cut this run's DDP wrappers off their models. Activations a model keeps from its last forward
-    (e.g. the MoE token dispatcher's `probs`) lead, through autograd nodes the garbage collector
-    cannot see into, to DDP's grad-accumulator hooks, which hold DDP, which holds the model: a cycle
-    that would keep every model (and its process groups, with their gloo threads) of a long-lived
-    process alive."""
+    """Empty this run's DDP wrappers once the run is over. DDP's grad-accumulator hooks hold DDP
+    from inside the autograd graph, which the garbage collector cannot see into; DDP reaches the
+    model (as `module`, as keys of its hook handles, ...), and activations a model keeps from its
+    last forward (e.g. the MoE token dispatcher's `probs`) hold that graph. Left as is, the cycle
+    keeps every model of a long-lived process alive, with its process groups and their threads."""
     for chunk in _BUILT:
         if hasattr(chunk, "grad_accs"):
-            chunk.grad_accs.clear()
-            del chunk.module
+            vars(chunk).clear()
     _BUILT.clear()
 
 
