@@ -21,7 +21,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 DENSE = ["qkv_linear", "core_attention", "attn_proj"]
 MOE = ["qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act", "router_fc2", "shared_experts"]
@@ -33,8 +32,16 @@ OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min
 LINKS = {"fast": "x0.1", "slow": "x1.5"}  # one layer's copy time / that layer's forward time
 
 
+def run_schedule(schedule: str, timeline_case: str, offload=None) -> list:
+    """Job (every rank): both models under one schedule, rows in (model, link) order."""
+    rows = []
+    for model in ("dense", "moe"):
+        rows += run_case(schedule, model, timeline=timeline_case == f"{schedule}:{model}", offload=offload)
+    return rows
+
+
 def run_case(schedule: str, model: str, timeline: bool = False, offload=None, links=None):
-    """Job (every rank): offload off vs on, on the same model and data, once per link."""
+    """Offload off vs on, on the same model and data, once per link."""
     import torch
 
     from megatron_ext.bench import offload as bench
@@ -68,6 +75,13 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
             row["timeline_off"], row["timeline_on"] = r["timeline_off"], run["timeline_on"]
         rows.append(row)
     return rows
+
+
+def time_steps(**kw):
+    """Job: CUDA step time and peaks with offload off and on (megatron_ext.bench.offload)."""
+    from megatron_ext.bench import offload as bench
+
+    return bench.time_steps(**kw)
 
 
 def plot(rows, path):
@@ -131,7 +145,7 @@ def main(argv=None):
 
     import torch
 
-    from megatron_ext.bench import launch
+    from megatron_ext.bench.launch import run_world
     from megatron_ext.platform import faithful
 
     cuda = torch.cuda.is_available()
@@ -140,20 +154,17 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores, gloo; CUDA-faithful copy engine)"
     cases = []
     for schedule, extra in SCHEDULES.items():
-        jobs = [("scripts.bench_offload:run_case", dict(schedule=schedule, model=model, offload=OFFLOAD,
-                                                         timeline=a.timeline_case == f"{schedule}:{model}"))
-                for model in ("dense", "moe")]
-        for per_rank in launch.run(extra["pp"], jobs):
-            # rows ordered (rank, link) -> (link, rank)
-            rows = [row for rank_rows in per_rank for row in rank_rows]
+        per_rank = run_world(extra["pp"], run_schedule, timeout=3600, schedule=schedule,
+                             timeline_case=a.timeline_case, offload=OFFLOAD)
+        for model in ("dense", "moe"):  # rows ordered (model, link, rank)
+            rows = [row for rank_rows in per_rank for row in rank_rows if row["model"] == model]
             cases += sorted(rows, key=lambda r: (r["link"] != "fast", r["pp_rank"]))
     overhead = {"step_time": "not measured on GPU"}
     if a.overhead and cuda:
         shape = {k: int(v) for k, v in (kv.split("=") for kv in a.overhead_shape.split(","))}
         big = dict(MODEL, mbs=1, vocab=32000, microbatches=4, dtype="bfloat16", **shape)
-        overhead = launch.run(1, [("megatron_ext.bench.offload:time_steps", dict(
-            modules=DENSE, offload_kw=dict(OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10,
-                                           pool_bytes=16 << 30), **big))])[0][0]
+        overhead = run_world(1, time_steps, timeout=3600, modules=DENSE, offload_kw=dict(
+            OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10, pool_bytes=16 << 30), **big)[0]
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)

@@ -37,44 +37,44 @@ def _copy(dst, src):
 
 def test_copy_runs_later_query_false_until_done_and_wait_blocks():
     src, dst = torch.arange(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
-    with _link(0.02), _streams(1) as (side,):  # 1 MiB at 0.02 GB/s: ~52 ms on the link
+    with _link(0.005), _streams(1) as (side,):  # 1 MiB at 0.005 GB/s: ~0.21 s on the link
         t0 = time.perf_counter()
-        side.run(_copy(dst, src), nbytes=src.numel())
+        side.run(_copy(dst, src), nbytes=src.numel())  # the host only enqueues it
         done = side.record()
-        issued = time.perf_counter() - t0
-        assert issued < 0.02  # the host only enqueued it
         assert not done.query() and not torch.equal(dst, src)  # not there yet
         done.wait(streams.Stream.current())  # the compute stream is the host: this blocks
         waited = time.perf_counter() - t0
         assert done.query() and torch.equal(dst, src)
-        assert waited >= src.numel() / 0.02e9
+        assert waited >= src.numel() / 0.005e9
 
 
 def test_bandwidth_is_honoured():
     n = 4 << 20
     src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    for gbps in (0.05, 0.2):
+    took = {}
+    for gbps in (0.02, 0.05):
         with _link(gbps), _streams(1) as (side,):
             t0 = time.perf_counter()
             for i in range(4):
                 side.run(_copy(dst[i * n // 4:(i + 1) * n // 4], src[i * n // 4:(i + 1) * n // 4]), nbytes=n // 4)
             side.synchronize()
-            took = time.perf_counter() - t0
-            model = n / (gbps * 1e9)  # 84 ms / 21 ms
-            assert model <= took <= 1.5 * model + 0.05, (gbps, took, model)
+            took[gbps] = time.perf_counter() - t0
+            model = n / (gbps * 1e9)  # 0.21 s / 0.084 s
+            # never faster than the link; the slack above it is thread wake-ups on a busy host
+            assert model <= took[gbps] <= 3 * model + 0.5, (gbps, took[gbps], model)
+    assert took[0.02] > took[0.05]
 
 
 def test_two_streams_ordered_by_an_event():
     log = []
     a_src = torch.ones(1 << 20, dtype=torch.uint8)
     buf = torch.zeros_like(a_src)
-    with _link(0.02), _streams(2) as (a, b):
+    with _link(0.005), _streams(2) as (a, b):  # a's copy: ~0.21 s on the link
         a.run(lambda: (buf.copy_(a_src), log.append(("a", time.perf_counter()))), nbytes=a_src.numel())
         ev = a.record()
         ev.wait(b)  # b's later work runs after a's copy, and the host does not block
-        t0 = time.perf_counter()
         b.run(lambda: log.append(("b", time.perf_counter(), int(buf.sum()))))
-        assert time.perf_counter() - t0 < 0.02 and log == []
+        assert log == [] and not b.record().query()
         b.synchronize()
         assert [x[0] for x in log] == ["a", "b"]
         assert log[1][2] == a_src.numel()  # b saw a's copy complete
