@@ -89,14 +89,14 @@ def test_sentencepiece_llama2_tokenizer(made, tmp_path):
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "M"], r"GPT2BPETokenizer needs --vocab-file"),
+        (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "M"], r"--tokenizer-type=GPT2BPETokenizer, --vocab-file=None.*reads --vocab-file"),
         (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "V", "--merge-file", "/no/merges.txt"],
          r"--merge-file=/no/merges.txt: no such file"),
         (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/no/vocab.json", "--merge-file", "M"],
          r"--vocab-file=/no/vocab.json: no such file"),
         (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/no/tokenizer.model"],
          r"--tokenizer-model=/no/tokenizer.model: no such file"),
-        (["--tokenizer-type", "HuggingFaceTokenizer"], r"HuggingFaceTokenizer needs --tokenizer-model"),
+        (["--tokenizer-type", "HuggingFaceTokenizer"], r"--tokenizer-type=HuggingFaceTokenizer, --tokenizer-model=None.*reads --tokenizer-model"),
         (["--tokenizer-type", "NullTokenizer"], r"NullTokenizer needs --vocab-size"),
     ],
 )
