@@ -206,9 +206,15 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         while len(out) + len(failures) < self.world_size:
             try:
-                rank, ok, payload = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, ok, payload = self.results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
-                break
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"{target}: worker process died: " + ", ".join(
+                        f"rank {r} (exit code {code})" for r, code in dead))
+                if time.monotonic() >= deadline:
+                    break
+                continue
             if ok == "ready":
                 continue
             if ok:

@@ -374,7 +374,8 @@ def validate(args) -> None:
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless
     # --use-persistent-ckpt-worker, because megatron.training's async path needs that worker. We drive
     # megatron-core's AsyncCallsQueue ourselves, with its fork-based caller by default: honour the request.
-    if args.config_sources.get("async_save") in ("cli", "recipe"):
+    source = args.config_sources.get("async_save", "default")
+    if source in ("cli", "recipe") or source.endswith((", cli)", ", recipe)")):  # "megatron (was True, cli)"
         args.async_save = True
     from megatron_ext import platform
 
