@@ -3,7 +3,9 @@
 Each distributed case runs megatron's plain schedule and ours on the same model, data and seed
 (dropout on) and compares every loss and every gradient bit for bit; it also counts, from the
 recorded collectives, that the TP collectives were issued async, handed over to the other
-micro-batch, and had compute (matmul FLOPs) between their start and their wait.
+micro-batch, and had compute (matmul FLOPs) between their start and their wait. The suite runs in
+the CUDA-faithful CPU mode: every backward on the autograd device thread, pipeline messages under
+NCCL's rules (checked here, from the messages each rank really issued).
 """
 from __future__ import annotations
 
@@ -18,6 +20,27 @@ LAYOUTS = {
     "tp2_pp2": dict(world=4, tp=2, pp=2, vpp=None),
     "tp2_pp2_vpp2": dict(world=4, tp=2, pp=2, vpp=2),
 }
+
+
+def _check_pipeline_messages(results):
+    """Every rank's recorded pipeline messages complete under NCCL's rules (both schedules), and
+    ours are exactly the pure plan's (overlap_1f1b.program) for that rank."""
+    from megatron_ext.schedules import overlap_1f1b, p2p
+
+    for name in ("plain", "ours"):
+        programs = {rank: r[name]["p2p_program"] for rank, r in enumerate(results)}
+        verdict = p2p.check(programs)
+        assert verdict.ok, f"{name}:\n{verdict.report()}"
+    for rank, r in enumerate(results):
+        if len(r["pp_ranks"]) == 1:
+            assert r["ours"]["p2p_program"] == []
+            continue
+        expected = overlap_1f1b.program(r["num_microbatches"], r["chunks"], len(r["pp_ranks"]),
+                                        r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"])
+        strip = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in expected]
+        got = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in r["ours"]["p2p_program"]]
+        assert got == strip, f"rank {rank}: issued messages differ from the plan"
+        assert len(got) > 0
 
 
 def _run(kind, layout):
@@ -57,6 +80,14 @@ def test_bitwise_equal_and_overlapped(kind, layout):
         assert ours["flops_between_total"] > plain["flops_between_total"], where
         lanes_seen = {lane for _, lane in ours["per_owner_lane"]}
         assert {"F", "B"} <= lanes_seen, where
+        # under the CUDA-faithful mode (backward on the autograd device thread), every TP
+        # collective a paired backward issues is handed to the forward, unless that forward had
+        # already finished
+        assert r["cuda_faithful"], where
+        b = ours["b_lane"]
+        assert b["collectives"] > 0 and b["handed_off"] > 0, where
+        assert b["handed_off"] + b["partner_done"] == b["collectives"], (where, b)
+    _check_pipeline_messages(results)
     if layout == "tp2":
         # without pipelining every micro-batch but the first forward / last backward is paired
         owners = dict((o, lane) for o, lane in results[0]["ours"]["per_owner_lane"] if lane != "-")
@@ -131,6 +162,41 @@ def test_train_py_trains_a_recipe_with_it_on(recipe, world, layout):
         assert r_on["grad_norms"] == r_off["grad_norms"]
     last_stage = on[-1]["losses"]
     assert len(last_stage) == 3 and all(x == x for x in last_stage)  # real numbers on the last stage
+
+
+def test_lane_from_the_thread_loses_the_backward_hand_offs_under_cuda_faithful_backward():
+    """Negative control for the lane lookup: taken from the asking thread (a thread-local, as
+    before), the backward's collectives, issued on the autograd device thread, find no lane and
+    are never handed off; results stay bit-identical, only the overlap is lost. Without the mode
+    (backward on the caller's thread, CPU autograd) the same lookup still hands off."""
+    faithful = run_distributed(2, "tests.schedules.jobs:check_thread_local_lanes", timeout=240,
+                               faithful=True)
+    plain_cpu = run_distributed(2, "tests.schedules.jobs:check_thread_local_lanes", timeout=240,
+                                faithful=False)
+    for r_f, r_c in zip(faithful, plain_cpu):
+        assert r_f["cuda_faithful"] and not r_c["cuda_faithful"]
+        assert r_f["grad_mismatch"] == [] and r_f["losses_equal"]
+        assert r_f["ours"]["b_lane"]["handed_off"] == 0
+        assert r_c["ours"]["b_lane"]["handed_off"] == r_c["ours"]["b_lane"]["collectives"] > 0
+        assert r_f["ours"]["tp_handed_off"] < r_c["ours"]["tp_handed_off"]
+
+
+def test_one_communicator_per_kind_deadlocks_under_nccl_p2p_and_is_reported():
+    """Negative control for the pipeline communicators: with activations (and gradients) of both
+    directions on one communicator per kind, PP2 x VPP2 puts two sends head to head under NCCL's
+    rules; the CUDA-faithful mode reports it on both ranks, with both ranks' pending ops, within
+    seconds. The schedule's own layout (one communicator per kind and direction) completes."""
+    from megatron_ext.schedules import overlap_1f1b
+
+    shared = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock", timeout=120,
+                             layout=overlap_1f1b.SHARED)
+    for r in shared:
+        assert not r["completed"] and r["seconds"] < 30, r
+        assert "deadlock: both heads are sends" in r["error"]
+        assert "rank 0 (" in r["error"] and "rank 1 (" in r["error"] and "pending: send to" in r["error"]
+    ours = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock", timeout=120,
+                           layout=overlap_1f1b.DIRECTIONAL)
+    assert all(r["completed"] for r in ours)
 
 
 def test_rng_per_lane_is_needed():
