@@ -363,6 +363,16 @@ def batch_isend_irecv(p2p_op_list):
         _local.batched = False
 
 
+def _forget_after_fork() -> None:
+    """A forked child (e.g. an async checkpoint writer) has none of the parent's threads."""
+    global _MONITOR
+    _COMMS.clear()
+    _STORES.clear()
+    _MONITOR = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
 _WRAPPERS = {"isend": isend, "irecv": irecv, "send": send, "recv": recv,
              "batch_isend_irecv": batch_isend_irecv}
 
