@@ -37,7 +37,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the rank jobs import arguments.py: a module of the checkout, not of the package
 
 LAYOUTS = {
     "tp2": dict(world=2, tp=2, pp=1, vpp=None),
@@ -248,19 +248,19 @@ def main(argv=None):
     platform.setup()
     import torch
 
-    from megatron_ext.bench.overlap import run_on_ranks
+    from megatron_ext.bench.launch import run_world
     from megatron_ext.platform import faithful
     from megatron_ext.schedules import costmodel, trace
 
-    env = {faithful.ENV: "1" if a.cuda_faithful else "0"}
+    os.environ[faithful.ENV] = "1" if a.cuda_faithful else "0"  # the rank processes inherit it
     shape = {"hidden": a.hidden, "heads": a.heads, "seq": a.seq, "layers": a.layers, "mbs": a.mbs,
              "mb": a.microbatches}
     cases = []
     for layout in a.layouts.split(","):
         lay = LAYOUTS[layout]
         print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
-        results = run_on_ranks(lay["world"], "scripts.bench_overlap:job", env=env, tp=lay["tp"],
-                               pp=lay["pp"], vpp=lay["vpp"], steps=a.steps, shape=shape)
+        results = run_world(lay["world"], job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
+                            steps=a.steps, shape=shape)
         cases.append(summarize(layout, results, shape))
         if a.out:
             os.makedirs(a.out, exist_ok=True)

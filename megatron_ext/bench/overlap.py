@@ -1,5 +1,5 @@
-"""Measuring the TP-overlap schedule: a recorder for megatron_ext.schedules.lanes' hook, a FLOP
-counter, and a launcher for benchmark jobs on every rank.
+"""Measuring the TP-overlap schedule: a recorder for megatron_ext.schedules.lanes' hook and a FLOP
+counter.
 
 The recorder keeps, per TP/EP collective, who issued it (pass label, lane), when it was issued and
 waited for, whether the baton was handed to the other micro-batch in between, and the matmul FLOPs
@@ -119,68 +119,3 @@ class FlopCounter(TorchDispatchMode):
             if func._overloadpacket in _ATTENTION:
                 self.recorder.attn_flops += flops
         return out
-
-
-# ---------------------------------------------------------------------------------------------
-# launching a benchmark job on every rank (one process per rank, CPU + gloo or CUDA + NCCL)
-# ---------------------------------------------------------------------------------------------
-def _rank_main(rank, world_size, port, target, kwargs, results, env):
-    import importlib
-    import os
-    import sys
-    import traceback
-
-    os.dup2(2, 1)  # the launcher's stdout is for its result (--json): ranks log to stderr
-    sys.stdout = sys.stderr
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    try:
-        from megatron_ext import platform
-
-        platform.init_distributed(timeout_s=600)
-        module, name = target.split(":")
-        results.put((rank, True, getattr(importlib.import_module(module), name)(**kwargs)))
-    except BaseException:  # noqa: BLE001 - reported by the launcher
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def run_on_ranks(world_size: int, target: str, env: Optional[dict] = None, timeout: float = 1800,
-                 **kwargs) -> list:
-    """Run ``module:function(**kwargs)`` on `world_size` fresh processes (one per rank); returns
-    the per-rank results (index = rank); raises with a failing rank's traceback."""
-    import multiprocessing as mp
-    import os
-    import queue
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if isinstance(v, str)}
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, target, kwargs, results, env))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"{target}: no result within {timeout} s") from None
-            if not ok:
-                raise RuntimeError(f"{target} failed on rank {rank}:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world_size)]

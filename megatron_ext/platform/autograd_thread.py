@@ -66,20 +66,30 @@ def _run_with_state(state: dict, fn: Callable, args, kwargs):
             torch._C._pop_torch_function_stack()
 
 
+IDLE_S = 0.05  # the worker exits after this long without work (started again on demand: ~0.1 ms)
+CALLS = 0  # backward calls sent to the device thread (tests)
+
+
 class DeviceThread:
-    """One worker thread that runs the backward calls given to it, one at a time."""
+    """One worker thread that runs the backward calls given to it, one at a time. It exits once idle
+    for IDLE_S, so a process holds no extra thread between steps; one is started again on demand."""
 
     def __init__(self):
         self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.stopped = False
         self.thread = threading.Thread(target=self._main, name="autograd-device-thread", daemon=True)
-        self.calls = 0
         self.thread.start()
 
     def _main(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
+            try:
+                job = self.jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                with _LOCK:
+                    if self.jobs.empty():
+                        self.stopped = True
+                        return
+                continue
             state, fn, args, kwargs, box, done = job
             try:
                 box["result"] = _run_with_state(state, fn, args, kwargs)
@@ -87,16 +97,8 @@ class DeviceThread:
                 box["error"] = e
             finally:
                 done.set()
-
-    def run(self, fn: Callable, args, kwargs):
-        self.calls += 1
-        box: dict = {}
-        done = threading.Event()
-        self.jobs.put((_capture_state(), fn, args, kwargs, box, done))
-        done.wait()
-        if "error" in box:
-            raise box.pop("error")
-        return box.get("result")
+                # hold nothing of this backward while idle (its graph, modules, process groups)
+                job = state = fn = args = kwargs = box = done = None
 
 
 _WORKER: Optional[DeviceThread] = None
@@ -104,11 +106,30 @@ _LOCK = threading.Lock()
 
 
 def device_thread() -> DeviceThread:
+    """The worker backward calls go to now (started if none runs)."""
     global _WORKER
     with _LOCK:
-        if _WORKER is None or not _WORKER.thread.is_alive():
+        if _WORKER is None or _WORKER.stopped or not _WORKER.thread.is_alive():
             _WORKER = DeviceThread()
         return _WORKER
+
+
+def run_on_device_thread(fn: Callable, args, kwargs):
+    """fn(*args, **kwargs) on the device thread with the caller's torch thread-local state; the
+    caller blocks until it returns (its exception is raised here)."""
+    global _WORKER, CALLS
+    box: dict = {}
+    done = threading.Event()
+    job = (_capture_state(), fn, args, kwargs, box, done)
+    with _LOCK:  # the put and the worker's idle exit cannot interleave
+        if _WORKER is None or _WORKER.stopped or not _WORKER.thread.is_alive():
+            _WORKER = DeviceThread()
+        _WORKER.jobs.put(job)
+        CALLS += 1
+    done.wait()
+    if "error" in box:
+        raise box.pop("error")
+    return box.get("result")
 
 
 def on_device_thread() -> bool:
@@ -125,7 +146,7 @@ class FaithfulEngine:
     def run_backward(self, *args, **kwargs):
         if not faithful.enabled() or on_device_thread():
             return self._engine.run_backward(*args, **kwargs)  # reentrant: inline, as CUDA's engine
-        return device_thread().run(self._engine.run_backward, args, kwargs)
+        return run_on_device_thread(self._engine.run_backward, args, kwargs)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

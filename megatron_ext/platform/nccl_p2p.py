@@ -55,6 +55,15 @@ class P2PDeadlock(RuntimeError):
     pass
 
 
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception like `error` for each raise: the stored one never carries a traceback, whose
+    frames would keep the raiser's tensors and process groups alive."""
+    try:
+        return type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from its args
+        return RuntimeError(str(error))
+
+
 _ORIG: Dict[str, Callable] = {}
 _COMMS: dict = {}
 _COMMS_LOCK = threading.Lock()
@@ -90,9 +99,10 @@ def _release_store(store) -> None:
 # the stand-in communicator of one (group, rank pair)
 # ---------------------------------------------------------------------------------------------
 class _Op:
-    def __init__(self, kind: str, peer: int, tensor: torch.Tensor, tag: int):
+    def __init__(self, kind: str, peer: int, tensor: torch.Tensor, tag: int, group):
         self.id = next(_IDS)
         self.kind, self.peer, self.tensor, self.tag = kind, peer, tensor, tag
+        self.group = group  # held only while the op is pending: a destroyed group must be freed
         self.seq = -1
         self.work = SimWork(self)
 
@@ -103,9 +113,9 @@ class _Op:
 
 
 class _Comm:
-    def __init__(self, group, me: int, peer: int):
-        self.group, self.me, self.peer = group, me, peer
-        self.name = f"{group.group_name}:{min(me, peer)}-{max(me, peer)}"
+    def __init__(self, group_name: str, me: int, peer: int):
+        self.group_name, self.me, self.peer = group_name, me, peer
+        self.name = f"{group_name}:{min(me, peer)}-{max(me, peer)}"
         self.lock = threading.Lock()
         self.queue: deque = deque()
         self.thread: Optional[threading.Thread] = None
@@ -117,7 +127,7 @@ class _Comm:
     def submit(self, op: _Op) -> None:
         with self.lock:
             if self.error is not None:
-                raise self.error
+                raise _fresh(self.error)
             op.seq = self.issued[op.kind]
             self.issued[op.kind] += 1
             self.queue.append(op)
@@ -128,7 +138,7 @@ class _Comm:
 
     def _key(self, op: _Op, side: str) -> str:
         src, dst = (self.me, op.peer) if op.kind == "send" else (op.peer, self.me)
-        return f"{self.group.group_name}/{src}>{dst}/{op.seq}/{side}"
+        return f"{self.group_name}/{src}>{dst}/{op.seq}/{side}"
 
     def _main(self) -> None:
         store = _store_client()
@@ -137,6 +147,7 @@ class _Comm:
                 with self.lock:
                     if not self.queue or self.error is not None:
                         self.thread = None
+                        _WAKE.set()  # the monitor stops once no communicator thread runs
                         return
                     op = self.queue[0]
                 self._run(store, op)
@@ -145,7 +156,7 @@ class _Comm:
                     self.done[op.kind] += 1
                 op.work._finish(None)
         except BaseException as e:  # noqa: BLE001 - every waiter gets it
-            self._fail(e)
+            self._fail(_fresh(e))
         finally:
             _release_store(store)
 
@@ -163,13 +174,13 @@ class _Comm:
             with self.lock:
                 self.waiting = None
         if self.error is not None or value == ABORT:
-            raise self.error or P2PDeadlock(f"{self.name}: aborted")
+            raise _fresh(self.error) if self.error is not None else P2PDeadlock(f"{self.name}: aborted")
         store.delete_key(key)
-        group_peer = dist.get_group_rank(self.group, op.peer)
+        group_peer = dist.get_group_rank(op.group, op.peer)
         if op.kind == "send":
-            _ORIG["isend"](op.tensor, group=self.group, tag=DATA_TAG, group_dst=group_peer).wait()
+            _ORIG["isend"](op.tensor, group=op.group, tag=DATA_TAG, group_dst=group_peer).wait()
         else:
-            _ORIG["irecv"](op.tensor, group=self.group, tag=DATA_TAG, group_src=group_peer).wait()
+            _ORIG["irecv"](op.tensor, group=op.group, tag=DATA_TAG, group_src=group_peer).wait()
 
     def inspect(self, store, now: float) -> None:
         """Monitor: if the head has waited POLL_S, publish this side's state and compare it with
@@ -209,7 +220,7 @@ class _Comm:
         return json.loads(store.get(key))
 
     def _report(self, what: str, mine: dict, theirs: Optional[dict]) -> str:
-        lines = [f"NCCL p2p {what} on the communicator of group {self.group.group_name} between "
+        lines = [f"NCCL p2p {what} on the communicator of group {self.group_name} between "
                  f"ranks {min(self.me, self.peer)} and {max(self.me, self.peer)}:"]
         for state in (mine, theirs):
             if state is not None:
@@ -225,6 +236,7 @@ class _Comm:
                 self.error = error
             failed, self.queue = list(self.queue), deque()
             self.thread = None
+        _WAKE.set()
         for op in failed:
             op.work._finish(self.error)
 
@@ -248,7 +260,7 @@ class SimWork:
     def _finish(self, error: Optional[BaseException]) -> None:
         self._error = error
         self._event.set()
-        self._op.tensor = None  # the data is delivered: let go of it
+        self._op.tensor = self._op.group = None  # delivered (or failed): let go of them
 
     def wait(self, timeout=None) -> bool:
         trace = TRACE
@@ -257,7 +269,7 @@ class SimWork:
             trace.append(("wait", self._op.id))
         self._event.wait()
         if self._error is not None:
-            raise self._error
+            raise _fresh(self._error)
         return True
 
     def is_completed(self) -> bool:
@@ -271,6 +283,7 @@ class SimWork:
 
 
 _MONITOR: Optional[threading.Thread] = None
+_WAKE = threading.Event()
 
 
 def _monitor() -> None:
@@ -288,7 +301,8 @@ def _monitor_main() -> None:
     store = _store_client()
     try:
         while True:
-            time.sleep(POLL_S / 2)
+            _WAKE.wait(POLL_S / 2)
+            _WAKE.clear()
             with _COMMS_LOCK:
                 comms = list(_COMMS.values())
                 if not any(c.thread is not None for c in comms):
@@ -302,12 +316,14 @@ def _monitor_main() -> None:
 
 
 def _comm(group, peer: int) -> _Comm:
+    """Group names are unique within a process's life (new_group numbers them), so a destroyed
+    group's communicator is never reused for a new group."""
     me = dist.get_rank()
     key = (group.group_name, min(me, peer), max(me, peer))
     with _COMMS_LOCK:
         comm = _COMMS.get(key)
-        if comm is None or comm.group is not group:
-            comm = _COMMS[key] = _Comm(group, me, peer)
+        if comm is None:
+            comm = _COMMS[key] = _Comm(group.group_name, me, peer)
         return comm
 
 
@@ -321,7 +337,7 @@ def _issue(kind: str, tensor, peer, group, tag, group_peer):
         peer = dist.get_global_rank(group, group_peer)
     # NCCL reads the buffer when the op runs; the caller may re-point the tensor meanwhile
     # (megatron's deallocate_output_tensor sets .data after a send): keep this storage
-    op = _Op(kind, peer, tensor.detach() if kind == "send" else tensor, tag)
+    op = _Op(kind, peer, tensor.detach() if kind == "send" else tensor, tag, group)
     trace = TRACE
     if trace is not None:
         trace.append(("op", op.id, kind, peer, group.group_name, tag))

@@ -97,7 +97,7 @@ def get_forward_backward_func(args=None):
 
 
 def teardown() -> None:
-    """The pipeline communicators cached for this layout are destroyed with the run's groups."""
+    """The run's process groups are destroyed after this: forget every one we hold."""
     from megatron_ext.schedules import lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()

@@ -14,6 +14,7 @@ from megatron_ext.platform import autograd_thread, cpu_shims, faithful
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only shim (CUDA has the real engine)")
 
 SHIM = "faithful_autograd_device_thread"
+DEVICE = "autograd-device-thread"
 
 
 class _Probe(torch.autograd.Function):
@@ -65,8 +66,7 @@ def _calls():
 def test_every_backward_runs_on_the_device_thread(mode_on):
     me = threading.current_thread()
     threads = {name: _backward_thread(call) for name, call in _calls().items()}
-    device = autograd_thread.device_thread().thread
-    assert all(t is device and t is not me for t in threads.values()), threads
+    assert all(t is not me and t.name == DEVICE for t in threads.values()), threads
 
 
 def test_without_the_shim_backward_runs_on_the_callers_thread(mode_on):
@@ -107,7 +107,7 @@ def test_torch_state_is_carried_python_thread_locals_are_not(mode_on):
     finally:
         del _Probe.local.value
     seen = _Probe.seen[0]
-    assert seen["thread"] is autograd_thread.device_thread().thread
+    assert seen["thread"].name == DEVICE and seen["thread"] is not threading.current_thread()
     assert seen["local"] is None  # threading.local is per thread: not carried, as on CUDA
     assert seen["function_modes"][-1] == "Marker"  # the torch-function mode stack was carried
     assert "_CpuRedirectMode" in seen["function_modes"]  # (the CPU shims' device rewrite too)
@@ -119,14 +119,23 @@ def test_reentrant_backward_runs_inline_on_the_device_thread(mode_on):
     torch.autograd.backward from there (tensor_parallel/random.py:656)."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
-    calls = autograd_thread.device_thread().calls
+    calls = autograd_thread.CALLS
     x = torch.ones(3, requires_grad=True)
     _Probe.seen.clear()
     out = CheckpointFunction.apply(lambda a: _Probe.apply(a).sin(), False, x)
     out.sum().backward()
-    assert [s["thread"] for s in _Probe.seen] == [autograd_thread.device_thread().thread]
-    assert autograd_thread.device_thread().calls == calls + 1  # the inner backward ran inline
+    assert [s["thread"].name for s in _Probe.seen] == [DEVICE]
+    assert autograd_thread.CALLS == calls + 1  # the inner backward ran inline
     assert torch.allclose(x.grad, 2 * torch.cos(2 * torch.ones(3)))
+
+
+def test_the_device_thread_goes_away_when_idle(mode_on, monkeypatch):
+    """A process holds no extra thread between steps (the test workers' leak check counts them)."""
+    monkeypatch.setattr(autograd_thread, "IDLE_S", 0.05)
+    thread = _backward_thread(_calls()["Tensor.backward"])
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert _backward_thread(_calls()["Tensor.backward"]).name == DEVICE  # started again on demand
 
 
 def test_errors_reach_the_caller(mode_on):
@@ -141,4 +150,4 @@ def test_errors_reach_the_caller(mode_on):
 
     with pytest.raises(ValueError, match="raised in backward"):
         Fails.apply(torch.ones(2, requires_grad=True)).sum().backward()
-    assert _backward_thread(_calls()["Tensor.backward"]) is autograd_thread.device_thread().thread
+    assert _backward_thread(_calls()["Tensor.backward"]).name == DEVICE  # still served after the error
