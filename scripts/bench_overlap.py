@@ -4,18 +4,28 @@
 
     PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py [--steps 7] [--json] [--out docs/overlap]
 
-Per layout (TP=2 on 2 processes; TP=2 x PP=2 on 4), in one run, alternating the two schedules step
-by step on the same model, data and seed (no optimizer update, so every step computes the same):
-  * exposed TP comm per step: time the host was blocked waiting on TP collectives (sum over the
-    step, mean over ranks), median over steps, for plain and ours; their ratio;
+Runs in the CUDA-faithful CPU mode by default (--no-cuda-faithful: plain CPU semantics; on a GPU
+the real CUDA rules apply and the mode is off): every backward on the autograd device thread and
+pipeline messages under NCCL's rules, so the overlap measured is the one a GPU would get.
+Per layout (TP=2 on 2 processes; TP=2 x PP=2 and TP=2 x PP=2 x VPP=2 on 4), in one run, alternating
+the two schedules step by step on the same model, data and seed (no optimizer update, so every step
+computes the same):
+  * exposed TP comm per step: time the compute waited for TP collectives (CUDA events on the
+    compute stream on a GPU; host time blocked in wait() on CPU), summed over the step, mean over
+    ranks, median over steps, for plain and ours; their ratio;
   * step time: the forward-backward call (incl. finalize_model_grads, excl. the optimizer step),
-    slowest rank per step, median over steps; ours / plain;
+    after a device synchronize, slowest rank per step, median over steps; ours / plain;
   * grads_bitwise_equal: every gradient of the last plain step == the last overlapped step's;
   * structural: one step of each with a FLOP counter: for every TP collective, the matmul FLOPs
     issued between its start and its wait, and with the link models of
     megatron_ext/schedules/costmodel.py the fraction of TP communication hidden on a GPU cluster,
     at the shape run here and at a GPT-3 13B-like layer shape (same structure, re-sized).
+  * b_lane_collectives / b_lane_handed_off: TP collectives the paired backwards issued and how
+    many of them were handed to the forward (the rest: the forward had already finished);
+  * p2p_checked: the pipeline messages every rank issued (recorded) complete under NCCL's rules
+    (megatron_ext/schedules/p2p.py), for both schedules;
   * a Chrome trace and a PNG timeline of one step (plain vs ours) per layout, under --out.
+With --json the result is the only thing on stdout (table and logs on stderr).
 """
 from __future__ import annotations
 
@@ -27,18 +37,19 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the rank jobs import arguments.py: a module of the checkout, not of the package
 
 LAYOUTS = {
-    "tp2": dict(world=2, tp=2, pp=1),
-    "tp2xpp2": dict(world=4, tp=2, pp=2),
+    "tp2": dict(world=2, tp=2, pp=1, vpp=None),
+    "tp2xpp2": dict(world=4, tp=2, pp=2, vpp=None),
+    "tp2xpp2xvpp2": dict(world=4, tp=2, pp=2, vpp=2),
 }
 TARGET_SHAPE = {"name": "GPT-3 13B-like layer (hidden 5120, seq 2048, mbs 1)",
                 "hidden": 5120, "seq": 2048, "mbs": 1}
 
 
-def _argv(tp, pp, shape):
-    return [
+def _argv(tp, pp, vpp, shape):
+    return (["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp else []) + [
         "--recipe", "recipes/tiny_dense.yaml",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
@@ -48,7 +59,7 @@ def _argv(tp, pp, shape):
     ]
 
 
-def job(tp, pp, steps, shape):
+def job(tp, pp, vpp, steps, shape):
     """Runs on every rank."""
     import logging
 
@@ -61,12 +72,14 @@ def job(tp, pp, steps, shape):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext import seams
-    from megatron_ext.schedules import lanes, trace
+    from megatron_ext.bench.overlap import FlopCounter, Recorder
+    from megatron_ext.platform import faithful, nccl_p2p
+    from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.training import data, model as models, parallel, run, step
 
     seams.install_schedules_seams()
-    args = arguments.parse(_argv(tp, pp, shape), exit_on_dry_run=False)
+    args = arguments.parse(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
     run.initialize_parallel(args)
     config = models.transformer_config(args)
     model = models.build_model(args, config)
@@ -74,27 +87,32 @@ def job(tp, pp, steps, shape):
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     world = torch.distributed.group.WORLD
+    cuda = torch.cuda.is_available()
 
-    def one(schedule_name, count_flops=False):
+    def one(schedule_name, count_flops=False, p2p_trace=None):
         schedule = forward_backward_overlap if schedule_name == "ours" else get_forward_backward_func()
         for chunk in model:
             chunk.zero_grad_buffer()
         parallel.set_seed(4321)
         iters = data.build_train_iterators(args, len(model))
-        rec = lanes.Recorder(count_flops=count_flops)
+        rec = Recorder()
         label = seams.label_plain_schedule_passes() if schedule_name == "plain" else _null()
-        flop_ctx = lanes.FlopCounter() if count_flops else _null()
+        flop_ctx = FlopCounter(rec) if count_flops else _null()
+        if cuda:
+            torch.cuda.synchronize()
         torch.distributed.barrier(group=world)
-        lanes.set_recorder(rec)
+        lanes.set_hook(rec)
+        nccl_p2p.TRACE = p2p_trace
         t0 = time.perf_counter()
         try:
             with label, flop_ctx:
-                schedule(forward_step_func=step.forward_step, data_iterator=iters[0], model=model[0],
-                         num_microbatches=num_mb, seq_length=args.seq_length,
-                         micro_batch_size=args.micro_batch_size, forward_only=False)
+                step.run_schedule(args, schedule, model, iters, num_mb)
+            if cuda:
+                torch.cuda.synchronize()  # the step's device work is done before its time is read
         finally:
             t1 = time.perf_counter()
-            lanes.set_recorder(None)
+            lanes.set_hook(None)
+            nccl_p2p.TRACE = None
         return t1 - t0, rec, t0
 
     one("plain"), one("ours")  # warm-up
@@ -113,9 +131,10 @@ def job(tp, pp, steps, shape):
                 last[name + "_grads"] = grads
     equal = all(torch.equal(a, b) for a, b in zip(last.pop("plain_grads"), last.pop("ours_grads")))
 
-    structural = {}
+    structural, programs, b_lane = {}, {}, {}
     for name in ("plain", "ours"):
-        _, rec, _ = one(name, count_flops=True)
+        recorded = []
+        _, rec, _ = one(name, count_flops=True, p2p_trace=recorded)
         structural[name] = [
             {"op": c.op, "owner": c.owner, "lane": c.lane, "nbytes": c.nbytes,
              "flops_between": c.flops_between, "flops_attn": c.attn_flops_between,
@@ -123,11 +142,17 @@ def job(tp, pp, steps, shape):
              "upstream_async": c.issued_async_by_upstream}
             for c in rec.collectives if c.group == "tp"
         ]
+        names = overlap_1f1b.group_names()
+        programs[name] = [p2p.Op(i.kind, i.peer, names.get(i.comm, i.comm), i.label, i.group)
+                          if isinstance(i, p2p.Op) else i for i in p2p.from_trace(recorded)]
+        b_lane[name] = rec.b_lane("tp")
     return {
         "rank": torch.distributed.get_rank(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "cuda_faithful": faithful.enabled(),
         "times": times, "exposed": exposed, "grads_equal": equal,
         "timelines": timelines, "structural": structural, "num_microbatches": num_mb,
+        "p2p_programs": programs, "b_lane": b_lane,
     }
 
 
@@ -140,7 +165,7 @@ class _null:
 
 
 def summarize(layout, results, shape):
-    from megatron_ext.schedules import costmodel
+    from megatron_ext.schedules import costmodel, p2p
 
     steps = len(results[0]["times"]["plain"])
     per_step = {}
@@ -161,9 +186,20 @@ def summarize(layout, results, shape):
                 recs, link, scale=costmodel.shape_scale(run_shape, TARGET_SHAPE))["hidden_fraction"]
     ours_recs = [c for r in results for c in r["structural"]["ours"]]
     plain_recs = [c for r in results for c in r["structural"]["plain"]]
+    verdicts = {name: p2p.check({r["rank"]: r["p2p_programs"][name] for r in results})
+                for name in ("plain", "ours")}
+    for name, verdict in verdicts.items():
+        if not verdict.ok:
+            print(f"{layout} {name}: pipeline messages fail NCCL's rules:\n{verdict.report()}",
+                  file=sys.stderr)
     case = {
         "layout": layout,
         "processes": len(results),
+        "cuda_faithful": all(r["cuda_faithful"] for r in results),
+        "b_lane_collectives": sum(r["b_lane"]["ours"]["collectives"] for r in results),
+        "b_lane_handed_off": sum(r["b_lane"]["ours"]["handed_off"] for r in results),
+        "p2p_checked": all(v.ok for v in verdicts.values()),
+        "p2p_messages": sum(isinstance(i, p2p.Op) for r in results for i in r["p2p_programs"]["ours"]),
         "num_microbatches": results[0]["num_microbatches"],
         "steps": steps,
         "exposed_comm_plain_s": med["plain"]["exposed_s"],
@@ -193,30 +229,38 @@ def summarize(layout, results, shape):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=7, help="measured steps per schedule (median)")
-    p.add_argument("--layouts", default="tp2,tp2xpp2")
+    p.add_argument("--layouts", default="tp2,tp2xpp2,tp2xpp2xvpp2", help=f"of {','.join(LAYOUTS)}")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--cuda-faithful", action=argparse.BooleanOptionalAction, default=True,
+                   help="run in the CUDA-faithful CPU mode (megatron_ext/platform/faithful.py); "
+                   "without CUDA only")
     p.add_argument("--out", default=None, help="folder for the Chrome traces and PNGs")
-    p.add_argument("--json", action="store_true", help="print the JSON result only")
+    p.add_argument("--json", action="store_true", help="print the JSON result only (table on stderr)")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megatron_ext import platform
 
     platform.setup()
-    from megatron_ext.schedules import costmodel, trace
-    from tests.dist import run_distributed
+    import torch
 
+    from megatron_ext.bench.launch import run_world
+    from megatron_ext.platform import faithful
+    from megatron_ext.schedules import costmodel, trace
+
+    os.environ[faithful.ENV] = "1" if a.cuda_faithful else "0"  # the rank processes inherit it
     shape = {"hidden": a.hidden, "heads": a.heads, "seq": a.seq, "layers": a.layers, "mbs": a.mbs,
              "mb": a.microbatches}
     cases = []
     for layout in a.layouts.split(","):
         lay = LAYOUTS[layout]
-        results = run_distributed(lay["world"], "scripts.bench_overlap:job", timeout=900,
-                                  tp=lay["tp"], pp=lay["pp"], steps=a.steps, shape=shape)
+        print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
+        results = run_world(lay["world"], job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
+                            steps=a.steps, shape=shape)
         cases.append(summarize(layout, results, shape))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
@@ -229,33 +273,46 @@ def main(argv=None):
             trace.chrome_trace(steps, os.path.join(a.out, f"trace_{layout}.json"))
             trace.png(steps, os.path.join(a.out, f"timeline_{layout}.png"), rank=0,
                       title=f"{layout}: one step, {results[0]['num_microbatches']} micro-batches, "
-                            f"hidden {a.hidden}, seq {a.seq}, {a.layers} layers (CPU + gloo)")
+                            f"hidden {a.hidden}, seq {a.seq}, {a.layers} layers (CPU + gloo"
+                            f"{', CUDA-faithful mode' if cases[-1]['cuda_faithful'] else ''})")
+    device = (f"cuda ({torch.cuda.get_device_name()}, nccl)" if torch.cuda.is_available()
+              else f"cpu ({os.cpu_count()} cores, gloo); not measured on GPU")
     out = {
-        "device": "cpu (2 cores, gloo); not measured on GPU",
+        "device": device,
         "model": shape,
         "link_models": [vars(link) for link in costmodel.LINKS],
         "modeled_target_shape": TARGET_SHAPE,
         "cases": cases,
     }
+    table = _table(out)
     if a.json:
+        print(table, file=sys.stderr)
         print(json.dumps(out, indent=1))
-        return out
-    hdr = (f"{'layout':9} {'exposed plain':>13} {'exposed ours':>12} {'ratio':>6} {'hidden':>7} "
+    else:
+        print(table)
+    return out
+
+
+def _table(out) -> str:
+    cases = out["cases"]
+    hdr = (f"{'layout':12} {'exposed plain':>13} {'exposed ours':>12} {'ratio':>6} {'hidden':>7} "
            f"{'step plain':>10} {'step ours':>9} {'ours/plain':>10} {'modeled NVL/IB (13B shape)':>27} "
-           f"{'as run NVL':>10} {'bitwise':>7}")
-    print(f"device: {out['device']}; model: {shape}")
-    print(hdr)
+           f"{'as run NVL':>10} {'B handed off':>12} {'p2p ok':>6} {'bitwise':>7}")
+    lines = [f"device: {out['device']}; model: {out['model']}", hdr]
     for c in cases:
         m = c["modeled"]
-        print(f"{c['layout']:9} {c['exposed_comm_plain_s'] * 1e3:11.1f}ms {c['exposed_comm_ours_s'] * 1e3:10.1f}ms "
-              f"{c['exposed_ratio']:6.2f} {c['hidden_fraction']:7.1%} {c['step_time_plain_s'] * 1e3:8.1f}ms "
-              f"{c['step_time_ours_s'] * 1e3:7.1f}ms {c['step_time_ratio']:10.3f} "
-              f"{m['ours_nvlink_13b_shape']:>12.1%} / {m['ours_infiniband_13b_shape']:<12.1%} "
-              f"{m['ours_nvlink_as_run']:10.1%} {str(c['grads_bitwise_equal']):>7}")
-    print("modeled, plain schedule (megatron's dgrad/wgrad overlap only):",
-          ", ".join(f"{c['layout']}: NVL {c['modeled']['plain_nvlink_13b_shape']:.1%} / "
-                    f"IB {c['modeled']['plain_infiniband_13b_shape']:.1%} (13B shape)" for c in cases))
-    return out
+        lines.append(
+            f"{c['layout']:12} {c['exposed_comm_plain_s'] * 1e3:11.1f}ms {c['exposed_comm_ours_s'] * 1e3:10.1f}ms "
+            f"{c['exposed_ratio']:6.2f} {c['hidden_fraction']:7.1%} {c['step_time_plain_s'] * 1e3:8.1f}ms "
+            f"{c['step_time_ours_s'] * 1e3:7.1f}ms {c['step_time_ratio']:10.3f} "
+            f"{m['ours_nvlink_13b_shape']:>12.1%} / {m['ours_infiniband_13b_shape']:<12.1%} "
+            f"{m['ours_nvlink_as_run']:10.1%} {c['b_lane_handed_off']:>5}/{c['b_lane_collectives']:<6} "
+            f"{str(c['p2p_checked']):>6} {str(c['grads_bitwise_equal']):>7}")
+    lines.append("modeled, plain schedule (megatron's dgrad/wgrad overlap only): " + ", ".join(
+        f"{c['layout']}: NVL {c['modeled']['plain_nvlink_13b_shape']:.1%} / "
+        f"IB {c['modeled']['plain_infiniband_13b_shape']:.1%} (13B shape)" for c in cases))
+    lines.append("CUDA-faithful mode: " + ", ".join(f"{c['layout']}: {c['cuda_faithful']}" for c in cases))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

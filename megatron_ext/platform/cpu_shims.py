@@ -430,6 +430,43 @@ SHIMS: Dict[str, Shim] = {
 }
 
 
+# --------------------------------------------------------------------------------------------
+# 11./12. The CUDA-faithful CPU mode (megatron_ext/platform/faithful.py): installed with the other
+#     shims, active only while the mode is on. The backward on the autograd device thread
+#     (autograd_thread.py) and NCCL's point-to-point rules (nccl_p2p.py).
+# --------------------------------------------------------------------------------------------
+def _register_faithful_mode() -> None:
+    from megatron_ext.platform import autograd_thread, nccl_p2p
+
+    for shim in (
+        Shim(
+            "faithful_autograd_device_thread",
+            [
+                "megatron/core/pipeline_parallel/schedules.py:220",
+                "megatron/core/pipeline_parallel/schedules.py:574",
+                "megatron/core/tensor_parallel/random.py:656",
+            ],
+            "on CUDA every backward (and the recompute inside it) runs on the autograd engine's "
+            "device thread, not the caller's; CPU autograd runs it on the caller's",
+            autograd_thread.install,
+        ),
+        Shim(
+            "faithful_nccl_p2p",
+            [
+                "megatron/core/pipeline_parallel/p2p_communication.py:79",
+                "megatron/core/pipeline_parallel/p2p_communication.py:48",
+            ],
+            "NCCL runs a communicator's sends/recvs in issue order and a send completes only with "
+            "the peer's recv; gloo matches each (source, tag) on its own",
+            nccl_p2p.install,
+        ),
+    ):
+        SHIMS[shim.name] = shim
+
+
+_register_faithful_mode()
+
+
 def apply_all() -> None:
     for shim in SHIMS.values():
         shim.apply()

@@ -97,12 +97,13 @@ def get_forward_backward_func(args=None):
 
 
 def teardown() -> None:
-    """The pipeline communicators cached for this layout are destroyed with the run's groups."""
+    """The run's process groups are destroyed after this: forget every one we hold."""
     from megatron_ext.schedules import lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()
     lanes.GROUPS.tp = lanes.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
     lanes.reset_buffers()
+    lanes.exposed_seconds()
     lanes.EXPOSED_S.clear()
     _SINCE.reset()
 
@@ -111,8 +112,9 @@ _SINCE = SinceLastCall()
 
 
 def log_counters() -> dict:
-    """Host time left blocked on TP (and EP) collectives under our schedule since the last line."""
+    """Time the compute waited for TP (and EP) collectives of paired passes since the last line
+    (CUDA events on the compute stream on GPUs; host time on CPU)."""
     from megatron_ext.schedules import lanes
 
-    delta = _SINCE(lanes.EXPOSED_S)
+    delta = _SINCE(lanes.exposed_seconds())
     return {f"{kind.upper()} comm exposed (ms)": f"{delta[kind] * 1e3:.1f}" for kind in sorted(delta)}

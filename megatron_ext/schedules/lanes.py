@@ -19,20 +19,24 @@ gradients are bit-identical to the plain schedule as long as the backwards stay 
 * megatron's global "mpu" scratch buffer (sequence-parallel all-gathers) is per lane
   (megatron_ext/seams/schedules.py).
 
+Which lane is running is read from the pair's baton, never from the thread: on CUDA the autograd
+engine runs a backward's nodes (and every collective they issue, and megatron's recompute) on its
+device thread, not on the thread that called backward(), and it does not carry Python thread-locals
+there. Whatever thread issues a collective is the one that blocks at the hand-off (the B lane's
+helper thread waits inside backward() meanwhile). The CUDA-faithful CPU mode runs every backward on
+such a thread too (megatron_ext/platform/autograd_thread.py), so the tests see this.
+
 On CUDA the collectives run on the communication library's own stream (async_op=True) and the
 lanes only decide the host-side launch order; on CPU+gloo the same code uses gloo's async work.
+Time left waiting for them is taken on the compute stream with CUDA events there (host time on CPU).
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
-
-_tls = threading.local()
-
 
 # ---------------------------------------------------------------------------------------------
 # which process groups count as tensor-parallel (overlapped) and which are only recorded
@@ -88,119 +92,56 @@ def group_kind(group) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# recording (benchmarks, tests): every intercepted collective and every compute segment
+# recording hook (benchmarks, tests: megatron_ext/bench/overlap.py); the runtime only calls it
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class CollectiveRecord:
-    op: str                 # all_reduce / all_gather / reduce_scatter / all_to_all
-    group: str              # "tp" or "ep"
-    nbytes: int
-    owner: str              # label of the micro-batch pass that issued it, e.g. "F3" / "B1"
-    lane: str               # "F", "B" or "-" (plain schedule)
-    t_issue: float
-    t_wait0: float = 0.0    # host starts waiting
-    t_wait1: float = 0.0    # wait returned
-    t_done: float = 0.0     # completion seen by the communication library (callback), if known
-    flops_between: int = 0  # matmul FLOPs issued on this rank between issue and wait
-    attn_flops_between: int = 0  # the part of it in bmm/baddbmm (attention scores / context)
-    handed_off: bool = False  # the other lane ran between issue and wait
-    issued_async_by_upstream: bool = False  # megatron itself asked for async_op=True
-
-    @property
-    def exposed(self) -> float:
-        return self.t_wait1 - self.t_wait0
+HOOK = None  # an object with collective_issued / collective_done / collective_waited / segment
 
 
-@dataclass
-class Segment:
-    owner: str
-    lane: str
-    t0: float
-    t1: float
+def set_hook(hook) -> None:
+    global HOOK
+    HOOK = hook
 
 
-@dataclass
-class Recorder:
-    collectives: List[CollectiveRecord] = field(default_factory=list)
-    segments: List[Segment] = field(default_factory=list)
-    count_flops: bool = False
-    flops: int = 0
-    attn_flops: int = 0
-
-    def exposed(self, group: str = "tp") -> float:
-        return sum(c.exposed for c in self.collectives if c.group == group)
+# The label of the pass running now ("F3", "B1.c0"; "-" outside any). Process-wide, like the lane:
+# a backward's collectives are issued on the autograd engine's thread on CUDA.
+_LABEL = "-"
 
 
-RECORDER: Optional[Recorder] = None
+def current_label() -> str:
+    lane = current_lane()
+    return lane.label if lane is not None else _LABEL
 
 
-def set_recorder(rec: Optional[Recorder]) -> None:
-    global RECORDER
-    RECORDER = rec
-
-
-def owner_label() -> str:
-    return getattr(_tls, "owner", "-")
-
-
-class owner:
-    """Label the work done inside (plain schedule: one forward/backward step)."""
+class PassLabel:
+    """Label the work done inside (one forward or backward step of one micro-batch)."""
 
     def __init__(self, label: str):
         self.label = label
 
     def __enter__(self):
-        self.prev = getattr(_tls, "owner", "-")
-        _tls.owner = self.label
+        global _LABEL
+        self.prev, _LABEL = _LABEL, self.label
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        if RECORDER is not None and current_lane() is None:
-            RECORDER.segments.append(Segment(self.label, "-", self.t0, time.perf_counter()))
-        _tls.owner = self.prev
+        global _LABEL
+        if HOOK is not None and current_lane() is None:
+            HOOK.segment(self.label, "-", self.t0, time.perf_counter())
+        _LABEL = self.prev
         return False
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOP counting (structural measure): matmul-family aten ops, counted on the lane that runs them
-# ---------------------------------------------------------------------------------------------
-def _mm_flops(func, args) -> int:
-    aten = torch.ops.aten
-    try:
-        if func in (aten.mm.default,):
-            a, b = args[0], args[1]
-            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        if func in (aten.addmm.default,):
-            a, b = args[1], args[2]
-            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        if func in (aten.bmm.default,):
-            a, b = args[0], args[1]
-            return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-        if func in (aten.baddbmm.default,):
-            a, b = args[1], args[2]
-            return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    except (AttributeError, IndexError):
-        return 0
-    return 0
-
-
-class FlopCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        rec = RECORDER
-        if rec is not None and rec.count_flops:
-            f = _mm_flops(func, args)
-            rec.flops += f
-            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
-                rec.attn_flops += f
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------
 # the two lanes
 # ---------------------------------------------------------------------------------------------
+_PAIR: Optional["Pair"] = None  # the pair running in this process (at most one at a time)
+
+
 def current_lane() -> Optional["Lane"]:
-    return getattr(_tls, "lane", None)
+    """The lane holding the baton, whichever thread asks (see the module doc)."""
+    pair = _PAIR
+    return pair.turn if pair is not None else None
 
 
 def _rng_snapshot():
@@ -208,7 +149,7 @@ def _rng_snapshot():
 
     state = [torch.get_rng_state(), None, None, None]
     if torch.cuda.is_available():
-        state[1] = torch.cuda.get_rng_state()
+        state[1] = torch.cuda.get_rng_state()  # the current device's (set on every lane thread)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if getattr(tracker, "states_", None) is not None:
         state[2] = tracker.get_states()
@@ -236,12 +177,14 @@ class Lane:
         self.rng = None
         self.exc: Optional[BaseException] = None
         self.t_resumed = 0.0
+        self.thread: Optional[threading.Thread] = None  # runs the lane's program (not its backward)
 
     @property
     def other(self) -> "Lane":
         return self.pair.b if self is self.pair.f else self.pair.f
 
-    # The running lane gives the baton to the other one and blocks until it comes back.
+    # The running lane gives the baton to the other one and blocks (whatever thread it is on)
+    # until the baton comes back.
     def hand_off(self) -> bool:
         other = self.other
         if other.done:
@@ -259,8 +202,8 @@ class Lane:
         return True
 
     def _close_segment(self) -> None:
-        if RECORDER is not None:
-            RECORDER.segments.append(Segment(self.label, self.name, self.t_resumed, time.perf_counter()))
+        if HOOK is not None:
+            HOOK.segment(self.label, self.name, self.t_resumed, time.perf_counter())
 
     def finish(self) -> None:
         self._close_segment()
@@ -294,6 +237,8 @@ def reset_buffers() -> None:
 
 
 def _inherit_thread_state(parent: dict) -> None:
+    if parent["device"] is not None:
+        torch.cuda.set_device(parent["device"])  # RNG snapshots, allocations: this rank's GPU
     for mode in parent["function_modes"]:
         torch._C._push_on_torch_function_stack(mode)
     for mode in parent["dispatch_modes"]:
@@ -306,6 +251,7 @@ def _capture_thread_state() -> dict:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return {
+        "device": torch.cuda.current_device() if torch.cuda.is_available() else None,
         "function_modes": list(_get_current_function_mode_stack()),
         "dispatch_modes": list(_get_current_dispatch_mode_stack()),
         "grad": torch.is_grad_enabled(),
@@ -327,16 +273,17 @@ class Pair:
     SERIAL = False
 
     def run(self, fwd: Callable, bwd: Callable):
+        global _PAIR
         if Pair.SERIAL:
             return fwd(), bwd()
+        if _PAIR is not None:
+            raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
         start_rng = _rng_snapshot()
         parent = _capture_thread_state()
         results = {}
 
         def b_main():
             _inherit_thread_state(parent)
-            _tls.lane = self.b
-            _tls.owner = self.b.label
             with self.cv:
                 self.cv.wait_for(lambda: self.turn is self.b)
             _rng_restore(start_rng)
@@ -348,23 +295,25 @@ class Pair:
             finally:
                 self.b.finish()
 
-        thread = threading.Thread(target=b_main, name=f"overlap-bwd-{self.b.label}", daemon=True)
-        thread.start()
-        prev_lane, prev_owner = current_lane(), owner_label()
-        _tls.lane, _tls.owner = self.f, self.f.label
+        self.f.thread = threading.current_thread()
+        self.b.thread = threading.Thread(target=b_main, name=f"overlap-bwd-{self.b.label}", daemon=True)
         with self.cv:
             self.turn = self.f
-        self.f.t_resumed = time.perf_counter()
+        _PAIR = self
         try:
-            results["f"] = fwd()
-        except BaseException as e:  # noqa: BLE001
-            self.f.exc = e
+            self.b.thread.start()
+            self.f.t_resumed = time.perf_counter()
+            try:
+                results["f"] = fwd()
+            except BaseException as e:  # noqa: BLE001
+                self.f.exc = e
+            finally:
+                self.f.finish()
+            with self.cv:
+                self.cv.wait_for(lambda: self.b.done)
+            self.b.thread.join()
         finally:
-            self.f.finish()
-            _tls.lane, _tls.owner = prev_lane, prev_owner
-        with self.cv:
-            self.cv.wait_for(lambda: self.b.done)
-        thread.join()
+            _PAIR = None
         # Leave the process as the plain schedule would: the forward's RNG stream continues.
         _rng_restore(self.f.rng)
         for lane in (self.f, self.b):
@@ -377,21 +326,21 @@ class Pair:
 # the collective wrapper used by the seams
 # ---------------------------------------------------------------------------------------------
 def active() -> bool:
-    return RECORDER is not None or current_lane() is not None
+    return HOOK is not None or _PAIR is not None
 
 
 class _Handle:
     """Stands in for a work handle megatron itself issued async (e.g. the dgrad all-reduce that
     megatron overlaps with the wgrad GEMM): its wait() first hands the baton over."""
 
-    def __init__(self, work, rec: Optional[CollectiveRecord], lane: Optional[Lane], kind: str):
-        self._work, self._rec, self._lane, self._kind = work, rec, lane, kind
+    def __init__(self, work, token, lane: Optional[Lane], kind: str):
+        self._work, self._token, self._lane, self._kind = work, token, lane, kind
         self._waited = False
 
     def wait(self, *args, **kwargs):
         if not self._waited:
             self._waited = True
-            _finish(self._work, self._rec, self._lane, self._kind)
+            _finish(self._work, self._token, self._lane, self._kind)
         return True
 
     def is_completed(self):
@@ -404,26 +353,45 @@ class _Handle:
         return getattr(self._work, name)
 
 
-def _flops_now() -> int:
-    return RECORDER.flops if RECORDER is not None else 0
+# Time the compute waits for TP (and EP) collectives under our schedule, per group kind, for the
+# log line. On CUDA, NCCL's wait() only makes the current stream wait: the time is taken with
+# CUDA events around it on that stream and read when the log line asks (host time on CPU).
+EXPOSED_S: dict = {}
+_PENDING_EVENTS: list = []
 
 
-EXPOSED_S: dict = {}  # host time blocked in waits, per group kind ("tp"/"ep"), for the log line
-
-
-def _finish(work, rec: Optional[CollectiveRecord], lane: Optional[Lane], kind: str) -> None:
-    handed = lane.hand_off() if lane is not None else False
+def _timed_wait(work, kind: str):
+    """work.wait(), timed. Returns (host t0, host t1, (event0, event1) on CUDA else None)."""
+    events = None
+    if torch.cuda.is_available():
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
     t0 = time.perf_counter()
     work.wait()
     t1 = time.perf_counter()
-    EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + (t1 - t0)
-    if rec is not None:
-        rec.t_wait0, rec.t_wait1 = t0, t1
-        rec.handed_off = handed
-        rec.flops_between = _flops_now() - rec.flops_between
-        rec.attn_flops_between = RECORDER.attn_flops - rec.attn_flops_between if RECORDER else 0
-        if not rec.t_done:
-            rec.t_done = t1
+    if events is not None:
+        events[1].record()
+        _PENDING_EVENTS.append((kind, events))
+    else:
+        EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + (t1 - t0)
+    return t0, t1, events
+
+
+def exposed_seconds() -> dict:
+    """EXPOSED_S with the CUDA-event intervals recorded so far added (waits for them)."""
+    while _PENDING_EVENTS:
+        kind, (e0, e1) = _PENDING_EVENTS.pop()
+        e1.synchronize()
+        EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + e0.elapsed_time(e1) / 1e3
+    return EXPOSED_S
+
+
+def _finish(work, token, lane: Optional[Lane], kind: str) -> None:
+    partner_done = lane is not None and lane.other.done
+    handed = lane.hand_off() if lane is not None else False
+    t0, t1, events = _timed_wait(work, kind)
+    if HOOK is not None and token is not None:
+        HOOK.collective_waited(token, t0, t1, events, handed, partner_done)
 
 
 def collective(op: str, group, nbytes: int, start: Callable[[], object], async_op: bool):
@@ -432,42 +400,24 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
     async handle, return a handle that does the same in wait()."""
     kind = group_kind(group)
     lane = current_lane()
-    if kind is None or (lane is None and RECORDER is None):
+    hook = HOOK
+    if kind is None or (lane is None and hook is None):
         return None  # caller falls back to the original call
-    rec = None
-    if RECORDER is not None:
-        rec = CollectiveRecord(
-            op, kind, nbytes, owner_label(), lane.name if lane else "-", time.perf_counter(),
-            flops_between=_flops_now(), attn_flops_between=RECORDER.attn_flops,
-            issued_async_by_upstream=async_op,
-        )
-        RECORDER.collectives.append(rec)
+    token = None
+    if hook is not None:
+        token = hook.collective_issued(op, kind, nbytes, current_label(),
+                                       lane.name if lane else "-", async_op)
     work = start()
-    if rec is not None:
+    if token is not None:
         try:
-            work.get_future().add_done_callback(lambda _f, r=rec: setattr(r, "t_done", time.perf_counter()))
+            work.get_future().add_done_callback(lambda _f, t=token, h=hook: h.collective_done(t))
         except Exception:  # noqa: BLE001 - backends without futures: completion = wait end
             pass
     if async_op:
-        return _Handle(work, rec, lane, kind)
-    _finish(work, rec, lane, kind)
+        return _Handle(work, token, lane, kind)
+    _finish(work, token, lane, kind)
     return SYNC_DONE
 
 
 SYNC_DONE = object()
 
-
-def record_sync(op: str, group, run: Callable[[], object]):
-    """A collective megatron runs blocking and we leave blocking (uneven list forms): timed only."""
-    kind = group_kind(group)
-    if RECORDER is None or kind is None:
-        return run()
-    lane = current_lane()
-    t0 = time.perf_counter()
-    rec = CollectiveRecord(op, kind, 0, owner_label(), lane.name if lane else "-", t0,
-                           flops_between=0)
-    out = run()
-    rec.t_wait0, rec.t_wait1 = t0, time.perf_counter()
-    rec.t_done = rec.t_wait1
-    RECORDER.collectives.append(rec)
-    return out

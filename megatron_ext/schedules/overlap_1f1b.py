@@ -20,13 +20,19 @@ Each pass is megatron's own `forward_step` / `backward_step` on the same inputs;
 in the plain order (B0, B1, ... per chunk) and never overlap each other, so every gradient is
 accumulated into main_grad in the same order as in the plain schedule: bit-identical results.
 
-Pipeline p2p: activations and gradients travel on two communicators of their own (_p2p_groups),
-each message also tagged with (kind, receiving chunk, micro-batch). Receives are posted before a
-pair starts; sends are issued as soon as a pass ends and never waited on eagerly.
+Pipeline p2p (`steps`, a pure function the schedule executes and `program` hands to the NCCL-rules
+checker in p2p.py): activations and gradients travel on communicators of their own, one per kind
+and direction, so that on each one rank only sends and the other only receives, in the schedule
+table's order (NCCL runs a communicator's ops in issue order and matches sends to receives by that
+order alone). Before an event its receives are posted and waited for; after it its sends are
+issued (activation first), never waited on eagerly: a send is waited for only when its output is
+about to be back-propagated (its receiver has consumed it by then), the rest at the end. Each
+message is also tagged with (kind, receiving chunk, micro-batch), for gloo and for the reports.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Union
 
 import torch
@@ -39,21 +45,25 @@ STATS = {"calls": 0, "pairs": 0}  # how often the overlapped schedule ran (tests
 _P2P_GROUPS: dict = {}
 
 
-def _p2p_groups(pp_group):
-    """Two communicators over the ranks of this pipeline: one for activations, one for gradients.
-    Within one of them, messages between two ranks flow in one direction per kind and in the same
-    order on both sides, so they match without tags (NCCL ignores tags; gloo uses them too).
-    Every rank creates every pipeline's pair, in the same order (new_group is collective)."""
+def _p2p_groups(pp_group, layout: str) -> dict:
+    """The pipeline's communicators ({name: group}, names from comm_name). Every rank creates
+    every pipeline's set, in the same order (new_group is collective)."""
     world = dist.get_world_size()
     mine = tuple(dist.get_process_group_ranks(pp_group))
-    key = (world, mine)
+    names = COMMS if layout == DIRECTIONAL else ("act", "grad")
+    key = (world, mine, layout)
     if key not in _P2P_GROUPS:
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         for ranks in sorted(set(gathered)):
-            pair = (dist.new_group(list(ranks)), dist.new_group(list(ranks)))
-            _P2P_GROUPS[(world, ranks)] = pair
+            _P2P_GROUPS[(world, ranks, layout)] = {n: dist.new_group(list(ranks)) for n in names}
     return _P2P_GROUPS[key]
+
+
+def group_names() -> dict:
+    """{process group name: communicator name} of this rank's pipeline communicators."""
+    return {g.group_name: n for groups in _P2P_GROUPS.values() for n, g in groups.items()
+            if isinstance(g, dist.ProcessGroup)}  # other pipelines' groups: NON_GROUP_MEMBER here
 
 
 def _warmup(pp: int, rank: int, chunks: int, group: int, total: int) -> int:
@@ -78,6 +88,104 @@ def plan(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional
             events.append(("B", b))
         b += 1
     return table, events
+
+
+# ---- pipeline messages ------------------------------------------------------------------------
+# A message is named by the pass that consumes it: ("act", mb, chunk) feeds the forward of
+# micro-batch mb on the receiver's model chunk `chunk`, ("grad", mb, chunk) its backward.
+# Communicators: one per kind and direction ("act_up": from a lower to a higher pipeline rank, ...),
+# so that on each of them one rank only sends and the other only receives, both in the schedule
+# table's order. With both directions on one communicator (PP=2 with virtual stages: activations
+# flow 0->1 and, between chunks, 1->0) NCCL's in-order execution can put two sends head to head.
+DIRECTIONAL = "directional"
+SHARED = "shared"  # one communicator per kind, both directions on it (kept to show why not)
+P2P_LAYOUT = DIRECTIONAL
+COMMS = ("act_up", "act_down", "grad_up", "grad_down")
+
+
+def comm_name(kind: str, src: int, dst: int, layout: str = DIRECTIONAL) -> str:
+    if layout == SHARED:
+        return kind
+    return f"{kind}_{'up' if src < dst else 'down'}"
+
+
+@dataclass
+class Step:
+    """One event of the plan with its pipeline messages, in the order they are issued: receives
+    posted, then waited for; our own sends of the outputs about to be back-propagated waited for
+    (their receivers have consumed them: the gradient came back); the passes; then the sends."""
+
+    event: tuple
+    recv: List[tuple] = field(default_factory=list)        # (kind, mb, chunk, peer)
+    await_sent: List[tuple] = field(default_factory=list)  # keys of earlier sends
+    send: List[tuple] = field(default_factory=list)        # (kind, mb, receiver's chunk, peer, own chunk)
+
+
+def steps(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None):
+    """plan() with every pipeline message this rank receives and sends. Pure: the schedule runs
+    exactly these, and `program()` turns them into the checker's input."""
+    table, events = plan(num_microbatches, chunks, pp, rank, group)
+    first, last = rank == 0, rank == pp - 1
+    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+    out = []
+    sent_act = set()
+
+    def fwd(v):
+        return table[v]
+
+    def bwd(v):
+        mb, c = table[v]
+        return mb, chunks - 1 - c
+
+    for ev in events:
+        step = Step(ev)
+        vf = ev[1] if ev[0] in ("F", "FB") else None
+        vb = ev[-1] if ev[0] in ("B", "FB") else None
+        if vf is not None:
+            mb, c = fwd(vf)
+            if pp > 1 and not (first and c == 0):
+                step.recv.append(("act", mb, c, prv))
+        if vb is not None:
+            mb, c = bwd(vb)
+            if pp > 1 and not (last and c == chunks - 1):
+                step.recv.append(("grad", mb, c, nxt))
+            if (mb, c) in sent_act:
+                step.await_sent.append(("act", mb, c))
+        if vf is not None:
+            mb, c = fwd(vf)
+            if pp > 1 and not (last and c == chunks - 1):
+                step.send.append(("act", mb, c if not last else c + 1, nxt, c))
+                sent_act.add((mb, c))
+        if vb is not None:
+            mb, c = bwd(vb)
+            if pp > 1 and not (first and c == 0):
+                step.send.append(("grad", mb, c if not first else c - 1, prv, c))
+        out.append(step)
+    return table, out
+
+
+def program(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None,
+            layout: str = DIRECTIONAL, ranks: Optional[list] = None) -> list:
+    """This rank's pipeline messages as the p2p checker's program (p2p.Op / p2p.Wait).
+    `ranks`: global rank of each pipeline rank (default: the pipeline ranks themselves)."""
+    from megatron_ext.schedules.p2p import Op, Wait
+
+    ranks = ranks or list(range(pp))
+    me = ranks[rank]
+    prog, sends, waited = [], {}, set()
+    for step in steps(num_microbatches, chunks, pp, rank, group)[1]:
+        posted = []
+        for kind, mb, c, peer in step.recv:
+            posted.append(len(prog))
+            prog.append(Op("recv", ranks[peer], comm_name(kind, ranks[peer], me, layout), (kind, mb, c)))
+        prog += [Wait(i) for i in posted]
+        for key in step.await_sent:
+            prog.append(Wait(sends[key]))
+            waited.add(key)
+        for kind, mb, c, peer, own in step.send:
+            sends[(kind, mb, own)] = len(prog)
+            prog.append(Op("send", ranks[peer], comm_name(kind, me, ranks[peer], layout), (kind, mb, c)))
+    return prog + [Wait(i) for key, i in sends.items() if key not in waited]
 
 
 def forward_backward_overlap(
@@ -141,12 +249,12 @@ def forward_backward_overlap(
         raise ValueError(
             f"microbatch_group_size_per_vp_stage={group_size} must be in [PP={pp}, M={num_microbatches}]"
         )
-    table, events = plan(num_microbatches, chunks, pp, rank, group_size)
-    total = len(table)
-    first_stage, last_stage = rank == 0, rank == pp - 1
-    next_rank = parallel_state.get_pipeline_model_parallel_next_rank() if pp > 1 else None
-    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
-    act_group, grad_group = _p2p_groups(pp_group) if pp > 1 else (None, None)
+    layout = P2P_LAYOUT
+    table, plan_steps = steps(num_microbatches, chunks, pp, rank, group_size)
+    last_stage = rank == pp - 1
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    me = pp_ranks[rank]
+    comms = _p2p_groups(pp_group, layout) if pp > 1 else {}
 
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
     seq = seq // cp_group.size()
@@ -164,64 +272,43 @@ def forward_backward_overlap(
         mb, c = table[v]
         return mb, chunks - 1 - c
 
-    def is_first_virtual(c):
-        return first_stage and c == 0
-
     def is_last_virtual(c):
         return last_stage and c == chunks - 1
 
-    def tag(kind: int, chunk: int, mb: int) -> int:
-        return 1 + (kind * chunks + chunk) * num_microbatches + mb
+    def tag(kind: str, mb: int, chunk: int) -> int:
+        return 1 + ((kind == "grad") * chunks + chunk) * num_microbatches + mb
 
-    # ---- p2p ---------------------------------------------------------------------------------
-    pending_sends, act_sends, unsent_outputs = [], {}, set()
+    # ---- p2p: exactly the messages of `steps` -------------------------------------------------
+    pending_sends, act_sends, unsent_outputs, freed = [], {}, set(), set()
 
-    def recv_act(mb, c):
-        if is_first_virtual(c):
-            return None
-        t = torch.empty(p2p_shape, dtype=p2p_dtype, device=device, requires_grad=True)
-        dist.recv(t, src=prev_rank, group=act_group, tag=tag(0, c, mb))
-        return t
+    def post_recv(kind, mb, c, peer):
+        t = torch.empty(p2p_shape, dtype=p2p_dtype, device=device, requires_grad=kind == "act")
+        group = comms[comm_name(kind, pp_ranks[peer], me, layout)]
+        return t, dist.irecv(t, src=pp_ranks[peer], group=group, tag=tag(kind, mb, c))
 
-    def send_act(out, mb, c):
-        if is_last_virtual(c):
-            unsent_outputs.add((mb, c))
-            return
-        dst_chunk = c if not last_stage else c + 1
-        act_sends[(mb, c)] = dist.isend(out.detach().contiguous(), dst=next_rank, group=act_group,
-                                        tag=tag(0, dst_chunk, mb))
+    def send(kind, mb, c, peer, tensor):
+        group = comms[comm_name(kind, me, pp_ranks[peer], layout)]
+        tensor = tensor.detach().contiguous()
+        return dist.isend(tensor, dst=pp_ranks[peer], group=group, tag=tag(kind, mb, c)), tensor
 
     def release_outputs(force_key=None):
         """megatron frees an output's data once it is sent (deallocate_pipeline_outputs); its
-        backward then needs only the graph. Sends are never waited on eagerly (a rank blocked on
-        a send its peer receives later would deadlock the interleaved order): completed ones are
-        released here, and the one a backward is about to use is waited for (its receiver has
+        backward then needs only the graph. Sends are not waited on eagerly: completed ones are
+        freed here, and the one a backward is about to use is waited for (its receiver has
         consumed it: our gradient for it comes from there)."""
-        for key in list(act_sends):
-            work = act_sends[key]
-            if key == force_key:
+        for key, work in list(act_sends.items()):
+            forced = key == force_key
+            if forced:
                 work.wait()
-            elif not work.is_completed():
-                continue
-            del act_sends[key]
-            S.deallocate_output_tensor(outputs[key], config.deallocate_pipeline_outputs)
+                del act_sends[key]
+            if key not in freed and (forced or work.is_completed()):
+                freed.add(key)
+                S.deallocate_output_tensor(outputs[key], config.deallocate_pipeline_outputs)
+            if forced:
+                freed.discard(key)
         if force_key is not None and force_key in unsent_outputs:
             unsent_outputs.discard(force_key)
             S.deallocate_output_tensor(outputs[force_key], config.deallocate_pipeline_outputs)
-
-    def recv_grad(mb, c):
-        if is_last_virtual(c):
-            return None
-        t = torch.empty(p2p_shape, dtype=p2p_dtype, device=device)
-        dist.recv(t, src=next_rank, group=grad_group, tag=tag(1, c, mb))
-        return t
-
-    def send_grad(g, mb, c):
-        if is_first_virtual(c) or g is None:
-            return
-        dst_chunk = c if not first_stage else c - 1
-        g = g.contiguous()
-        pending_sends.append((dist.isend(g, dst=prev_rank, group=grad_group, tag=tag(1, dst_chunk, mb)), g))
 
     # ---- grad sync (DDP no_sync), as megatron's schedules do it ------------------------------
     no_sync_func = config.no_sync_func
@@ -269,7 +356,7 @@ def forward_backward_overlap(
 
     def run_forward(v, input_tensor):
         mb, c = fwd_id(v)
-        with lanes.owner(f"F{mb}" + (f".c{c}" if chunks > 1 else "")):
+        with lanes.PassLabel(f"F{mb}" + (f".c{c}" if chunks > 1 else "")):
             out, num_tokens = S.forward_step(
                 forward_step_func,
                 iters[c],
@@ -288,51 +375,62 @@ def forward_backward_overlap(
             )
         inputs[(mb, c)] = input_tensor
         outputs[(mb, c)] = out
-        send_act(out, mb, c)
+        if is_last_virtual(c):
+            unsent_outputs.add((mb, c))
         return num_tokens
 
     def run_backward(v, output_grad):
         mb, c = bwd_id(v)
         input_tensor = inputs.pop((mb, c))
         out = outputs.pop((mb, c))
-        with lanes.owner(f"B{mb}" + (f".c{c}" if chunks > 1 else "")):
-            grad = S.backward_step(input_tensor, out, output_grad, config)
-        send_grad(grad, mb, c)
+        with lanes.PassLabel(f"B{mb}" + (f".c{c}" if chunks > 1 else "")):
+            return S.backward_step(input_tensor, out, output_grad, config)
 
     def before_backward(v):
         mb, _ = bwd_id(v)
         if grad_sync_func is None and mb == num_microbatches - 1:
             enable_grad_sync()
 
-    for ev in events:
+    for step in plan_steps:
+        ev = step.event
+        posted = [(m[0], post_recv(*m)) for m in step.recv]
+        got = {}
+        for kind, (t, work) in posted:
+            work.wait()
+            got[kind] = t
+        if ev[0] in ("B", "FB"):
+            key = bwd_id(ev[-1])
+            assert [("act",) + key] == step.await_sent or key not in act_sends, (key, step)
+            release_outputs(force_key=key)
+        grad = None
         if ev[0] == "F":
-            mb, c = fwd_id(ev[1])
-            total_num_tokens += run_forward(ev[1], recv_act(mb, c))
-            release_outputs()
+            total_num_tokens += run_forward(ev[1], got.get("act"))
         elif ev[0] == "B":
-            mb, c = bwd_id(ev[1])
-            g = recv_grad(mb, c)
-            release_outputs(force_key=(mb, c))
             before_backward(ev[1])
-            run_backward(ev[1], g)
+            grad = run_backward(ev[1], got.get("grad"))
             disable_grad_sync()
         else:
             _, vf, vb = ev
             mbf, cf = fwd_id(vf)
             mbb, cb = bwd_id(vb)
-            x = recv_act(mbf, cf)
-            g = recv_grad(mbb, cb)
-            release_outputs(force_key=(mbb, cb))
             before_backward(vb)
             pair = lanes.Pair(
                 f"F{mbf}" + (f".c{cf}" if chunks > 1 else ""),
                 f"B{mbb}" + (f".c{cb}" if chunks > 1 else ""),
             )
             STATS["pairs"] += 1
-            num_tokens, _ = pair.run(lambda: run_forward(vf, x), lambda: run_backward(vb, g))
+            x = got.get("act")
+            g = got.get("grad")
+            num_tokens, grad = pair.run(lambda: run_forward(vf, x), lambda: run_backward(vb, g))
             total_num_tokens += num_tokens
-            release_outputs()
             disable_grad_sync()
+        for kind, mb, c, peer, own in step.send:
+            if kind == "act":
+                act_sends[(mb, own)], _ = send(kind, mb, c, peer, outputs[(mb, own)])
+            else:
+                assert grad is not None, f"no input gradient to send for micro-batch {mb}"
+                pending_sends.append(send(kind, mb, c, peer, grad))
+        release_outputs()
 
     enable_grad_sync()
     if grad_sync_func is not None:

@@ -4,7 +4,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     training.py        process-wide megatron state cleared between runs; torch norms under
                        sequence parallelism
     schedules.py       TP (and EP) collectives routed through the overlap lanes, per-lane scratch
-                       buffers; the plain schedule's passes labelled (benchmark only)
+                       buffers; the plain schedule's passes labelled (benchmark only) or replaced
+                       by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue

@@ -17,14 +17,19 @@ waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
   torch.distributed.all_to_all_single (mappings.py:450/460 _AllToAll; EP token dispatch)
   torch.distributed.all_gather list form (mappings.py:154, uneven splits of the MoE token
     dispatch): padded, gathered async into one buffer, sliced back (a copy: bit-identical)
-  torch.distributed.reduce_scatter list form (mappings.py:197): recorded only (run inline, as
-    upstream; a different reduction primitive could change the summation order for TP > 2)
+  torch.distributed.reduce_scatter list form (mappings.py:197, uneven splits of the MoE token
+    combine): issued async as the same primitive (on CPU padded exactly as the CPU shim pads the
+    plain schedule's blocking call), waited after the hand-off
   get_global_memory_buffer in mappings.py:5, layers.py:20 and parallel_state.py:2480: one
     buffer per lane, since the "mpu" scratch buffer (layers.py:570/614, mappings.py:143-192)
     is held across a collective and the other lane would overwrite it.
-Benchmark only (scoped): megatron's per-micro-batch passes, labelled for the plain schedule's timeline.
+Benchmark and test only (scoped): megatron's per-micro-batch passes, labelled for the plain
+schedule's timeline, or replaced by stand-ins that let megatron_ext.bench.p2p_programs run a plain
+schedule without a model and record its pipeline messages.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -85,13 +90,36 @@ def _wrap_a2a(orig):
     return all_to_all_single
 
 
-def _wrap_record_only(op_name, orig):
-    def fn(a, b, *args, group=None, async_op=False, **kw):
-        if lanes.active() and not async_op:
-            return lanes.record_sync(op_name, group, lambda: orig(a, b, *args, group=group, **kw))
-        return orig(a, b, *args, group=group, async_op=async_op, **kw)
+def _wrap_list_reduce_scatter(orig):
+    # mappings.py:197 (_reduce_scatter_along_first_dim with input_split_sizes, the MoE token
+    # combine under TP): uneven pieces. In a lane it is issued async as the same primitive:
+    # natively where the backend takes uneven pieces (NCCL); on CPU padded to the largest piece
+    # exactly as the CPU shim pads the blocking call the plain schedule makes
+    # (platform/cpu_shims.py, uneven_collectives), then sliced back.
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if lanes.active() and not async_op and lanes.group_kind(group) is not None:
+            sizes = [t.shape[0] for t in input_list]
+            if output.is_cuda or len(set(sizes)) <= 1:
+                out, inputs = output, input_list
+            else:
+                pad = max(sizes)
+                inputs = []
+                for t in input_list:
+                    p = t.new_zeros((pad,) + tuple(t.shape[1:]))
+                    p[: t.shape[0]] = t
+                    inputs.append(p)
+                out = output.new_empty((pad,) + tuple(output.shape[1:]))
+            got = lanes.collective(
+                "reduce_scatter", group, sum(_nbytes(t) for t in inputs),
+                lambda: orig(out, inputs, op=op, group=group, async_op=True), False,
+            )
+            if got is not None:
+                if out is not output:
+                    output.copy_(out[: output.shape[0]])
+                return None
+        return orig(output, input_list, op=op, group=group, async_op=async_op)
 
-    return fn
+    return reduce_scatter
 
 
 def _wrap_list_all_gather(orig):
@@ -125,7 +153,7 @@ def _install_tp_collectives():
         set_attr(dist, "all_reduce", _wrap_all_reduce(dist.all_reduce)),
         set_attr(dist, "all_to_all_single", _wrap_a2a(dist.all_to_all_single)),
         set_attr(dist, "all_gather", _wrap_list_all_gather(dist.all_gather)),
-        set_attr(dist, "reduce_scatter", _wrap_record_only("reduce_scatter_list", dist.reduce_scatter)),
+        set_attr(dist, "reduce_scatter", _wrap_list_reduce_scatter(dist.reduce_scatter)),
     ]
     for mod in (mappings, layers):
         undos.append(set_attr(mod, "dist_all_gather_func", _wrap_base("all_gather", mod.dist_all_gather_func)))
@@ -152,13 +180,13 @@ def _install_plain_pass_labels():
     count = {"b": 0}
 
     def forward_step(*args, **kwargs):
-        with lanes.owner(f"F{kwargs.get('current_microbatch', '?')}"):
+        with lanes.PassLabel(f"F{kwargs.get('current_microbatch', '?')}"):
             return fwd(*args, **kwargs)
 
     def backward_step(*args, **kwargs):
         label = f"B{count['b']}"
         count["b"] += 1
-        with lanes.owner(label):
+        with lanes.PassLabel(label):
             return bwd(*args, **kwargs)
 
     return undo_all([set_attr(S, "forward_step", forward_step), set_attr(S, "backward_step", backward_step)])
@@ -199,7 +227,52 @@ PLAIN_PASS_LABELS = Patch(
     "benchmark only: the plain schedule's passes named by micro-batch in the recorded timeline",
     _install_plain_pass_labels,
 )
-SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS]
+
+
+
+_STAND_INS: dict = {}
+
+
+def _install_plain_schedule_steps():
+    """megatron/core/pipeline_parallel/schedules.py:397 forward_step and :532 backward_step (module
+    globals of every plain schedule, called at :1367, :2313, :2356): replaced by the stand-ins
+    given to plain_schedule_steps()."""
+
+    def forward_step(*args, **kwargs):
+        return _STAND_INS["forward_step"](*args, **kwargs)
+
+    def backward_step(*args, **kwargs):
+        return _STAND_INS["backward_step"](*args, **kwargs)
+
+    return undo_all([set_attr(S, "forward_step", forward_step), set_attr(S, "backward_step", backward_step)])
+
+
+PLAIN_SCHEDULE_STEPS = Patch(
+    "schedules.plain_schedule_steps",
+    [
+        "megatron/core/pipeline_parallel/schedules.py:397",
+        "megatron/core/pipeline_parallel/schedules.py:532",
+        "megatron/core/pipeline_parallel/schedules.py:1367",
+        "megatron/core/pipeline_parallel/schedules.py:2313",
+    ],
+    "test only: a plain schedule run on stand-in passes, to record its pipeline messages",
+    _install_plain_schedule_steps,
+)
+
+
+@contextlib.contextmanager
+def plain_schedule_steps(forward_step, backward_step):
+    """Scoped: megatron's plain schedules call these instead of their per-micro-batch passes, so
+    that megatron_ext.bench.p2p_programs can run one without a model and record its messages."""
+    _STAND_INS.update(forward_step=forward_step, backward_step=backward_step)
+    try:
+        with PLAIN_SCHEDULE_STEPS.applied():
+            yield
+    finally:
+        _STAND_INS.clear()
+
+
+SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS]
 
 
 RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.schedules.lanes is active

@@ -1,6 +1,9 @@
 """Job functions for tests/schedules (run on every rank of a persistent gloo world)."""
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 
 import torch
@@ -75,8 +78,6 @@ def _offload_stats():
 
 
 def _summary(rec):
-    from megatron_ext.schedules.lanes import Recorder  # noqa: F401
-
     tp = [c for c in rec.collectives if c.group == "tp"]
     return {
         "tp_collectives": len(tp),
@@ -91,21 +92,50 @@ def _summary(rec):
         "ep_handed_off": sum(1 for c in rec.collectives if c.group == "ep" and c.handed_off),
         "flops_between_total": sum(c.flops_between for c in tp),
         "per_owner_lane": sorted({(c.owner, c.lane) for c in tp}),
+        "b_lane": rec.b_lane("tp"),
         "exposed_s": rec.exposed("tp"),
     }
 
 
+@contextlib.contextmanager
+def faithful_mode(on):
+    """The CUDA-faithful CPU mode on/off for this job (None: as the suite set it)."""
+    from megatron_ext.platform import faithful
+
+    old = os.environ.get(faithful.ENV)
+    if on is not None:
+        os.environ[faithful.ENV] = "1" if on else "0"
+    try:
+        yield faithful.enabled()
+    finally:
+        if old is None:
+            os.environ.pop(faithful.ENV, None)
+        else:
+            os.environ[faithful.ENV] = old
+
+
+def _p2p_program(trace, names):
+    """A recorded p2p trace as the checker's program, communicators named as the schedule names
+    them (group name -> "act_up", ...; megatron's own groups keep their names)."""
+    from megatron_ext.schedules import p2p
+
+    return [p2p.Op(i.kind, i.peer, names.get(i.comm, i.comm), i.label, i.group)
+            if isinstance(i, p2p.Op) else i for i in p2p.from_trace(trace)]
+
+
 def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None = None, extra=(),
                   only: str | None = None, debug_after: float = 0, second: str = "ours",
-                  serial_pairs: bool = False):
+                  serial_pairs: bool = False, faithful: bool | None = None):
     """Plain megatron schedule vs ours on the same model, data and seed: every loss and every
-    gradient compared bit for bit, plus counts of what the overlap did."""
+    gradient compared bit for bit, plus counts of what the overlap did, and the pipeline messages
+    each schedule issued (as p2p-checker programs)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.schedules import lanes
-    from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
-
     from megatron_ext import seams
+    from megatron_ext.bench.overlap import FlopCounter, Recorder
+    from megatron_ext.platform import nccl_p2p
+    from megatron_ext.schedules import lanes, overlap_1f1b
+    from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
     seams.install_schedules_seams()  # so the plain schedule's collectives are recorded too
     args, config, model, data = build(argv_for(kind, tp, pp, vpp, extra))
@@ -118,22 +148,35 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
         faulthandler.dump_traceback_later(debug_after, exit=True, file=sys.stderr)
     lanes.Pair.SERIAL = serial_pairs
     second_schedule = forward_backward_overlap if second == "ours" else get_forward_backward_func()
-    for name, schedule in (("plain", get_forward_backward_func()), ("ours", second_schedule)):
-        if only and name != only:
-            continue
-        rec = lanes.Recorder(count_flops=True)
-        lanes.set_recorder(rec)
-        lanes.set_groups()
-        t0 = time.perf_counter()
-        try:
-            with lanes.FlopCounter():
-                runs[name] = one_step(args, model, data, schedule)
-        finally:
-            lanes.set_recorder(None)
-        out[f"{name}_time"] = time.perf_counter() - t0
-        out[name] = _summary(rec)
-        out[name]["offload"] = _offload_stats()
+    with faithful_mode(faithful) as on:
+        out["cuda_faithful"] = on
+        for name, schedule in (("plain", get_forward_backward_func()), ("ours", second_schedule)):
+            if only and name != only:
+                continue
+            rec = Recorder()
+            lanes.set_hook(rec)
+            lanes.set_groups()
+            nccl_p2p.TRACE = []
+            t0 = time.perf_counter()
+            try:
+                with FlopCounter(rec):
+                    runs[name] = one_step(args, model, data, schedule)
+            finally:
+                lanes.set_hook(None)
+                trace, nccl_p2p.TRACE = nccl_p2p.TRACE, None
+            out[f"{name}_time"] = time.perf_counter() - t0
+            out[name] = _summary(rec)
+            out[name]["offload"] = _offload_stats()
+            out[name]["p2p_program"] = _p2p_program(trace, overlap_1f1b.group_names())
     lanes.Pair.SERIAL = False
+    from megatron.core import parallel_state
+
+    out["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
+    out["pp_ranks"] = torch.distributed.get_process_group_ranks(
+        parallel_state.get_pipeline_model_parallel_group())
+    out["num_microbatches"] = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    out["microbatch_group"] = config.microbatch_group_size_per_vp_stage
+    out["chunks"] = len(model)
     if only:
         return out
     (lp, gp, rp), (lo, go, ro) = runs["plain"], runs["ours"]
@@ -163,6 +206,48 @@ def check_without_rng_swap():
         return check_bitwise("dense", tp=2, extra=RECOMPUTE)
     finally:
         lanes._rng_restore = original
+
+
+def check_thread_local_lanes(faithful: bool):
+    """Negative control: the lane looked up from the thread that asks (a thread-local, as an
+    earlier design did) instead of from the pair's baton. Results stay bit-identical either way;
+    under the CUDA-faithful mode the backward's collectives come from the autograd device thread,
+    which is neither lane's thread, so none of them is handed off."""
+    from megatron_ext.schedules import lanes
+
+    def thread_local_lane():
+        pair = lanes._PAIR
+        me = threading.current_thread()
+        if pair is None:
+            return None
+        return next((lane for lane in (pair.f, pair.b) if lane.thread is me), None)
+
+    original = lanes.current_lane
+    lanes.current_lane = thread_local_lane
+    try:
+        return check_bitwise("dense", tp=2, faithful=faithful)
+    finally:
+        lanes.current_lane = original
+
+
+def check_p2p_layout_deadlock(layout: str, vpp: int = 2):
+    """Our schedule alone at PP2 x VPP2 (TP1: no lanes needed) with the pipeline communicators
+    laid out as `layout`, in the CUDA-faithful mode. Returns how it ended and how long it took."""
+    from megatron_ext.platform import nccl_p2p
+    from megatron_ext.schedules import overlap_1f1b
+
+    args, _config, model, data = build(argv_for("dense", 1, 2, vpp))
+    old = overlap_1f1b.P2P_LAYOUT
+    overlap_1f1b.P2P_LAYOUT = layout
+    t0 = time.perf_counter()
+    try:
+        with faithful_mode(True):
+            one_step(args, model, data, overlap_1f1b.forward_backward_overlap)
+        return {"completed": True, "seconds": time.perf_counter() - t0}
+    except nccl_p2p.P2PDeadlock as e:
+        return {"completed": False, "seconds": time.perf_counter() - t0, "error": str(e)}
+    finally:
+        overlap_1f1b.P2P_LAYOUT = old
 
 
 def which_schedule():

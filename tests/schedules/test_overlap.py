@@ -3,7 +3,9 @@
 Each distributed case runs megatron's plain schedule and ours on the same model, data and seed
 (dropout on) and compares every loss and every gradient bit for bit; it also counts, from the
 recorded collectives, that the TP collectives were issued async, handed over to the other
-micro-batch, and had compute (matmul FLOPs) between their start and their wait.
+micro-batch, and had compute (matmul FLOPs) between their start and their wait. The suite runs in
+the CUDA-faithful CPU mode: every backward on the autograd device thread, pipeline messages under
+NCCL's rules (checked here, from the messages each rank really issued).
 """
 from __future__ import annotations
 
@@ -18,6 +20,36 @@ LAYOUTS = {
     "tp2_pp2": dict(world=4, tp=2, pp=2, vpp=None),
     "tp2_pp2_vpp2": dict(world=4, tp=2, pp=2, vpp=2),
 }
+
+
+def _all_backward_collectives_handed_off(r, where=""):
+    """Under the CUDA-faithful mode (backward on the autograd device thread) every TP collective a
+    paired backward issues is handed to the forward, unless that forward had already finished."""
+    b = r["ours"]["b_lane"]
+    assert r["cuda_faithful"], where
+    assert b["collectives"] > 0 and b["handed_off"] > 0, (where, b)
+    assert b["handed_off"] + b["partner_done"] == b["collectives"], (where, b)
+
+
+def _check_pipeline_messages(results):
+    """Every rank's recorded pipeline messages complete under NCCL's rules (both schedules), and
+    ours are exactly the pure plan's (overlap_1f1b.program) for that rank."""
+    from megatron_ext.schedules import overlap_1f1b, p2p
+
+    for name in ("plain", "ours"):
+        programs = {rank: r[name]["p2p_program"] for rank, r in enumerate(results)}
+        verdict = p2p.check(programs)
+        assert verdict.ok, f"{name}:\n{verdict.report()}"
+    for rank, r in enumerate(results):
+        if len(r["pp_ranks"]) == 1:
+            assert r["ours"]["p2p_program"] == []
+            continue
+        expected = overlap_1f1b.program(r["num_microbatches"], r["chunks"], len(r["pp_ranks"]),
+                                        r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"])
+        strip = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in expected]
+        got = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in r["ours"]["p2p_program"]]
+        assert got == strip, f"rank {rank}: issued messages differ from the plan"
+        assert len(got) > 0
 
 
 def _run(kind, layout):
@@ -57,6 +89,8 @@ def test_bitwise_equal_and_overlapped(kind, layout):
         assert ours["flops_between_total"] > plain["flops_between_total"], where
         lanes_seen = {lane for _, lane in ours["per_owner_lane"]}
         assert {"F", "B"} <= lanes_seen, where
+        _all_backward_collectives_handed_off(r, where)
+    _check_pipeline_messages(results)
     if layout == "tp2":
         # without pipelining every micro-batch but the first forward / last backward is paired
         owners = dict((o, lane) for o, lane in results[0]["ours"]["per_owner_lane"] if lane != "-")
@@ -72,6 +106,7 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
         assert r["ours"]["ep_collectives"] == r["plain"]["ep_collectives"] > 0
         assert r["ours"]["ep_handed_off"] > 0 and r["ours"]["tp_handed_off"] > 0
+        _all_backward_collectives_handed_off(r)
 
 
 def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
@@ -82,16 +117,19 @@ def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
     for r in results:
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
         assert r["ours"]["tp_handed_off"] > 0
+        _all_backward_collectives_handed_off(r)
 
 
 def test_bitwise_equal_with_full_recompute():
-    """Recompute runs forward code (TP collectives, dropout) inside the backward lane."""
+    """Recompute runs forward code (TP collectives, dropout) inside the backward lane, on the
+    autograd device thread (a reentrant backward there): its collectives are handed off too."""
     results = run_distributed(2, "tests.schedules.jobs:check_bitwise", kind="dense",
                               tp=2, extra=["--recompute-granularity", "full", "--recompute-method",
                                            "uniform", "--recompute-num-layers", "1"])
     for r in results:
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
         assert r["ours"]["tp_handed_off"] > 0
+        _all_backward_collectives_handed_off(r)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_pp2"])
@@ -99,7 +137,7 @@ def test_bitwise_equal_with_activation_offload(layout):
     """Composes with our activation offload (megatron_ext.offload): same bytes offloaded and
     reloaded, bit-identical results. (Its --activation-offload-debug mode, deferred CPU copy
     queues, differs from the plain schedule under our order F[j], B[i<j] even with the pairs run
-    serially in one thread, i.e. without any interleaving: reported to the offload owner.)"""
+    serially in one thread, i.e. without any interleaving: see docs/overlap.md, Limits.)"""
     lay = LAYOUTS[layout]
     results = run_distributed(
         lay["world"], "tests.schedules.jobs:check_bitwise", kind="dense", tp=lay["tp"],
@@ -111,6 +149,8 @@ def test_bitwise_equal_with_activation_offload(layout):
         assert r["ours"]["tp_handed_off"] > 0
         assert r["ours"]["offload"]["offloaded_bytes"] > 0
         assert r["ours"]["offload"]["reloaded_bytes"] == r["ours"]["offload"]["offloaded_bytes"]
+        _all_backward_collectives_handed_off(r)
+    _check_pipeline_messages(results)
 
 
 @pytest.mark.parametrize("recipe, world, layout", [
@@ -131,6 +171,41 @@ def test_train_py_trains_a_recipe_with_it_on(recipe, world, layout):
         assert r_on["grad_norms"] == r_off["grad_norms"]
     last_stage = on[-1]["losses"]
     assert len(last_stage) == 3 and all(x == x for x in last_stage)  # real numbers on the last stage
+
+
+def test_lane_from_the_thread_loses_the_backward_hand_offs_under_cuda_faithful_backward():
+    """Negative control for the lane lookup: taken from the asking thread (a thread-local, as
+    before), the backward's collectives, issued on the autograd device thread, find no lane and
+    are never handed off; results stay bit-identical, only the overlap is lost. Without the mode
+    (backward on the caller's thread, CPU autograd) the same lookup still hands off."""
+    faithful = run_distributed(2, "tests.schedules.jobs:check_thread_local_lanes",
+                               faithful=True)
+    plain_cpu = run_distributed(2, "tests.schedules.jobs:check_thread_local_lanes",
+                                faithful=False)
+    for r_f, r_c in zip(faithful, plain_cpu):
+        assert r_f["cuda_faithful"] and not r_c["cuda_faithful"]
+        assert r_f["grad_mismatch"] == [] and r_f["losses_equal"]
+        assert r_f["ours"]["b_lane"]["handed_off"] == 0
+        assert r_c["ours"]["b_lane"]["handed_off"] == r_c["ours"]["b_lane"]["collectives"] > 0
+        assert r_f["ours"]["tp_handed_off"] < r_c["ours"]["tp_handed_off"]
+
+
+def test_one_communicator_per_kind_deadlocks_under_nccl_p2p_and_is_reported():
+    """Negative control for the pipeline communicators: with activations (and gradients) of both
+    directions on one communicator per kind, PP2 x VPP2 puts two sends head to head under NCCL's
+    rules; the CUDA-faithful mode reports it on both ranks, with both ranks' pending ops, within
+    seconds. The schedule's own layout (one communicator per kind and direction) completes."""
+    from megatron_ext.schedules import overlap_1f1b
+
+    shared = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock",
+                             layout=overlap_1f1b.SHARED)
+    for r in shared:
+        assert not r["completed"] and r["seconds"] < 30, r
+        assert "deadlock: both heads are sends" in r["error"]
+        assert "rank 0 (" in r["error"] and "rank 1 (" in r["error"] and "pending: send to" in r["error"]
+    ours = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock",
+                           layout=overlap_1f1b.DIRECTIONAL)
+    assert all(r["completed"] for r in ours)
 
 
 def test_rng_per_lane_is_needed():
@@ -224,6 +299,46 @@ def test_recipe_key_enables_it_and_refusal_happens_before_compute(tmp_path):
     assert args.overlap_tp_comm_1f1b is True
     with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=True .*--tensor-model-parallel-size=1"):
         arguments.parse(["--recipe", str(recipe), "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
+
+
+def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeypatch):
+    """On CUDA, NCCL's wait() does not block the host: the time the compute waits is read from
+    CUDA events recorded around the wait (stand-ins here record what they were asked)."""
+    import torch
+
+    from megatron_ext.bench.overlap import Recorder
+    from megatron_ext.schedules import lanes
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = Event.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3  # ms, like CUDA events
+
+    class Work:
+        def wait(self):
+            Event.clock += 0.25  # the compute stream waits 250 ms; the host does not
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(lanes, "EXPOSED_S", {})
+    monkeypatch.setattr(lanes, "_PENDING_EVENTS", [])
+    rec = Recorder()
+    token = rec.collective_issued("all_reduce", "tp", 8, "F0", "F", False)
+    t0, t1, events = lanes._timed_wait(Work(), "tp")
+    rec.collective_waited(token, t0, t1, events, True, False)
+    assert rec.exposed("tp") == pytest.approx(0.25)
+    assert lanes.exposed_seconds() == {"tp": pytest.approx(0.25)}
 
 
 def test_cost_model_arithmetic():
