@@ -501,13 +501,18 @@ def section_offload(size, claims) -> dict:
 
 
 def _train(argv) -> dict:
-    from megatron_ext import moe
-    from tests.offload import jobs
+    import train
+
+    from megatron_ext import moe, offload
 
     before = moe.installed
-    result = jobs.train_losses(argv)
-    losses = [h.get("lm loss") for h in result["history"]]
-    stats = result["stats"] or {}
+    try:
+        history = train.main(list(argv))
+        manager = offload.current()
+        stats = dict(manager.stats) if manager is not None else {}
+    finally:
+        offload.detach()
+    losses = [h.get("lm loss") for h in history]
     return {"argv": argv, "losses": losses, "finite": all(l is not None and math.isfinite(l) for l in losses),
             "offloaded_bytes": stats.get("offloaded_bytes", 0), "dispatchers_replaced": moe.installed - before}
 

@@ -73,7 +73,7 @@ def build(**kw):
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 position_embedding_type="learned_absolute", vp_stage=stage,
-            ).to(platform.setup().device)
+            ).to(platform.current().device)
         )
     for ch in chunks:
         for p in ch.parameters():
@@ -94,7 +94,7 @@ def batches(c, step: int):
     for _ in range(c["microbatches"]):
         tokens = torch.randint(0, c["vocab"], (c["mbs"], c["seq"] + 1), generator=g)
         b = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos, attention_mask=mask)
-        out.append({k: v.to(platform.setup().device) for k, v in b.items()})
+        out.append({k: v.to(platform.current().device) for k, v in b.items()})
     return out
 
 
@@ -244,7 +244,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
         clock = LayerClock(chunks)  # a link given as a ratio is set against the measured step's own compute
         base = [run_step(chunks, config, c, step=s) for s in range(steps)]
         state = model_state_ptrs(chunks)
-        dev = platform.setup().device.type
+        dev = platform.current().device.type
         cuda = dev == "cuda"
 
         def tracker(extra=()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.offload.manager import ALIASES, MODULES, Options, attach, canonical_modules, current, detach
+from megatron_ext.training.features import SinceLastCall
 
 __all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
            "MODULES", "ALIASES", "Options"]
@@ -27,7 +28,8 @@ _EXPERT_LINEAR_MODULES = ("router_fc1", "router_fc2", "moe_act")
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("activation offload (megatron_ext.offload)")
+    g = parser.add_argument_group("megatron_ext: activation offload", "chunked, race-free activation offload "
+                                  "(docs/offload.md)")
     g.add_argument(
         "--activation-offload-modules", nargs="+", default=None, metavar="MODULE",
         help="Offload to host memory what these modules save for backward, and bring it back before "
@@ -172,7 +174,7 @@ def teardown() -> None:
         manager.close()
 
 
-_LOGGED: dict = {}
+_SINCE = SinceLastCall()
 
 
 def log_counters() -> dict:
@@ -182,16 +184,10 @@ def log_counters() -> dict:
     manager = current()
     if manager is None:
         return {}
-    if _LOGGED.get("manager") is not manager:  # a new run (persistent workers run several)
-        _LOGGED.clear()
-        _LOGGED["manager"] = manager
     stats = dict(manager.stats)
     kept = sum(v for k, v in stats.items() if k.startswith("kept_"))
-    delta = {
-        "offloaded": stats["offloaded_bytes"] - _LOGGED.get("offloaded", 0),
-        "kept": kept - _LOGGED.get("kept", 0),
-    }
-    _LOGGED.update(offloaded=stats["offloaded_bytes"], kept=kept)
+    # a new manager is a new run (persistent workers run several): counted from zero
+    delta = _SINCE({"offloaded": stats["offloaded_bytes"], "kept": kept}, run=manager)
     return {
         "act offloaded (MiB)": f"{delta['offloaded'] / 2**20:.2f}",
         "act kept on device (MiB)": f"{delta['kept'] / 2**20:.2f}",

@@ -1,5 +1,4 @@
 """Builders for model / optimizer / data, the train step, logging, checkpointing."""
-from megatron_ext import seams
 from megatron_ext.errors import ConfigError
 
 
@@ -63,6 +62,8 @@ def after_model(args, model) -> None:
 
 
 def teardown() -> None:
+    # imported here, as in validate(): importing this package (argument parsing does) stays light
+    from megatron_ext import seams
     from megatron_ext.training import model, step
 
     step.release_schedule_hooks()

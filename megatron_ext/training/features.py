@@ -13,6 +13,7 @@ and the builders call whichever exist, in this order of packages."""
 from __future__ import annotations
 
 import importlib
+import weakref
 
 PACKAGES = ("megatron_ext.offload", "megatron_ext.moe", "megatron_ext.schedules", "megatron_ext.training")
 
@@ -52,7 +53,8 @@ def after_model(args, model) -> None:
 
 class SinceLastCall:
     """Running totals -> how much each grew since the previous call (a log line reports its own
-    interval). A new `run` (any object identifying it) starts again from zero."""
+    interval). A new `run` (an object identifying it, held weakly so that a finished run can be
+    freed) starts again from zero."""
 
     def __init__(self):
         self.reset()
@@ -61,8 +63,8 @@ class SinceLastCall:
         self._last, self._run = {}, None
 
     def __call__(self, totals: dict, run=None) -> dict:
-        if run is not self._run:
-            self._last, self._run = {}, run
+        if (self._run() if self._run is not None else None) is not run:
+            self._last, self._run = {}, (weakref.ref(run) if run is not None else None)
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         return delta
