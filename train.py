@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     platform.init_distributed(args.distributed_timeout_minutes * 60)
     logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
 
-    from megatron_ext import schedules, seams
+    from megatron_ext import schedules
     from megatron_ext.training import checkpointing, data, evaluation, exits, model as models, observability
     from megatron_ext.training import optimizer as optim, parallel, run, step
     from megatron_ext.training.log_line import TrainingLogger
@@ -28,36 +28,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     run.initialize_parallel(args)
     logger = None
     try:
-        with seams.megatron_training_globals(args):  # megatron.training's pieces read their args there
-            config = models.transformer_config(args)
-            model = models.build_model(args, config)
-            optimizer, scheduler = optim.build_optimizer(args, model)
-            step.configure_schedule_hooks(args, config, model, optimizer)
-            ckpt = checkpointing.Checkpointer(args, model, optimizer, scheduler)
-            start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
-            iterators = data.build_iterators(args, len(model), iteration=start)  # train, valid, test
-            ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
-            forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
-            logger = TrainingLogger(args)
-            observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
-            with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
-                last = start if args.skip_train else args.train_iters
-                for iteration in range(start + 1, last + 1):
-                    observer.before_step(iteration)
-                    result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
-                    logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
-                    observer.after_step(iteration, result)
-                    if evaluation.due(args, iteration, iterators):
-                        evaluation.run(args, f"iteration {iteration}", iterators.valid, model, config, iteration,
-                                       logger.writer)
-                    ckpt.after_step(iteration)  # saves every --save-interval
-                    if stop.after_step(iteration):
-                        break
-            observer.close()
-            ckpt.close(iteration)  # saves at exit, waits for async saves
-            if not stop.reason:
-                evaluation.after_training(args, iterators, model, config, iteration, logger.writer)
-            return logger.history
+        config = models.transformer_config(args)
+        model = models.build_model(args, config)
+        optimizer, scheduler = optim.build_optimizer(args, model)
+        step.configure_schedule_hooks(args, config, model, optimizer)
+        ckpt = checkpointing.Checkpointer(args, model, optimizer, scheduler)
+        start = iteration = ckpt.load()  # newest complete checkpoint under --load, else 0
+        iterators = data.build_iterators(args, len(model), iteration=start)  # train, valid, test
+        ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
+        forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
+        logger = TrainingLogger(args)
+        observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
+        with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
+            last = start if args.skip_train else args.train_iters
+            for iteration in range(start + 1, last + 1):
+                observer.before_step(iteration)
+                result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
+                logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+                observer.after_step(iteration, result)
+                if evaluation.due(args, iteration, iterators):
+                    evaluation.run(args, f"iteration {iteration}", iterators.valid, model, config, iteration,
+                                   logger.writer)
+                ckpt.after_step(iteration)  # saves every --save-interval
+                if stop.after_step(iteration):
+                    break
+        observer.close()
+        ckpt.close(iteration)  # saves at exit, waits for async saves
+        if not stop.reason:
+            evaluation.after_training(args, iterators, model, config, iteration, logger.writer)
+        return logger.history
     finally:
         if logger is not None:
             logger.close()  # on every exit path: the TensorBoard writer owns a thread (and W&B's run)

@@ -17,6 +17,7 @@ from megatron.training.datasets.data_samplers import build_pretraining_data_load
 from megatron.training.training import cyclic_iter
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
+from megatron_ext import platform
 from megatron_ext.training import tokenizer
 
 BYTE_VOCAB_SIZE = 257
@@ -151,6 +152,7 @@ def _iterators(args, dataset, consumed: int, num_chunks: int) -> list | None:
     with megatron_training_globals(args):
         for _ in range(num_chunks):
             loader = build_pretraining_data_loader(dataset, consumed)
+            loader.pin_memory = loader.pin_memory and platform.current().is_cuda  # no pinning thread on CPU
             out.append(iter(cyclic_iter(loader)) if args.dataloader_type == "cyclic" else iter(loader))
     return out
 
