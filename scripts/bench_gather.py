@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the workers run train.py's main(): a script of the checkout, not of the package
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_ext.bench.gather import measure  # noqa: E402

@@ -36,8 +36,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the rank jobs import arguments.py: a module of the checkout, not of the package
 
 LAYOUTS = {
     "tp2": dict(world=2, tp=2, pp=1, vpp=None),

@@ -16,9 +16,7 @@ import contextlib
 import io
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # arguments.py: of the checkout
 
 from megatron_ext import platform  # noqa: E402
 

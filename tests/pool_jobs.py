@@ -1,6 +1,7 @@
 """Jobs for tests/test_dist.py: the worker pool's own behaviour (see tests/dist.py)."""
 from __future__ import annotations
 
+import os
 import threading
 
 _KEPT: list = []
@@ -35,3 +36,7 @@ def worker_pid() -> int:
     import os
 
     return os.getpid()
+
+
+def die(code: int) -> None:
+    os._exit(code)

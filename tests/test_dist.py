@@ -27,3 +27,14 @@ def test_a_job_that_keeps_a_process_group_fails_by_name():
     assert "tests.pool_jobs:leak_process_group leaked" in message
     assert "1 process groups" in message and "ranks [0]" in message
     assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
+
+
+def test_a_worker_that_dies_fails_its_job_at_once_naming_rank_and_exit_code():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(1, "tests.pool_jobs:die", code=17)
+    assert "tests.pool_jobs:die: worker process died: rank 0 (exit code 17)" in str(failed.value)
+    assert time.monotonic() - t0 < 30, "waited for the job timeout instead of noticing the dead worker"
+    assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
