@@ -253,13 +253,7 @@ def _install_uneven_collectives():
         sizes = [t.shape[0] for t in input_list]
         if len(set(sizes)) <= 1 or async_op:
             return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
-        pad = max(sizes)
-        padded = []
-        for t in input_list:
-            p = t.new_zeros((pad,) + tuple(t.shape[1:]))
-            p[: t.shape[0]] = t
-            padded.append(p)
-        out = output.new_empty((pad,) + tuple(output.shape[1:]))
+        out, padded = pad_reduce_scatter_pieces(output, input_list)
         reduce_scatter(out, padded, op=op, group=group)
         output.copy_(out[: output.shape[0]])
 
@@ -269,6 +263,19 @@ def _install_uneven_collectives():
             _patch(dist, "reduce_scatter", uneven_reduce_scatter),
         ]
     )
+
+
+def pad_reduce_scatter_pieces(output, input_list):
+    """gloo reduce-scatters equal pieces only: each piece zero-padded to the largest, and an output
+    of that size (the caller copies its first output.shape[0] rows back). Padding rows reduce to
+    zeros and are dropped, so the kept rows are bit-identical."""
+    pad = max(t.shape[0] for t in input_list)
+    padded = []
+    for t in input_list:
+        p = t.new_zeros((pad,) + tuple(t.shape[1:]))
+        p[: t.shape[0]] = t
+        padded.append(p)
+    return output.new_empty((pad,) + tuple(output.shape[1:])), padded
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from megatron.core.pipeline_parallel import schedules as S
 from megatron.core.tensor_parallel import layers, mappings
 
 from megatron_ext.patching import Patch, set_attr, undo_all
+from megatron_ext.platform.cpu_shims import pad_reduce_scatter_pieces
 from megatron_ext.schedules import lanes
 
 
@@ -102,13 +103,7 @@ def _wrap_list_reduce_scatter(orig):
             if output.is_cuda or len(set(sizes)) <= 1:
                 out, inputs = output, input_list
             else:
-                pad = max(sizes)
-                inputs = []
-                for t in input_list:
-                    p = t.new_zeros((pad,) + tuple(t.shape[1:]))
-                    p[: t.shape[0]] = t
-                    inputs.append(p)
-                out = output.new_empty((pad,) + tuple(output.shape[1:]))
+                out, inputs = pad_reduce_scatter_pieces(output, input_list)
             got = lanes.collective(
                 "reduce_scatter", group, sum(_nbytes(t) for t in inputs),
                 lambda: orig(out, inputs, op=op, group=group, async_op=True), False,

@@ -15,6 +15,24 @@ def train_capture(argv: list[str]) -> dict:
     return {"history": history, "stdout": out.getvalue()}
 
 
+def train_calling_at_each_log(argv: list[str], on_log) -> list[dict]:
+    """train.main(argv) with on_log(iteration) called as each iteration's log line is written."""
+    import train as entry
+    from megatron_ext.training import log_line as log
+
+    original = log.TrainingLogger.log
+
+    def logged(self, iteration, result, lr, extra=None):
+        on_log(iteration)
+        return original(self, iteration, result, lr, extra)
+
+    log.TrainingLogger.log = logged
+    try:
+        return entry.main(argv)
+    finally:
+        log.TrainingLogger.log = original
+
+
 def parse_error(argv: list[str]) -> str | None:
     """The ConfigError (one line) that parsing argv raises on this rank, if any."""
     import arguments
@@ -34,22 +52,13 @@ def train_with_signal(argv: list[str], at: int) -> dict:
 
     import torch
 
-    import train as entry
-    from megatron_ext.training import log_line as log
-
     before = signal.getsignal(signal.SIGTERM)
-    original = log.TrainingLogger.log
 
-    def logged(self, iteration, result, lr, extra=None):
+    def on_log(iteration):
         if iteration == at and torch.distributed.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, iteration, result, lr, extra)
 
-    log.TrainingLogger.log = logged
-    try:
-        history = entry.main(argv)
-    finally:
-        log.TrainingLogger.log = original
+    history = train_calling_at_each_log(argv, on_log)
     return {"iterations": [r["iteration"] for r in history], "handler_restored": signal.getsignal(signal.SIGTERM) is before}
 
 
@@ -73,26 +82,16 @@ def train_watching_gc(argv: list[str]) -> dict:
     """Whether automatic gc was on during the iterations, and the full collections made meanwhile."""
     import gc
 
-    import train as entry
-    from megatron_ext.training import log_line as log
-
     seen, full = [], {"n": 0}
-    original = log.TrainingLogger.log
-
-    def logged(self, iteration, result, lr, extra=None):
-        seen.append(gc.isenabled())
-        return original(self, iteration, result, lr, extra)
 
     def count(phase, info):
         if phase == "start" and info["generation"] == 2:
             full["n"] += 1
 
-    log.TrainingLogger.log = logged
     gc.callbacks.append(count)
     try:
-        entry.main(argv)
+        train_calling_at_each_log(argv, lambda _iteration: seen.append(gc.isenabled()))
     finally:
-        log.TrainingLogger.log = original
         gc.callbacks.remove(count)
     return {"enabled_during": seen, "full_collections": full["n"], "enabled_after": gc.isenabled()}
 
@@ -126,25 +125,18 @@ def train_outside_daemon(argv: list[str]) -> dict:
     Returns the losses and the most child processes seen during an iteration."""
     import multiprocessing
 
-    import train as entry
-    from megatron_ext.training import log_line as log
-
     config = multiprocessing.current_process()._config
     daemon, config["daemon"] = config.get("daemon"), False
     method = multiprocessing.get_start_method()
     multiprocessing.set_start_method("fork", force=True)
     children = {"n": 0}
-    original = log.TrainingLogger.log
 
-    def logged(self, iteration, result, lr, extra=None):
+    def on_log(iteration):
         children["n"] = max(children["n"], len(multiprocessing.active_children()))
-        return original(self, iteration, result, lr, extra)
 
-    log.TrainingLogger.log = logged
     try:
-        history = entry.main(argv)
+        history = train_calling_at_each_log(argv, on_log)
     finally:
-        log.TrainingLogger.log = original
         config["daemon"] = daemon
         multiprocessing.set_start_method(method, force=True)
     return {"losses": [r["lm loss"] for r in history], "children": children["n"]}
