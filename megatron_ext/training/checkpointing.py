@@ -161,6 +161,18 @@ def _unwrap(chunk):
     return chunk.module if hasattr(chunk, "no_sync") else chunk
 
 
+def _gather_params(model, optimizer) -> None:
+    """With --overlap-param-gather the optimizer step updates only this rank's shard of each
+    parameter; the other ranks' shards arrive in the next forward's pre-hooks. The model state
+    saved now would hold the previous step's values there (the distributed optimizer's own `param`
+    state covers only the local shard and is not what model loading reads), so gather them first,
+    as megatron.training's save_checkpoint_and_time does (training.py:3045, force_param_sync).
+    The next forward gathers the same values again: training is unchanged bit for bit."""
+    from megatron.training.training import force_param_sync
+
+    force_param_sync(model, optimizer=optimizer)
+
+
 def _model_key(i: int) -> str:
     return f"model{i}"
 
@@ -294,6 +306,8 @@ class Checkpointer:
                 shutil.rmtree(partial)
             os.makedirs(partial)
         torch.distributed.barrier()
+        if args.use_distributed_optimizer and args.overlap_param_gather:
+            _gather_params(self.model, self.optimizer)
         state = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
             with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
