@@ -10,7 +10,9 @@ import megatron.core
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.pipeline_parallel import schedules
@@ -30,6 +32,7 @@ TARGETS = {
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
+    "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
 }
 
 

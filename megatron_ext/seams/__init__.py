@@ -8,7 +8,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
-    checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue
+    checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
+                       checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
                        megatron.training's global args/timers/writer set for the length of a run
@@ -27,7 +28,9 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import checkpointing, moe, offload, schedules, sharded_params, training
-from megatron_ext.seams.checkpointing import ensure_optimizer_state, restore_optimizer_step, set_write_results_queue
+from megatron_ext.seams.checkpointing import (
+    checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
+)
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
@@ -89,7 +92,8 @@ def sharded_params_seams_installed() -> bool:
 
 __all__ = [
     "SEAMS", "TORCH_NORM_SEQUENCE_PARALLEL", "apply_for_run", "install", "uninstall", "without",
-    "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "replace_token_dispatcher",
+    "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "checksummed_writes",
+    "verified_reads", "replace_token_dispatcher",
     "reset_moe_aux_loss_scale", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
     "install_schedules_seams", "label_plain_schedule_passes", "install_sharded_params_seams",
     "remove_sharded_params_seams", "sharded_params_seams_installed", "reset_megatron_globals",

@@ -4,15 +4,24 @@ megatron_ext/training/checkpointing.py drives megatron.core.dist_checkpointing i
 megatron.training.checkpointing, which needs megatron's global args). Replaced or wrapped:
   distrib_optimizer.py:838 / :1032 / :1193-1225  torch-Adam `step` handling (the two functions below)
   filesystem_async.py:53-66 (get_write_results_queue)  the writer's result queue (set_write_results_queue)
+  filesystem_async.py:407, :415 (_write_item, looked up as a module global by the writer)  wrapped
+    while a save is written: each file's bytes pass through a CRC-32 (CHECKSUMMED_WRITES)
+  torch's FileSystemReader.read_data, reached from serialization.py:229 and strategies/torch.py:979
+    wrapped while a checkpoint loads: the files a read touches are verified first (VERIFIED_READS)
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from megatron_ext.patching import Patch, set_attr
 
 
 def _torch_optimizers(optimizer):
@@ -76,3 +85,71 @@ def set_write_results_queue(async_save: bool) -> None:
     synchronous save (the write runs in this process), a fork-context multiprocessing queue for the
     forked async writer. A writer already in flight keeps the queue it was planned with."""
     filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
+
+
+def _install_checksummed_writes():
+    from megatron_ext.training import ckpt_integrity
+
+    return set_attr(filesystem_async, "_write_item", ckpt_integrity.summing_write_item(filesystem_async._write_item))
+
+
+CHECKSUMMED_WRITES = Patch(
+    "checkpointing.checksummed_writes",
+    ["megatron/core/dist_checkpointing/strategies/filesystem_async.py:407",
+     "megatron/core/dist_checkpointing/strategies/filesystem_async.py:415"],
+    "megatron-core's writer calls torch's _write_item by its module-global name, once per item of a "
+    "shard file: the wrapper hands it a stream that folds every byte into the file's CRC-32 "
+    "(megatron_ext/training/ckpt_integrity.py), so the checksum costs no second read",
+    _install_checksummed_writes,
+)
+
+
+@contextlib.contextmanager
+def checksummed_writes():
+    """CHECKSUMMED_WRITES for one save: while it is written, and while its --async-save writer is
+    forked (the child keeps it)."""
+    from megatron_ext.training import ckpt_integrity
+
+    ckpt_integrity.start_recording()
+    with CHECKSUMMED_WRITES.applied():
+        yield
+
+
+_VERIFIERS: list = []
+
+
+def _install_verified_reads():
+    original = FileSystemReader.__dict__["read_data"]
+
+    def read_data(self, plan, planner):
+        verifier = _VERIFIERS[-1] if _VERIFIERS else None
+        if verifier is not None and os.path.abspath(str(self.path)) == verifier.directory:
+            verifier.verify_read({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        return original(self, plan, planner)
+
+    return set_attr(FileSystemReader, "read_data", read_data)
+
+
+VERIFIED_READS = Patch(
+    "checkpointing.verified_reads",
+    ["megatron/core/dist_checkpointing/serialization.py:229",
+     "megatron/core/dist_checkpointing/strategies/torch.py:979"],
+    "torch's FileSystemReader.read_data (torch/distributed/checkpoint/filesystem.py:861), which "
+    "dist_checkpointing reaches once per rank from load_common_state_dict and once per base load "
+    "(twice under the fully parallel load), first verifies the files the read plan touches: exactly "
+    "the files this rank reads. Every rank reaches each read, so the ranks agree there, before any "
+    "byte is read",
+    _install_verified_reads,
+)
+SEAMS = [CHECKSUMMED_WRITES, VERIFIED_READS]
+
+
+@contextlib.contextmanager
+def verified_reads(verifier):
+    """VERIFIED_READS for one load, checking against `verifier` (ckpt_integrity.Verifier)."""
+    _VERIFIERS.append(verifier)
+    try:
+        with VERIFIED_READS.applied():
+            yield
+    finally:
+        _VERIFIERS.pop()

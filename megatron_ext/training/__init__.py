@@ -18,6 +18,9 @@ def add_arguments(parser):
         "each successful save; multiples of megatron's --save-retain-interval are kept too). "
         "Default: keep all.",
     )
+    from megatron_ext.training.checkpointing import add_arguments as add_checkpointing_arguments
+
+    add_checkpointing_arguments(group)
     return parser
 
 

@@ -13,9 +13,15 @@ disk (for ``--async-save``: in the finalize step, after all ranks' writer proces
 rank 0 rename it to ``iter_N``, which is atomic on a POSIX filesystem. Resume only ever considers
 ``iter_N`` directories, so a crash at any point of a save leaves the previous checkpoint the one
 that loads.
+
+Integrity (ckpt_integrity.py): every file's CRC-32 is taken from the bytes as they are written and
+recorded in the checkpoint's metadata.json at commit; a resume verifies every file it reads before
+using it (and that none is missing). A damaged checkpoint is named in one line and the newest
+intact older one loads instead, or, with --no-ckpt-fallback, the run stops there.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -37,10 +43,27 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
+from megatron_ext.training import ckpt_integrity as integrity
+from megatron_ext.training.ckpt_integrity import CONFIG
 
 TRACKER = "latest_checkpointed_iteration.txt"
 PARTIAL = ".partial"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class DamagedCheckpoint(ConfigError):
+    """The checkpoint to resume from failed verification and no older one is to be loaded
+    (--no-ckpt-fallback, --ckpt-step, or none intact): one line naming the checkpoint and files,
+    raised on every rank before any compute, like a refused flag."""
+
+
+def add_arguments(group) -> None:
+    group.add_argument(
+        "--no-ckpt-fallback",
+        action="store_true",
+        help="When the checkpoint to resume from is damaged (a file missing, truncated or failing "
+        "its checksum), stop with one line naming it instead of loading the newest intact older one.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,16 +73,35 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def complete_iterations(root: str | None) -> list[int]:
-    """Iterations with a complete checkpoint under `root`, ascending. Partial saves are not listed."""
+def committed_iterations(root: str | None) -> list[int]:
+    """Iterations with an `iter_N` directory under `root`, ascending: saves that were committed
+    (renamed from `.partial`), intact or not. Partial saves are not listed."""
     if not root or not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        m = _ITER_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, "metadata.json")):
-            found.append(int(m.group(1)))
-    return sorted(found)
+    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
+
+
+def complete_iterations(root: str | None) -> list[int]:
+    """Committed iterations whose directory holds the dist_checkpointing metadata.json."""
+    return [i for i in committed_iterations(root) if os.path.isfile(os.path.join(checkpoint_dir(root, i), CONFIG))]
+
+
+def read_tracker(root: str, iterations: list[int]) -> str | None:
+    """What is wrong with `latest_checkpointed_iteration.txt`, or None. It is only a pointer for
+    people and tools (resume lists the directories): damaged if it is not an iteration number or
+    names no committed checkpoint. Older than the newest is the crash window between the rename
+    and its rewrite, not damage."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        return f"{TRACKER} is damaged (reads {raw[:32]!r})"
+    if int(text) not in iterations:
+        return f"{TRACKER} is damaged (names iteration {int(text)}, which has no checkpoint)"
+    return None
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -96,6 +138,19 @@ def retained(iterations: list[int], keep_last: int | None, retain_interval: int 
     if retain_interval:
         keep |= {i for i in iterations if i % retain_interval == 0}
     return keep
+
+
+def debris(names: list[str], newest: int) -> list[str]:
+    """What interrupted saves and deletes left behind, once `newest` is committed: `*.deleting`,
+    and the `.partial` saves of older iterations. Async saves commit in order, so an older partial
+    save is dead; a newer one is a save still being written (--async-save with saves closer together
+    than a write takes) and stays."""
+    out = []
+    for name in names:
+        m = re.match(r"^iter_(\d{7})" + re.escape(PARTIAL) + "$", name)
+        if name.endswith(".deleting") or (m and int(m.group(1)) < newest):
+            out.append(name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,13 +219,29 @@ def _unwrap(chunk):
 def _gather_params(model, optimizer) -> None:
     """With --overlap-param-gather the optimizer step updates only this rank's shard of each
     parameter; the other ranks' shards arrive in the next forward's pre-hooks. The model state
-    saved now would hold the previous step's values there (the distributed optimizer's own `param`
-    state covers only the local shard and is not what model loading reads), so gather them first,
-    as megatron.training's save_checkpoint_and_time does (training.py:3045, force_param_sync).
-    The next forward gathers the same values again: training is unchanged bit for bit."""
+    saved now would hold the previous step's values there. A load writes the model weights and the
+    distributed optimizer's (current) shard of them into the same memory, and the stale values are
+    the ones that stayed (measured: a tiny_moe EP2 resume diverged at its first iteration). So
+    gather first, as megatron.training's save_checkpoint_and_time does (training.py:3045,
+    force_param_sync). The next forward gathers the same values again: training is unchanged."""
     from megatron.training.training import force_param_sync
 
     force_param_sync(model, optimizer=optimizer)
+
+
+def _non_finite_parameters(model) -> list[str]:
+    """Names of the parameters holding NaN or Inf, over all ranks (collective; one host read per
+    rank). Checksums cannot tell weights saved non-finite from good ones; megatron's own check
+    would stop in the first backward pass with a traceback on every rank instead."""
+    flags, names = [], []
+    for i, chunk in enumerate(model):
+        for name, p in _unwrap(chunk).named_parameters():
+            flags.append(torch.isfinite(p).all())
+            names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
+    bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, bad)
+    return sorted({n for part in everyone for n in part})
 
 
 def _model_key(i: int) -> str:
@@ -216,25 +287,82 @@ class Checkpointer:
         self._queue = None  # megatron-core AsyncCallsQueue (fork-based), for --async-save
         self._strategy = None
         self._pending_rng = None
+        self.checksums = True  # benchmarks turn it off to measure what the checksums cost
+        self.saves: list[dict] = []  # per save on this rank: seconds, and the checksums' share
+        self.loaded: dict | None = None  # the load's seconds and the verification's share
 
     # ---- resume ----------------------------------------------------------------------------
     def load(self) -> int:
-        """Load the newest complete checkpoint (or --ckpt-step) under --load; return its iteration,
-        0 if there is none."""
+        """Load the newest intact checkpoint (or --ckpt-step) under --load; return its iteration,
+        0 if there is none. Every file is verified before it is used (ckpt_integrity.py); a damaged
+        checkpoint is named in one line and the next older intact one loads instead, unless
+        --no-ckpt-fallback (or --ckpt-step) asks for exactly that one."""
         args = self.args
-        iterations = complete_iterations(args.load)
-        if not iterations:
-            if args.load and args.exit_on_missing_checkpoint:
-                raise ConfigError(f"--load={args.load}: no complete checkpoint (--exit-on-missing-checkpoint)")
-            if args.load:
-                self._print(f"no checkpoint under --load={args.load}: starting from iteration 0")
+        if not args.load:
             return 0
-        iteration = args.ckpt_step if args.ckpt_step is not None else iterations[-1]
-        if iteration not in iterations:
-            raise ConfigError(f"--ckpt-step={iteration}: no complete checkpoint in {args.load} (have {iterations})")
-        path = checkpoint_dir(args.load, iteration)
-        t0 = time.perf_counter()
+        iterations, tracker_note = self._listing()
+        if tracker_note:
+            self._print(f"warning: {tracker_note}: ignored; the newest checkpoint is found by listing {args.load}")
+        if not iterations:
+            if args.exit_on_missing_checkpoint:
+                raise ConfigError(f"--load={args.load}: no complete checkpoint (--exit-on-missing-checkpoint)")
+            self._print(f"no checkpoint under --load={args.load}: starting from iteration 0")
+            return 0
+        if args.ckpt_step is not None:
+            if args.ckpt_step not in iterations:
+                raise ConfigError(f"--ckpt-step={args.ckpt_step}: no complete checkpoint in {args.load} (have {iterations})")
+            candidates = [args.ckpt_step]
+        else:
+            candidates = iterations[::-1]
+        for iteration in candidates:
+            path = checkpoint_dir(args.load, iteration)
+            damage, loaded = self._load_verified(path, iteration)
+            if damage is None:
+                if iteration != iterations[-1] and args.ckpt_step is None:
+                    lost = iterations[-1] - iteration
+                    self._print(
+                        f"warning: loading {path} instead of the damaged newer checkpoint(s): "
+                        f"{lost} iteration{'s' if lost != 1 else ''} lost ({iterations[-1]} -> {iteration})"
+                    )
+                self._print(loaded)
+                return iteration
+            line = f"damaged checkpoint {path}: {damage}"
+            if args.no_ckpt_fallback or args.ckpt_step is not None:
+                why = "--no-ckpt-fallback" if args.no_ckpt_fallback else f"--ckpt-step={args.ckpt_step}"
+                raise DamagedCheckpoint(f"{line} ({why}: not loading an older one)")
+            self._print(line)
+        raise DamagedCheckpoint(f"--load={args.load}: every checkpoint is damaged ({iterations})")
 
+    def _listing(self) -> tuple[list[int], str | None]:
+        """Rank 0 lists the committed checkpoints and reads the tracker; every rank gets its view."""
+        view = [None]
+        if self.rank == 0:
+            iterations = committed_iterations(self.args.load)
+            note = read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
+            view = [(iterations, note)]
+        torch.distributed.broadcast_object_list(view, src=0)
+        return view[0]
+
+    def _load_verified(self, path: str, iteration: int) -> tuple[str | None, str | None]:
+        """Load `path` with every file verified first: (the damage found, the same text on every
+        rank, None) or (None, the line saying what was loaded)."""
+        t0 = time.perf_counter()
+        verifier = integrity.Verifier(path)
+        problems, verifiable = verifier.inspect()  # collective
+        if problems:
+            return "; ".join(problems), None
+        if not verifiable:
+            self._print(f"note: {path} has no checksums (saved before they were recorded): it cannot be verified")
+        try:
+            with seams.verified_reads(verifier) if verifiable else contextlib.nullcontext():
+                return None, self._load(path, iteration, t0, verifier)
+        except BaseException:  # torch's CheckpointException (wrapping ours) is a BaseException
+            if not verifier.problems:  # set on every rank when the ranks agreed on damage
+                raise
+            return "; ".join(verifier.problems), None
+
+    def _load(self, path: str, iteration: int, t0: float, verifier) -> str:
+        args = self.args
         common = dist_checkpointing.load_common_state_dict(path)
         same_layout = common["layout"] == _layout(args)
         with_rng = same_layout and not args.no_load_rng and common.get("has_rng", False)
@@ -252,6 +380,12 @@ class Checkpointer:
         with torch.no_grad():  # distrib_optimizer.py:1225 copies into views of grad-tracked params
             for i, chunk in enumerate(self.model):
                 _unwrap(chunk).load_state_dict(state[_model_key(i)], strict=True)
+            if args.check_for_nan_in_loss_and_grad:  # the non-finite check, before the first step
+                bad = _non_finite_parameters(self.model)
+                if bad:
+                    more = ", ..." if len(bad) > 3 else ""
+                    verifier.problems = [f"non-finite values in {len(bad)} parameters ({', '.join(bad[:3])}{more})"]
+                    raise integrity.Damaged(verifier.problems)
             if with_optimizer:
                 self.optimizer.load_state_dict(state["optimizer"])
                 seams.restore_optimizer_step(self.optimizer, state["optimizer"])
@@ -264,11 +398,15 @@ class Checkpointer:
             )
         torch.distributed.barrier()
         self.last_saved = iteration if os.path.abspath(args.load) == os.path.abspath(args.save or "") else None
-        self._print(
+        self.loaded = {"load_s": time.perf_counter() - t0, "verify_s": verifier.seconds,
+                       "agree_s": verifier.agree_seconds, "verified_files": len(verifier.verified),
+                       "verified_bytes": verifier.bytes_read}
+        verified = (f"; verified {len(verifier.verified)} files in {verifier.seconds:.2f} s"
+                    if verifier.files is not None else "")
+        return (
             f"resuming from checkpoint {path} at iteration {iteration} "
-            f"(consumed samples {common['consumed_samples']}; loaded in {time.perf_counter() - t0:.2f} s)"
+            f"(consumed samples {common['consumed_samples']}; loaded in {time.perf_counter() - t0:.2f} s{verified})"
         )
-        return iteration
 
     def restore_rng(self) -> None:
         """Put back the loaded checkpoint's RNG states. Call after building the data iterators:
@@ -314,41 +452,68 @@ class Checkpointer:
         )
         if not args.use_persistent_ckpt_worker:
             seams.set_write_results_queue(args.async_save)
-        request = dist_checkpointing.save(
-            state, partial, self._save_strategy(), async_sharded_save=args.async_save,
-            async_strategy="mcore",
-        )
-        if args.async_save:
-            request.finalize_fns.append(lambda: self._commit(iteration, t0))
-            self._async_queue().schedule_async_request(request)
-        else:
-            self._commit(iteration, t0)
+        # the writer (this process, or the one forked for --async-save) sums every file's bytes as
+        # it writes them; a persistent worker cannot be reached, its files are summed at commit
+        stall = [None]  # seconds the loop waits in this call (for --async-save: until the writer is forked)
+        summing = seams.checksummed_writes() if self.checksums else contextlib.nullcontext()
+        with summing:
+            request = dist_checkpointing.save(
+                state, partial, self._save_strategy(), async_sharded_save=args.async_save,
+                async_strategy="mcore",
+            )
+            if args.async_save:
+                if request.async_fn is not None and not args.use_persistent_ckpt_worker and self.checksums:
+                    request = request._replace(
+                        async_fn=integrity.leave_sums_after(request.async_fn, partial, self.rank))
+                request.finalize_fns.append(lambda: self._commit(iteration, t0, stall))
+                self._async_queue().schedule_async_request(request)  # forks the writer
+                stall[0] = time.perf_counter() - t0
+            else:
+                self._commit(iteration, t0, stall)
         self.last_saved = iteration
 
-    def _commit(self, iteration: int, t0: float) -> None:
-        """Runs on every rank once every rank's files and the metadata are written."""
+    def _commit(self, iteration: int, t0: float, stall: list) -> None:
+        """Runs on every rank once every rank's files and the metadata are written: the checksums
+        go into the checkpoint's metadata.json, then the directory is renamed into place."""
         args = self.args
         final = checkpoint_dir(args.save, iteration)
+        partial = final + PARTIAL
+        note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
+        if self.checksums:
+            c0 = time.perf_counter()
+            sums, write_s, writer_s = integrity.take_sums(partial, self.rank, from_sidecar=args.async_save)
+            c1 = time.perf_counter()
+            gathered = [None] * torch.distributed.get_world_size() if self.rank == 0 else None
+            torch.distributed.gather_object((sums, write_s), gathered, dst=0)
+            c2 = time.perf_counter()
+            files = integrity.write_manifest(partial, [g[0] for g in gathered])[0] if self.rank == 0 else None
+            stats.update(checksum_write_s=write_s, writer_s=writer_s, gather_s=c2 - c1,
+                         checksum_commit_s=(c1 - c0) + (time.perf_counter() - c2))
+            if self.rank == 0:
+                note = (f"; {files} files checksummed ({1e3 * max(g[1] for g in gathered):.1f} ms while writing, "
+                        f"{1e3 * (time.perf_counter() - c0):.1f} ms at commit)")
         if self.rank == 0:
             if os.path.exists(final):  # re-saving an iteration (e.g. a rerun): replace it
                 _remove_dir(final)
-            os.replace(final + PARTIAL, final)
+            os.replace(partial, final)
             _fsync_dir(args.save)
             _write_atomic(os.path.join(args.save, TRACKER), str(iteration))
             self._apply_retention(iteration)
         torch.distributed.barrier()
-        self._print(f"saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - t0:.2f} s")
+        stats["save_s"] = time.perf_counter() - t0
+        stats["stall_s"] = stats["save_s"] if stall[0] is None else stall[0]
+        self.saves.append(stats)
+        self._print(f"saved checkpoint {final} at iteration {iteration} in {stats['save_s']:.2f} s{note}")
 
     def _apply_retention(self, newest: int) -> None:
         args = self.args
-        iterations = complete_iterations(args.save)
+        iterations = committed_iterations(args.save)
         keep = retained(iterations, args.save_keep_last, args.save_retain_interval)
         for it in iterations:
             if it not in keep and it != newest:
                 _remove_dir(checkpoint_dir(args.save, it))
-        for name in os.listdir(args.save):  # debris of interrupted saves / deletes
-            if name.endswith(".deleting") or (name.endswith(PARTIAL) and name != f"iter_{newest:07d}{PARTIAL}"):
-                shutil.rmtree(os.path.join(args.save, name), ignore_errors=True)
+        for name in debris(os.listdir(args.save), newest):
+            shutil.rmtree(os.path.join(args.save, name), ignore_errors=True)
 
     def _save_strategy(self):
         if self._strategy is None:

@@ -173,12 +173,50 @@ class NonFiniteCheck:
             )
 
 
+class ZeroGradAfterResume:
+    """A resumed run whose grad norm is exactly 0 in every iteration up to its first log line
+    learns nothing: typically weights that were saved zeroed, which no checksum can tell from good
+    ones (non-finite ones the check above catches). Warned once, on rank 0; the grad norm is
+    already on the host and the same on every rank, so this costs no sync. The first iteration
+    tells a resume (it follows the loaded checkpoint's)."""
+
+    def __init__(self, args):
+        self.interval = args.log_interval
+        self.first = None
+        self.all_zero = True
+        self.done = False
+        self.rank = torch.distributed.get_rank()
+        self.warned = False
+
+    def after_step(self, iteration: int, result) -> None:
+        if self.done:
+            return
+        if self.first is None:
+            self.first = iteration
+            if iteration == 1:  # a fresh start, not a resume
+                self.done = True
+                return
+        norm = result.grad_norm
+        self.all_zero = self.all_zero and norm is not None and float(norm) == 0.0
+        if iteration % self.interval == 0:
+            self.done = True
+            self.warned = self.all_zero
+            if self.all_zero and self.rank == 0:
+                span = f"iteration {iteration}" if iteration == self.first else f"iterations {self.first}-{iteration}"
+                print(
+                    f"warning: grad norm exactly 0 in {span} after resuming from iteration {self.first - 1}: "
+                    "the loaded weights may be zeroed (or every parameter frozen); nothing is being learned",
+                    flush=True,
+                )
+
+
 class Observer:
     """What the loop calls: before_step(i), after_step(i, result), close()."""
 
     def __init__(self, args):
         self.steps = StepRange(args)
         self.nonfinite = NonFiniteCheck(args)
+        self.zero_grad = ZeroGradAfterResume(args)
 
     def before_step(self, iteration: int) -> None:
         self.steps.before_step(iteration)
@@ -186,6 +224,7 @@ class Observer:
     def after_step(self, iteration: int, result) -> None:
         self.steps.after_step(iteration)
         self.nonfinite.after_step(iteration, result)
+        self.zero_grad.after_step(iteration, result)
 
     def close(self) -> None:
         self.steps.close()

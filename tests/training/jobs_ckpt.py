@@ -72,3 +72,205 @@ def train_with_crash_mid_save(argv: list[str], save_dir: str, crash_iteration: i
         "listing": sorted(os.listdir(save_dir)),
         "partial_files": sorted(os.listdir(partial)) if os.path.isdir(partial) else None,
     }
+
+
+@contextlib.contextmanager
+def _captured_stdout(lines: list):
+    """This rank's printed lines (the [checkpoint] lines are printed by rank 0 only)."""
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        try:
+            yield
+        finally:
+            lines.extend(buffer.getvalue().splitlines())
+
+
+def train_capturing(argv: list[str]) -> dict:
+    """train.main(argv): its history, this rank's printed lines, and the one-line error it stopped
+    with (a ConfigError, as train.py prints it) or the non-finite check's error."""
+    import train as entry
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.training.observability import NonFiniteLoss
+
+    lines, history, error = [], None, None
+    try:
+        with _may_start_processes(), _captured_stdout(lines):
+            history = entry.main(argv)
+    except (ConfigError, NonFiniteLoss) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"history": history, "lines": lines, "error": error}
+
+
+def train_saving_filled_params(argv: list[str], value: float) -> list[dict]:
+    """train.main(argv) with every parameter (and the optimizer's moments) set to `value` just
+    before each save: a checkpoint whose checksums are right but whose weights are not."""
+    import torch
+
+    import train as entry
+    from megatron_ext.training import checkpointing
+
+    original = checkpointing.Checkpointer.save
+
+    def save(self, iteration):
+        from megatron_ext import seams
+
+        with torch.no_grad():
+            for chunk in self.model:
+                for p in chunk.parameters():
+                    p.fill_(value)
+            for _, inner in seams._torch_optimizers(self.optimizer):  # Adam's moments too
+                for state in inner.state.values():
+                    for key, t in state.items():
+                        if key != "step" and torch.is_tensor(t):
+                            t.fill_(value)
+        return original(self, iteration)
+
+    checkpointing.Checkpointer.save = save
+    try:
+        with _may_start_processes():
+            return entry.main(argv)
+    finally:
+        checkpointing.Checkpointer.save = original
+
+
+# ---- damage, as file systems do it, applied to a copy of a checkpoint directory -----------------
+def _flip(path: str, offset: int, count: int = 40) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0x5A for b in data))
+
+
+def _largest_tensor_item(ckpt: str, name: str) -> tuple[int, int]:
+    """(offset, length) of the largest item stored in file `name` (a tensor's bytes)."""
+    import pickle
+
+    with open(os.path.join(ckpt, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    items = [i for i in metadata.storage_data.values() if i.relative_path == name]
+    item = max(items, key=lambda i: i.length)
+    return item.offset, item.length
+
+
+def _truncate_shard(root, ckpt):
+    path = os.path.join(ckpt, "__1_0.distcp")
+    os.truncate(path, os.path.getsize(path) // 2)  # a full disk or an interrupted copy
+
+
+def _remove_shard(root, ckpt):
+    os.remove(os.path.join(ckpt, "__0_0.distcp"))
+
+
+def _change_tensor_bytes(root, ckpt):
+    offset, length = _largest_tensor_item(ckpt, "__1_0.distcp")
+    _flip(os.path.join(ckpt, "__1_0.distcp"), offset + length // 2)  # a few dozen bytes inside a tensor
+
+
+def _damage_dcp_metadata(root, ckpt):
+    _flip(os.path.join(ckpt, ".metadata"), os.path.getsize(os.path.join(ckpt, ".metadata")) // 2)
+
+
+def _remove_metadata_json(root, ckpt):
+    os.remove(os.path.join(ckpt, "metadata.json"))
+
+
+def _change_recorded_checksum(root, ckpt):
+    """Valid JSON, one digit of one recorded checksum changed."""
+    import json
+
+    path = os.path.join(ckpt, "metadata.json")
+    with open(path) as f:
+        config = json.load(f)
+    entry = config["checksums"]["files"]["__0_0.distcp"]
+    entry[1] = entry[1] ^ 1
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def _damage_tracker(root, ckpt):
+    """The marker garbled, and the checkpoint it pointed to gone."""
+    import shutil
+
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "wb") as f:
+        f.write(b"\x00\x13\xff4")
+    shutil.rmtree(ckpt)
+
+
+def _strip_checksums(root, ckpt):
+    """Checkpoints as saved before checksums were recorded (megatron-core's metadata.json only),
+    the newest one with a truncated shard."""
+    import json
+
+    for name in os.listdir(root):
+        path = os.path.join(root, name, "metadata.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                config = json.load(f)
+            config.pop("checksums")
+            with open(path, "w") as f:
+                json.dump(config, f)
+    _truncate_shard(root, ckpt)
+
+
+DAMAGES = {
+    "truncated-shard": (_truncate_shard, "__1_0.distcp truncated"),
+    "missing-shard": (_remove_shard, "__0_0.distcp missing"),
+    "changed-tensor-bytes": (_change_tensor_bytes, "__1_0.distcp checksum mismatch"),
+    "damaged-dcp-metadata": (_damage_dcp_metadata, ".metadata checksum mismatch"),
+    "missing-metadata-json": (_remove_metadata_json, "metadata.json missing"),
+    "changed-recorded-checksum": (_change_recorded_checksum, "metadata.json checksum mismatch"),
+    "damaged-latest-marker": (_damage_tracker, "latest_checkpointed_iteration.txt is damaged"),
+    "no-checksums": (_strip_checksums, "__1_0.distcp truncated"),
+    "no-fallback": (_truncate_shard, "__1_0.distcp truncated"),  # resumed with --no-ckpt-fallback
+    "ckpt-step": (_truncate_shard, "__1_0.distcp truncated"),  # resumed with --ckpt-step of the damaged one
+}
+
+
+def damaged_resumes(argv: list[str], root: str, newest: int, cases: list[str], extra: dict | None = None) -> dict:
+    """Save every 2 iterations (the reference history: an uninterrupted run); then, for each case,
+    damage the newest checkpoint of a copy of the directory and resume from the copy.
+
+    Returns, per rank: the reference history, the files the save read back to checksum, and per
+    case the resumed history, the printed lines, the error, and the files each read verified."""
+    import shutil
+
+    import torch
+
+    import train as entry
+    from megatron_ext.training import ckpt_integrity
+
+    rank = torch.distributed.get_rank()
+    pristine = os.path.join(root, "pristine")
+    read_back, verified = [], []
+    original_crc, original_verify = ckpt_integrity.crc32_file, ckpt_integrity.Verifier.verify_read
+
+    def crc32_file(path):
+        read_back.append(os.path.basename(path))
+        return original_crc(path)
+
+    def verify_read(self, names):
+        verified.extend(sorted(set(names)))
+        return original_verify(self, names)
+
+    ckpt_integrity.crc32_file = crc32_file
+    try:
+        with _may_start_processes():
+            reference = entry.main(argv + ["--save", pristine, "--save-interval", "2"])
+        saved_read_back, read_back[:] = sorted(set(read_back)), []
+        if rank == 0:
+            for case in cases:
+                shutil.copytree(pristine, os.path.join(root, case))
+                DAMAGES[case][0](os.path.join(root, case), os.path.join(root, case, f"iter_{newest:07d}"))
+        torch.distributed.barrier()
+        ckpt_integrity.Verifier.verify_read = verify_read
+        out = {}
+        for case in cases:
+            verified[:] = []
+            out[case] = train_capturing(argv + ["--load", os.path.join(root, case), *(extra or {}).get(case, [])])
+            out[case]["verified"] = sorted(set(verified))
+    finally:
+        ckpt_integrity.crc32_file, ckpt_integrity.Verifier.verify_read = original_crc, original_verify
+    return {"reference": reference, "save_read_back": saved_read_back, "cases": out}

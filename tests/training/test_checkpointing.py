@@ -55,6 +55,8 @@ def test_resume_equals_uninterrupted_dp2_distributed_optimizer(tmp_path, async_s
     assert losses(resumed) == losses(uninterrupted(2, argv))
     assert complete_iterations(str(tmp_path)) == [SPLIT, TOTAL]  # saved at exit too
     assert open(tmp_path / TRACKER).read() == str(TOTAL)
+    for it in (SPLIT, TOTAL):  # checksummed in the (forked) writer too
+        assert_checksums_match(str(tmp_path / f"iter_{it:07d}"))
 
 
 def test_resume_equals_uninterrupted_tp2_pp2(tmp_path):
@@ -120,6 +122,16 @@ def test_keep_last_k(tmp_path):
     assert sorted(os.listdir(save)) == sorted([f"iter_{TOTAL - 1:07d}", f"iter_{TOTAL:07d}", TRACKER])
 
 
+def test_debris_rule():
+    """Once iter_4 is committed: deletes in progress and older partial saves go; a newer partial
+    save is an async save still being written (they overlap when saves come faster than writes)."""
+    from megatron_ext.training.checkpointing import debris
+
+    names = ["iter_0000002", "iter_0000003.partial", "iter_0000004", "iter_0000001.deleting",
+             "iter_0000005.partial", TRACKER]
+    assert sorted(debris(names, 4)) == ["iter_0000001.deleting", "iter_0000003.partial"]
+
+
 def test_retention_rule():
     its = [10, 20, 30, 40, 50]
     assert retained(its, None, None) == set(its)
@@ -140,3 +152,191 @@ def test_resume_into_another_layout_tp2_to_dp2(tmp_path):
     for got, want in zip(resumed, expected):
         assert got["lm loss"] == pytest.approx(want["lm loss"], rel=1e-5)
         assert got["grad norm"] == pytest.approx(want["grad norm"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# integrity: a damaged checkpoint is detected, named in one line, and never trained on
+# ---------------------------------------------------------------------------------------------
+from tests.training.jobs_ckpt import DAMAGES  # noqa: E402
+
+LAYOUTS = {
+    "dp2-distopt": (2, DENSE + DROPOUT + ["--use-distributed-optimizer"]),
+    "tp2pp2": (4, DENSE + DROPOUT + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--use-distributed-optimizer"]),
+}
+FALLBACK_CASES = [c for c in DAMAGES if c not in ("no-fallback", "ckpt-step")]
+# the damage every layout must survive; the other cases (a changed checksum list, a checkpoint
+# without checksums, --no-ckpt-fallback) exercise layout-independent code and run at DP2 only
+BOTH_LAYOUTS = ["truncated-shard", "missing-shard", "changed-tensor-bytes", "damaged-dcp-metadata",
+                "missing-metadata-json", "damaged-latest-marker"]
+_DAMAGED: dict = {}
+
+
+def damaged(layout: str, tmp_path_factory) -> tuple[str, list]:
+    """One save sequence per layout (iterations 1..4, saved at 2 and 4: the reference history),
+    then every damage case resumed from its own damaged copy, all in one pool job."""
+    if layout not in _DAMAGED:
+        world, argv = LAYOUTS[layout]
+        cases = list(DAMAGES) if layout == "dp2-distopt" else BOTH_LAYOUTS
+        root = tmp_path_factory.mktemp(layout)
+        out = run_distributed(world, "tests.training.jobs_ckpt:damaged_resumes", argv=argv, root=str(root),
+                              newest=TOTAL, cases=cases,
+                              extra={"no-fallback": ["--no-ckpt-fallback"], "ckpt-step": ["--ckpt-step", str(TOTAL)]})
+        _DAMAGED[layout] = (str(root), out)
+    return _DAMAGED[layout]
+
+
+def checkpoint_lines(rank_out: dict) -> list[str]:
+    return [line for line in rank_out["lines"] if line.startswith(("[checkpoint]", "warning:"))]
+
+
+@pytest.mark.parametrize("layout,case", [("dp2-distopt", c) for c in FALLBACK_CASES] + [("tp2pp2", c) for c in BOTH_LAYOUTS])
+def test_damaged_checkpoint_is_named_and_the_older_one_resumes_exactly(layout, case, tmp_path_factory):
+    root, out = damaged(layout, tmp_path_factory)
+    reference = out[-1]["reference"]
+    case_dir = os.path.join(root, case)
+    newest, older = (os.path.join(case_dir, f"iter_{i:07d}") for i in (TOTAL, SPLIT))
+    lines = checkpoint_lines(out[0]["cases"][case])
+    for rank in out[1:]:
+        assert not checkpoint_lines(rank["cases"][case]), "only rank 0 reports"
+    for rank in out:
+        assert rank["cases"][case]["error"] is None
+    what = DAMAGES[case][1]
+    if case == "damaged-latest-marker":
+        assert len(lines) == 2, lines
+        assert lines[0].startswith(f"[checkpoint] warning: {what}") and "ignored" in lines[0]
+    else:
+        damaged_lines = [line for line in lines if "damaged checkpoint" in line]
+        assert len(damaged_lines) == 1, lines
+        assert damaged_lines[0].startswith(f"[checkpoint] damaged checkpoint {newest}: {what}"), damaged_lines
+        assert f"loading {older} instead of the damaged newer checkpoint(s): 2 iterations lost (4 -> 2)" in lines[-2]
+    if case == "no-checksums":
+        assert any(f"note: {older} has no checksums" in line for line in lines), lines
+    assert lines[-1].startswith(f"[checkpoint] resuming from checkpoint {older} at iteration {SPLIT} ")
+    # never trained on: the resumed run is the uninterrupted one, bit for bit, from the older checkpoint
+    assert losses(out[-1]["cases"][case]["history"]) == losses(reference)[SPLIT:]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checksums_are_taken_while_writing_and_each_rank_verifies_what_it_reads(layout, tmp_path_factory):
+    root, out = damaged(layout, tmp_path_factory)
+    for rank in out:  # the shard files were summed as they were written, not read back
+        assert rank["save_read_back"] in ([], [".metadata"]), rank["save_read_back"]
+    pristine = os.path.join(root, "pristine")
+    for it in (SPLIT, TOTAL):
+        files = assert_checksums_match(os.path.join(pristine, f"iter_{it:07d}"))
+    verified = [set(rank["cases"]["damaged-latest-marker"]["verified"]) for rank in out]
+    shards = {f for f in files if f.endswith(".distcp")}
+    assert set().union(*verified) == shards
+    if layout == "tp2pp2":  # each rank verifies the shards it reads, not every rank's
+        assert all(len(v) < len(shards) for v in verified), verified
+
+
+@pytest.mark.parametrize("case,flag", [("no-fallback", "--no-ckpt-fallback"), ("ckpt-step", f"--ckpt-step={TOTAL}")])
+def test_damaged_checkpoint_asked_for_stops_with_one_line(tmp_path_factory, case, flag):
+    root, out = damaged("dp2-distopt", tmp_path_factory)
+    newest = os.path.join(root, case, f"iter_{TOTAL:07d}")
+    for rank in out:
+        result = rank["cases"][case]
+        assert result["history"] is None
+        assert result["error"].startswith(f"DamagedCheckpoint: damaged checkpoint {newest}: __1_0.distcp truncated")
+        assert "\n" not in result["error"] and result["error"].endswith(f"({flag}: not loading an older one)")
+        assert not any("resuming" in line for line in result["lines"])
+
+
+def assert_checksums_match(ckpt: str) -> dict:
+    """The checksums recorded in a checkpoint's metadata.json are those of its files, and list
+    every file."""
+    import json
+
+    from megatron_ext.training.ckpt_integrity import crc32_file
+
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        files = json.load(f)["checksums"]["files"]
+    assert set(files) == set(os.listdir(ckpt)) - {"metadata.json"}
+    for name, (size, crc) in files.items():
+        assert list(crc32_file(os.path.join(ckpt, name))) == [size, crc], name
+    return files
+
+
+@pytest.mark.parametrize("value", [0.0, float("inf")], ids=["zeroed", "non-finite"])
+def test_intact_checkpoint_with_bad_weights_is_caught_after_resume(tmp_path, value):
+    """Checksums cannot tell weights saved bad from good ones. Non-finite weights: the non-finite
+    check looks at the loaded parameters before the first step, names the checkpoint in one line
+    and (no older one here) stops. Zeroed weights (and optimizer moments): a warning that the grad
+    norm stayed exactly 0 over the first log interval."""
+    save = str(tmp_path)
+    argv = DENSE[:-1] + ["2"]  # --log-interval 2
+    run_distributed(2, "tests.training.jobs_ckpt:train_saving_filled_params", value=value,
+                    argv=argv + ["--save", save, "--save-interval", str(SPLIT), "--exit-interval", str(SPLIT)])
+    out = run_distributed(2, "tests.training.jobs_ckpt:train_capturing", argv=argv + ["--load", save])
+    warned = [[line for line in rank["lines"] if "grad norm exactly 0" in line] for rank in out]
+    if value == 0.0:
+        assert [r["error"] for r in out] == [None, None]
+        assert [(r["iteration"], r["grad norm"]) for r in out[-1]["history"]] == [(3, 0.0), (4, 0.0)]
+        assert len(warned[0]) == 1 and "iterations 3-4 after resuming from iteration 2" in warned[0][0]
+        assert warned[1] == []  # rank 0 only
+    else:
+        ckpt = os.path.join(save, f"iter_{SPLIT:07d}")
+        for rank in out:
+            assert rank["history"] is None
+            assert rank["error"] == f"DamagedCheckpoint: --load={save}: every checkpoint is damaged ([{SPLIT}])"
+        damaged_lines = [line for line in out[0]["lines"] if "damaged checkpoint" in line]
+        assert len(damaged_lines) == 1 and damaged_lines[0].startswith(
+            f"[checkpoint] damaged checkpoint {ckpt}: non-finite values in "), damaged_lines
+        assert warned == [[], []]
+
+
+def test_zero_grad_warning_only_after_a_resume():
+    from types import SimpleNamespace
+
+    from megatron_ext.training.observability import ZeroGradAfterResume
+
+    def run(first, norms, interval=2):
+        check = ZeroGradAfterResume.__new__(ZeroGradAfterResume)
+        check.interval, check.first, check.all_zero, check.done, check.rank, check.warned = interval, None, True, False, 1, False
+        for i, norm in enumerate(norms, start=first):
+            check.after_step(i, SimpleNamespace(grad_norm=norm))
+        return check.warned
+
+    assert run(3, [0.0, 0.0]) is True
+    assert run(3, [0.0, 1e-9]) is False
+    assert run(3, [None, 0.0]) is False
+    assert run(1, [0.0, 0.0]) is False  # a fresh start
+
+
+def test_latest_marker_rule(tmp_path):
+    from megatron_ext.training.checkpointing import read_tracker
+
+    assert read_tracker(str(tmp_path), [2, 4]) is None  # no marker
+    for text, ok in [("4", True), ("2\n", True), ("", False), ("4x", False), ("6", False), ("release", False)]:
+        (tmp_path / TRACKER).write_text(text)
+        assert (read_tracker(str(tmp_path), [2, 4]) is None) == ok, text
+
+
+def test_checksum_of_the_bytes_as_written(tmp_path):
+    """The writer's stream sums exactly the bytes that reach the file, whatever torch.save writes."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _write_item
+
+    from megatron_ext.training import ckpt_integrity
+
+    ckpt_integrity.start_recording()
+    wrapped = ckpt_integrity.summing_write_item(_write_item)
+    path = tmp_path / "__0_0.distcp"
+    calls = []
+
+    def write_item(transforms, stream, data, write_item, storage_key, serialization_format):
+        calls.append(stream)
+        stream.write(data.getbuffer() if isinstance(data, io.BytesIO) else data.numpy().tobytes())
+
+    with open(path, "wb") as f:
+        for data in (io.BytesIO(b"header"), torch.arange(1000.0), torch.ones(3, 5, dtype=torch.int64)):
+            ckpt_integrity.summing_write_item(write_item)(None, f, data, None, "k", None)
+    sums = ckpt_integrity.recorded(str(tmp_path))
+    assert sums["__0_0.distcp"][:2] == list(ckpt_integrity.crc32_file(str(path)))
+    assert sums["__0_0.distcp"][2] is True
+    assert all(type(s).__name__ == "_SummingStream" for s in calls)
+    assert wrapped.__wrapped__ is _write_item  # megatron-core reads the signature through it
