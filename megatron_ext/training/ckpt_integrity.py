@@ -66,70 +66,107 @@ class _Sum:
 
 _lock = threading.Lock()
 _sums: dict[str, _Sum] = {}  # absolute path -> running sum, in the process that writes
+_open: dict[int, tuple] = {}  # id(file object) -> (file object, its _Sum): one path lookup per file
 
 
-def _sum_for(path: str) -> _Sum:
+def _sum_for(raw) -> _Sum:
+    entry = _open.get(id(raw))
+    if entry is not None and entry[0] is raw:
+        return entry[1]
     with _lock:
-        return _sums.setdefault(os.path.abspath(path), _Sum())
+        total = _sums.setdefault(os.path.abspath(raw.name), _Sum())
+        _open[id(raw)] = (raw, total)
+    return total
 
 
 def start_recording() -> None:
     with _lock:
         _sums.clear()
+        _open.clear()
 
 
 def recorded(directory: str) -> dict:
     """{file name: [size, crc32, whole]} of the files written under `directory` since
-    start_recording(); `whole` is False where some bytes did not pass through the sum. Also the CPU
+    start_recording(); `whole` is False where some bytes did not pass through the sum. Also the
     seconds the sums took under the key None."""
     directory = os.path.abspath(directory)
     with _lock:
-        out = {os.path.basename(p): [s.size, s.crc, s.whole] for p, s in _sums.items()
-               if os.path.dirname(p) == directory}
-        out[None] = sum(s.seconds for p, s in _sums.items() if os.path.dirname(p) == directory)
+        mine = {p: s for p, s in _sums.items() if os.path.dirname(p) == directory}
+    out = {os.path.basename(p): [s.size, s.crc, s.whole] for p, s in mine.items()}
+    out[None] = sum(s.seconds for s in mine.values())
     return out
 
 
 class _SummingStream:
-    """The file stream megatron-core's writer hands to torch's _write_item, folding every byte
-    written into the file's CRC-32. Everything else is the file's own."""
+    """The file stream megatron-core's writer hands to torch's _write_item (one per item), folding
+    every byte written into the file's CRC-32. torch.save makes dozens of small writes per tensor
+    (zip records), so small writes are gathered and summed and written together (fewer calls than
+    without the sum); large ones go straight through. Drained when the item is written."""
+
+    __slots__ = ("_raw", "_total", "_pending")
+    SMALL = 1 << 16
 
     def __init__(self, raw, total: _Sum):
-        self._raw, self._total = raw, total
+        self._raw, self._total, self._pending = raw, total, bytearray()
 
     def write(self, data):
-        t0 = time.perf_counter()
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        t1 = time.perf_counter()
-        written = self._raw.write(view)
-        t2 = time.perf_counter()
-        if written is not None and written != view.nbytes:  # a raw short write: not our bytes any more
-            self._total.whole = False
-        self._total.crc = zlib.crc32(view, self._total.crc)
-        self._total.size += view.nbytes
-        self._total.seconds += (t1 - t0) + (time.perf_counter() - t2)  # all but the write itself
-        return written
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size < self.SMALL:
+            self._pending += data
+            return size
+        self.drain()
+        self._sum_and_write(data, size)
+        return size
+
+    def drain(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self._sum_and_write(pending, len(pending))
+
+    def _sum_and_write(self, data, size: int) -> None:
+        total = self._total
+        t0 = _clock()
+        total.crc = zlib.crc32(data, total.crc)
+        total.seconds += _clock() - t0
+        if self._raw.write(data) != size:  # a short raw write: the sum is not the file's any more
+            total.whole = False
+        total.size += size
+
+    def tell(self) -> int:
+        return self._raw.tell() + len(self._pending)
+
+    def flush(self) -> None:
+        self.drain()
+        self._raw.flush()
 
     def __getattr__(self, name):
         return getattr(self._raw, name)
 
 
+_clock = time.perf_counter
+
+
 def summing_write_item(original):
     """Wrap torch's `_write_item(transforms, stream, data, write_item, storage_key, ...)` as
-    megatron-core calls it (filesystem_async.py:404-418) so the file's bytes pass through a sum."""
-    signature = inspect.signature(original)
+    megatron-core calls it (filesystem_async.py:404-418, positionally) so the file's bytes pass
+    through a sum."""
+    position = list(inspect.signature(original).parameters).index("stream")
 
     @functools.wraps(original)  # megatron-core inspects the signature (filesystem_async.py:394)
     def write_item(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        raw = bound.arguments["stream"]
-        total = _sum_for(raw.name)
+        positional = len(args) > position
+        raw = args[position] if positional else kwargs["stream"]
+        total = _sum_for(raw)
         if raw.tell() != total.size:  # bytes written around us: the sum would not be the file's
             total.whole = False
-        bound.arguments["stream"] = _SummingStream(raw, total)
-        return original(*bound.args, **bound.kwargs)
+        stream = _SummingStream(raw, total)
+        if positional:
+            args = (*args[:position], stream, *args[position + 1:])
+        else:
+            kwargs["stream"] = stream
+        result = original(*args, **kwargs)
+        stream.drain()
+        return result
 
     return write_item
 
@@ -206,12 +243,10 @@ def write_manifest(directory: str, gathered: list[dict]) -> tuple[int, float]:
         config = json.load(f)
     config[KEY] = {"algorithm": ALGORITHM, "files": files}
     config[KEY]["crc32"] = _self_crc(config)
-    tmp = config_path + ".tmp"
-    with open(tmp, "w") as f:
+    # rewritten in place as megatron-core wrote it (no fsync): the directory is still `.partial`;
+    # should a power loss after the rename cost its contents, the load reports it and falls back
+    with open(config_path, "w") as f:
         json.dump(config, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, config_path)
     return len(files), time.perf_counter() - t0
 
 

@@ -229,48 +229,40 @@ DAMAGES = {
 }
 
 
-def damaged_resumes(argv: list[str], root: str, newest: int, cases: list[str], extra: dict | None = None) -> dict:
-    """Save every 2 iterations (the reference history: an uninterrupted run); then, for each case,
-    damage the newest checkpoint of a copy of the directory and resume from the copy.
-
-    Returns, per rank: the reference history, the files the save read back to checksum, and per
-    case the resumed history, the printed lines, the error, and the files each read verified."""
-    import shutil
-
-    import torch
-
+def save_recording_reads(argv: list[str], save: str) -> dict:
+    """train.main(argv + --save): the history and the files the saves read back to checksum."""
     import train as entry
     from megatron_ext.training import ckpt_integrity
 
-    rank = torch.distributed.get_rank()
-    pristine = os.path.join(root, "pristine")
-    read_back, verified = [], []
-    original_crc, original_verify = ckpt_integrity.crc32_file, ckpt_integrity.Verifier.verify_read
+    read_back, original = [], ckpt_integrity.crc32_file
 
     def crc32_file(path):
         read_back.append(os.path.basename(path))
-        return original_crc(path)
-
-    def verify_read(self, names):
-        verified.extend(sorted(set(names)))
-        return original_verify(self, names)
+        return original(path)
 
     ckpt_integrity.crc32_file = crc32_file
     try:
         with _may_start_processes():
-            reference = entry.main(argv + ["--save", pristine, "--save-interval", "2"])
-        saved_read_back, read_back[:] = sorted(set(read_back)), []
-        if rank == 0:
-            for case in cases:
-                shutil.copytree(pristine, os.path.join(root, case))
-                DAMAGES[case][0](os.path.join(root, case), os.path.join(root, case, f"iter_{newest:07d}"))
-        torch.distributed.barrier()
-        ckpt_integrity.Verifier.verify_read = verify_read
-        out = {}
-        for case in cases:
-            verified[:] = []
-            out[case] = train_capturing(argv + ["--load", os.path.join(root, case), *(extra or {}).get(case, [])])
-            out[case]["verified"] = sorted(set(verified))
+            history = entry.main(argv + ["--save", save])
     finally:
-        ckpt_integrity.crc32_file, ckpt_integrity.Verifier.verify_read = original_crc, original_verify
-    return {"reference": reference, "save_read_back": saved_read_back, "cases": out}
+        ckpt_integrity.crc32_file = original
+    return {"history": history, "read_back": sorted(set(read_back))}
+
+
+def resume_recording_verified(argv: list[str]) -> dict:
+    """train_capturing(argv), plus the files this rank's reads verified."""
+    from megatron_ext.training import ckpt_integrity
+
+    verified, original = [], ckpt_integrity.Verifier.verify_read
+
+    def verify_read(self, names):
+        verified.extend(names)
+        return original(self, names)
+
+    ckpt_integrity.Verifier.verify_read = verify_read
+    try:
+        out = train_capturing(argv)
+    finally:
+        ckpt_integrity.Verifier.verify_read = original
+    out["verified"] = sorted(set(verified))
+    return out

@@ -169,21 +169,40 @@ FALLBACK_CASES = [c for c in DAMAGES if c not in ("no-fallback", "ckpt-step")]
 # without checksums, --no-ckpt-fallback) exercise layout-independent code and run at DP2 only
 BOTH_LAYOUTS = ["truncated-shard", "missing-shard", "changed-tensor-bytes", "damaged-dcp-metadata",
                 "missing-metadata-json", "damaged-latest-marker"]
-_DAMAGED: dict = {}
+EXTRA = {"no-fallback": ["--no-ckpt-fallback"], "ckpt-step": ["--ckpt-step", str(TOTAL)]}
+_SAVED: dict = {}
 
 
-def damaged(layout: str, tmp_path_factory) -> tuple[str, list]:
-    """One save sequence per layout (iterations 1..4, saved at 2 and 4: the reference history),
-    then every damage case resumed from its own damaged copy, all in one pool job."""
-    if layout not in _DAMAGED:
+def saved(layout: str, tmp_path_factory) -> tuple[str, list]:
+    """One save sequence per layout, iterations 1..4 saved at 2 and 4; its history is the
+    uninterrupted reference."""
+    if layout not in _SAVED:
         world, argv = LAYOUTS[layout]
-        cases = list(DAMAGES) if layout == "dp2-distopt" else BOTH_LAYOUTS
-        root = tmp_path_factory.mktemp(layout)
-        out = run_distributed(world, "tests.training.jobs_ckpt:damaged_resumes", argv=argv, root=str(root),
-                              newest=TOTAL, cases=cases,
-                              extra={"no-fallback": ["--no-ckpt-fallback"], "ckpt-step": ["--ckpt-step", str(TOTAL)]})
-        _DAMAGED[layout] = (str(root), out)
-    return _DAMAGED[layout]
+        pristine = str(tmp_path_factory.mktemp(layout) / "pristine")
+        try:
+            out = run_distributed(world, "tests.training.jobs_ckpt:save_recording_reads", timeout=120,
+                                  argv=argv + ["--save-interval", str(SPLIT)], save=pristine)
+            _SAVED[layout] = (pristine, out)
+        except Exception as e:  # noqa: BLE001 - the layout's cases fail with it, without rerunning
+            _SAVED[layout] = e
+    if isinstance(_SAVED[layout], Exception):
+        raise _SAVED[layout]
+    return _SAVED[layout]
+
+
+def damaged(layout: str, case: str, tmp_path_factory) -> tuple[str, list, list]:
+    """A copy of the layout's checkpoints with `case` done to the newest (iter_4), and the resume
+    from it: (the copy, the reference per rank, the resume per rank)."""
+    import shutil
+
+    pristine, reference = saved(layout, tmp_path_factory)
+    copy = str(tmp_path_factory.mktemp(f"{layout}-{case}") / "ckpt")
+    shutil.copytree(pristine, copy)
+    DAMAGES[case][0](copy, os.path.join(copy, f"iter_{TOTAL:07d}"))
+    world, argv = LAYOUTS[layout]
+    out = run_distributed(world, "tests.training.jobs_ckpt:resume_recording_verified", timeout=120,
+                          argv=argv + ["--load", copy, *EXTRA.get(case, [])])
+    return copy, reference, out
 
 
 def checkpoint_lines(rank_out: dict) -> list[str]:
@@ -192,15 +211,13 @@ def checkpoint_lines(rank_out: dict) -> list[str]:
 
 @pytest.mark.parametrize("layout,case", [("dp2-distopt", c) for c in FALLBACK_CASES] + [("tp2pp2", c) for c in BOTH_LAYOUTS])
 def test_damaged_checkpoint_is_named_and_the_older_one_resumes_exactly(layout, case, tmp_path_factory):
-    root, out = damaged(layout, tmp_path_factory)
-    reference = out[-1]["reference"]
-    case_dir = os.path.join(root, case)
+    case_dir, saving, out = damaged(layout, case, tmp_path_factory)
     newest, older = (os.path.join(case_dir, f"iter_{i:07d}") for i in (TOTAL, SPLIT))
-    lines = checkpoint_lines(out[0]["cases"][case])
+    lines = checkpoint_lines(out[0])
     for rank in out[1:]:
-        assert not checkpoint_lines(rank["cases"][case]), "only rank 0 reports"
+        assert not checkpoint_lines(rank), "only rank 0 reports"
     for rank in out:
-        assert rank["cases"][case]["error"] is None
+        assert rank["error"] is None
     what = DAMAGES[case][1]
     if case == "damaged-latest-marker":
         assert len(lines) == 2, lines
@@ -214,30 +231,29 @@ def test_damaged_checkpoint_is_named_and_the_older_one_resumes_exactly(layout, c
         assert any(f"note: {older} has no checksums" in line for line in lines), lines
     assert lines[-1].startswith(f"[checkpoint] resuming from checkpoint {older} at iteration {SPLIT} ")
     # never trained on: the resumed run is the uninterrupted one, bit for bit, from the older checkpoint
-    assert losses(out[-1]["cases"][case]["history"]) == losses(reference)[SPLIT:]
+    assert losses(out[-1]["history"]) == losses(saving[-1]["history"])[SPLIT:]
+    if case == "damaged-latest-marker":  # each rank verified the shards it read
+        verified = [set(rank["verified"]) for rank in out]
+        shards = {f for f in os.listdir(older) if f.endswith(".distcp")}
+        assert set().union(*verified) == shards
+        if layout == "tp2pp2":  # not every rank's
+            assert all(len(v) < len(shards) for v in verified), verified
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_checksums_are_taken_while_writing_and_each_rank_verifies_what_it_reads(layout, tmp_path_factory):
-    root, out = damaged(layout, tmp_path_factory)
+def test_checksums_are_taken_while_writing(layout, tmp_path_factory):
+    pristine, out = saved(layout, tmp_path_factory)
     for rank in out:  # the shard files were summed as they were written, not read back
-        assert rank["save_read_back"] in ([], [".metadata"]), rank["save_read_back"]
-    pristine = os.path.join(root, "pristine")
+        assert rank["read_back"] in ([], [".metadata"]), rank["read_back"]
     for it in (SPLIT, TOTAL):
-        files = assert_checksums_match(os.path.join(pristine, f"iter_{it:07d}"))
-    verified = [set(rank["cases"]["damaged-latest-marker"]["verified"]) for rank in out]
-    shards = {f for f in files if f.endswith(".distcp")}
-    assert set().union(*verified) == shards
-    if layout == "tp2pp2":  # each rank verifies the shards it reads, not every rank's
-        assert all(len(v) < len(shards) for v in verified), verified
+        assert_checksums_match(os.path.join(pristine, f"iter_{it:07d}"))
 
 
 @pytest.mark.parametrize("case,flag", [("no-fallback", "--no-ckpt-fallback"), ("ckpt-step", f"--ckpt-step={TOTAL}")])
 def test_damaged_checkpoint_asked_for_stops_with_one_line(tmp_path_factory, case, flag):
-    root, out = damaged("dp2-distopt", tmp_path_factory)
-    newest = os.path.join(root, case, f"iter_{TOTAL:07d}")
-    for rank in out:
-        result = rank["cases"][case]
+    case_dir, _, out = damaged("dp2-distopt", case, tmp_path_factory)
+    newest = os.path.join(case_dir, f"iter_{TOTAL:07d}")
+    for result in out:
         assert result["history"] is None
         assert result["error"].startswith(f"DamagedCheckpoint: damaged checkpoint {newest}: __1_0.distcp truncated")
         assert "\n" not in result["error"] and result["error"].endswith(f"({flag}: not loading an older one)")
@@ -315,7 +331,8 @@ def test_latest_marker_rule(tmp_path):
 
 
 def test_checksum_of_the_bytes_as_written(tmp_path):
-    """The writer's stream sums exactly the bytes that reach the file, whatever torch.save writes."""
+    """The writer's stream sums exactly the bytes that reach the file (small writes gathered,
+    large ones passed through), and `tell` counts the ones not yet written."""
     import io
 
     import torch
@@ -330,10 +347,13 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
 
     def write_item(transforms, stream, data, write_item, storage_key, serialization_format):
         calls.append(stream)
-        stream.write(data.getbuffer() if isinstance(data, io.BytesIO) else data.numpy().tobytes())
+        start = stream.tell()
+        payload = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data.numpy())
+        stream.write(payload)
+        assert stream.tell() - start == payload.nbytes
 
     with open(path, "wb") as f:
-        for data in (io.BytesIO(b"header"), torch.arange(1000.0), torch.ones(3, 5, dtype=torch.int64)):
+        for data in (io.BytesIO(b"header"), torch.arange(1000.0), torch.rand(50_000), torch.ones(3, 5, dtype=torch.int64)):
             ckpt_integrity.summing_write_item(write_item)(None, f, data, None, "k", None)
     sums = ckpt_integrity.recorded(str(tmp_path))
     assert sums["__0_0.distcp"][:2] == list(ckpt_integrity.crc32_file(str(path)))
