@@ -1,0 +1,158 @@
+"""What checkpoint checksums cost: saves and loads of the tiny recipes with and without them.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
+
+Runs train.py's main() on a 2-process gloo world (tests/dist.py pools), DP2 with the distributed
+optimizer, saving every iteration, synchronously and with --async-save, with checksums on (the
+default) and off. The first save of a run (planning, the first fork) is left out. Per save:
+
+  save_ms     sync: the save call (write + commit); async: start of the save to its commit
+  stall_ms    what the training loop waited in the save call (async: until the writer is forked)
+  writer_ms   async: the forked writer process's run
+  commit_ms   the commit (all ranks' files on disk): checksum list, rename, marker
+  sum_ms      the checksums' own work on the slowest rank: summing in the writer (all but the
+              file writes) plus the commit's share (picking up the sums, reading back `.metadata`,
+              writing metadata.json)
+  gather_ms   the commit's gather of the sums on rank 0 (mostly waiting for the slowest rank,
+              which the commit's barrier waits for anyway)
+  sum_%       sum_ms / save_ms (async: sum_ms / (writer_ms + commit_ms), the save's own work)
+Then three loads of the last checkpoint (medians): load_ms; verify_ms, the rank's own verification work (reading
+and summing every file it reads; without checksums the completeness check); agree_ms, the
+collectives in which the ranks decide together (mostly waiting for the slowest one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+DEVICE = "cpu (2 cores, shared), gloo, 2 processes: not measured on GPU"
+RECIPES = {
+    "tiny_dense": ["--recipe", "recipes/tiny_dense.yaml", "--use-distributed-optimizer"],
+    "tiny_moe": ["--recipe", "recipes/tiny_moe.yaml", "--use-distributed-optimizer",
+                 "--expert-model-parallel-size", "2"],
+}
+
+
+def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> dict:
+    """Job (every rank): train with a save every iteration, then load the last checkpoint
+    `loads` times."""
+    import torch
+
+    import train as entry
+    from megatron_ext.training import checkpointing
+    from tests.training.jobs_ckpt import _may_start_processes
+
+    made = []
+    original_init = checkpointing.Checkpointer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.checksums = checksums
+        made.append(self)
+
+    checkpointing.Checkpointer.__init__ = init
+    try:
+        with _may_start_processes():
+            entry.main(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"])
+            saves = made[-1].saves
+            loaded = []
+            for _ in range(loads):
+                entry.main(argv + ["--load", save_dir])
+                loaded.append(made[-1].loaded)
+    finally:
+        checkpointing.Checkpointer.__init__ = original_init
+    torch.distributed.barrier()
+    return {"saves": saves, "loaded": loaded}
+
+
+def run_case(recipe: str, saves: int, async_save: bool, checksums: bool) -> dict:
+    from tests.dist import run_distributed
+
+    argv = RECIPES[recipe] + ["--train-iters", str(saves)] + (["--async-save"] if async_save else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = run_distributed(2, "scripts.bench_ckpt:measure", timeout=600, argv=argv, save_dir=tmp,
+                                   checksums=checksums)
+        size = sum(os.path.getsize(os.path.join(tmp, f"iter_{saves:07d}", f))
+                   for f in os.listdir(os.path.join(tmp, f"iter_{saves:07d}")))
+    rows = list(zip(*[r["saves"] for r in per_rank]))[1:]  # per save, every rank; the first left out
+
+    def med(key, fn=max):
+        values = [fn(s.get(key) or 0.0 for s in row) for row in rows]
+        return 1e3 * statistics.median(values)
+
+    out = {"recipe": recipe, "mode": "async" if async_save else "sync", "checksums": checksums,
+           "bytes": size, "saves": len(rows), "save_ms": med("save_s"), "stall_ms": med("stall_s"),
+           "commit_ms": 1e3 * statistics.median(max(s["save_s"] - s["commit_start_s"] for s in row) for row in rows)}
+    if checksums:
+        out["sum_ms"] = 1e3 * statistics.median(
+            max((s["checksum_write_s"] or 0.0) + s["checksum_commit_s"] for s in row) for row in rows)
+        out["gather_ms"] = med("gather_s")
+    if async_save:
+        out["writer_ms"] = med("writer_s") if checksums else None
+    loads = list(zip(*[r["loaded"] for r in per_rank]))  # per load, every rank
+
+    def med_load(key):
+        return 1e3 * statistics.median(max(rank[key] for rank in load) for load in loads)
+
+    out["load_ms"], out["verify_ms"], out["agree_ms"] = med_load("load_s"), med_load("verify_s"), med_load("agree_s")
+    return out
+
+
+def share(row: dict) -> float | None:
+    if not row["checksums"]:
+        return None
+    if row["mode"] == "sync":
+        return 100 * row["sum_ms"] / row["save_ms"]
+    return 100 * row["sum_ms"] / (row["writer_ms"] + row["commit_ms"]) if row["writer_ms"] else None
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("recipe", 10), ("mode", 5), ("sums", 4), ("MB", 5), ("save_ms", 8), ("stall_ms", 8),
+            ("writer_ms", 9), ("commit_ms", 9), ("sum_ms", 7), ("gather_ms", 9), ("sum_%", 6), ("load_ms", 8), ("verify_ms", 9), ("agree_ms", 8)]
+    lines = [" ".join(f"{c:>{w}}" for c, w in cols)]
+    for r in rows:
+        pct = share(r)
+        vals = [r["recipe"], r["mode"], "on" if r["checksums"] else "off", f"{r['bytes'] / 1e6:.1f}",
+                f"{r['save_ms']:.1f}", f"{r['stall_ms']:.1f}",
+                f"{r['writer_ms']:.1f}" if r.get("writer_ms") else "-", f"{r['commit_ms']:.1f}",
+                f"{r['sum_ms']:.2f}" if "sum_ms" in r else "-", f"{r['gather_ms']:.2f}" if "gather_ms" in r else "-",
+                f"{pct:.1f}" if pct is not None else "-", f"{r['load_ms']:.1f}",
+                f"{r['verify_ms']:.1f}", f"{r['agree_ms']:.1f}"]
+        lines.append(" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols)))
+    lines.append(f"device: {DEVICE}; medians over the saves after the first, and over 3 loads")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--saves", type=int, default=8, help="iterations, one save each (the first is left out)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    sys.stdout.flush()
+    result_fd = os.dup(1)
+    os.dup2(2, 1)  # the workers log to fd 1: theirs to stderr, ours kept for the result
+    try:
+        rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
+                for sums in (True, False)]
+    finally:
+        from tests.dist import close_all
+
+        close_all()
+        sys.stdout.flush()
+        os.dup2(result_fd, 1)
+    for r in rows:
+        r["sum_pct"] = share(r)
+    print(json.dumps({"device": DEVICE, "rows": rows}, indent=1) if a.json else table(rows))
+
+
+if __name__ == "__main__":
+    main()
