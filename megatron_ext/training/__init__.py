@@ -30,6 +30,9 @@ def before_validate(args) -> None:
 
     model_before_validate(args)
     refuse_batch_size_schedules(args)
+    from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
+
+    checkpointing_before_validate(args)
 
 
 def validate(args) -> None:

@@ -492,6 +492,8 @@ class Checkpointer:
             if self.rank == 0:
                 note = (f"; {files} files checksummed ({1e3 * max(g[1] for g in gathered):.1f} ms while writing, "
                         f"{1e3 * (time.perf_counter() - c0):.1f} ms at commit)")
+                if writer_s is not None:
+                    note += f"; written by a forked process in {writer_s:.2f} s"
         if self.rank == 0:
             if os.path.exists(final):  # re-saving an iteration (e.g. a rerun): replace it
                 _remove_dir(final)
@@ -543,6 +545,12 @@ class Checkpointer:
 
 
 
+def before_validate(args) -> None:
+    """What was asked for, before megatron's validate_args changes it."""
+    args.async_save_requested = bool(args.async_save)
+    args.config_sources["async_save_requested"] = args.config_sources.get("async_save", "default")
+
+
 def validate(args) -> None:
     if args.save_keep_last is not None and args.save_keep_last < 1:
         raise ConfigError(f"--save-keep-last={args.save_keep_last}: keep at least 1 checkpoint")
@@ -552,10 +560,11 @@ def validate(args) -> None:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless
     # --use-persistent-ckpt-worker, because megatron.training's async path needs that worker. We drive
-    # megatron-core's AsyncCallsQueue ourselves, with its fork-based caller by default: honour the request.
-    source = args.config_sources.get("async_save", "default")
-    if source in ("cli", "recipe") or source.endswith((", cli)", ", recipe)")):  # "megatron (was True, cli)"
+    # megatron-core's AsyncCallsQueue ourselves, with its fork-based caller by default: honour the
+    # request (recorded by before_validate).
+    if getattr(args, "async_save_requested", False):
         args.async_save = True
+        args.config_sources["async_save"] = args.config_sources["async_save_requested"]
     from megatron_ext import platform
 
     if args.async_save and args.use_persistent_ckpt_worker and not platform.current().is_cuda:

@@ -114,13 +114,13 @@ def train_saving_filled_params(argv: list[str], value: float) -> list[dict]:
     original = checkpointing.Checkpointer.save
 
     def save(self, iteration):
-        from megatron_ext import seams
+        from megatron_ext.seams.checkpointing import _torch_optimizers
 
         with torch.no_grad():
             for chunk in self.model:
                 for p in chunk.parameters():
                     p.fill_(value)
-            for _, inner in seams._torch_optimizers(self.optimizer):  # Adam's moments too
+            for _, inner in _torch_optimizers(self.optimizer):  # Adam's moments too
                 for state in inner.state.values():
                     for key, t in state.items():
                         if key != "step" and torch.is_tensor(t):

@@ -1,5 +1,6 @@
 """Checkpointing: a resumed run logs exactly the losses of an uninterrupted one; a crash in
-the middle of a save leaves the previous checkpoint the one that loads; retention; resharding.
+the middle of a save leaves the previous checkpoint the one that loads; retention; resharding;
+integrity: a damaged checkpoint is named in one line and the older one resumes exactly.
 
 Every run goes through train.main in the persistent gloo workers (tests/dist.py). Dropout is on
 wherever the RNG state matters, so a resume that lost it would show."""
@@ -20,9 +21,12 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 _UNINTERRUPTED: dict = {}
 
 
-def train(world: int, argv: list[str]) -> list[dict]:
-    """The history of the last rank (where the loss lives)."""
-    return run_distributed(world, "tests.training.jobs_ckpt:train", argv=argv)[-1]
+def train(world: int, argv: list[str], lines: list | None = None) -> list[dict]:
+    """The history of the last rank (where the loss lives); rank 0's printed lines into `lines`."""
+    out = run_distributed(world, "tests.training.jobs_ckpt:train_capturing", argv=argv)
+    if lines is not None:
+        lines.extend(out[0]["lines"])
+    return out[-1]["history"]
 
 
 def uninterrupted(world: int, argv: list[str]) -> list[dict]:
@@ -36,13 +40,14 @@ def losses(history: list[dict]) -> list[tuple]:
     return [(r["iteration"], r["lm loss"], r["grad norm"]) for r in history]
 
 
-def interrupted(world: int, argv: list[str], save: str, first_extra=(), resume_extra=()) -> list[dict]:
+def interrupted(world: int, argv: list[str], save: str, first_extra=(), resume_extra=(), lines=None) -> list[dict]:
     """Iterations 1..SPLIT, save and exit; then a new run resumes from --load and finishes."""
     first = train(world, argv + ["--save", save, "--save-interval", str(SPLIT), "--exit-interval", str(SPLIT),
-                                 *first_extra])
+                                 *first_extra], lines)
     assert [r["iteration"] for r in first] == list(range(1, SPLIT + 1))
     assert complete_iterations(save) == [SPLIT]
-    second = train(world, argv + ["--load", save, "--save", save, "--save-interval", str(SPLIT), *resume_extra])
+    second = train(world, argv + ["--load", save, "--save", save, "--save-interval", str(SPLIT), *resume_extra],
+                   lines)
     assert second[0]["iteration"] == SPLIT + 1, "did not resume at the saved iteration"
     return first + second
 
@@ -51,7 +56,10 @@ def interrupted(world: int, argv: list[str], save: str, first_extra=(), resume_e
 def test_resume_equals_uninterrupted_dp2_distributed_optimizer(tmp_path, async_save):
     argv = DENSE + DROPOUT + ["--use-distributed-optimizer"]
     extra = ["--async-save"] if async_save else []
-    resumed = interrupted(2, argv, str(tmp_path), first_extra=extra, resume_extra=extra)
+    lines = []
+    resumed = interrupted(2, argv, str(tmp_path), first_extra=extra, resume_extra=extra, lines=lines)
+    saved = [line for line in lines if line.startswith("[checkpoint] saved checkpoint")]
+    assert len(saved) == 2 and all(("written by a forked process" in line) == async_save for line in saved), saved
     assert losses(resumed) == losses(uninterrupted(2, argv))
     assert complete_iterations(str(tmp_path)) == [SPLIT, TOTAL]  # saved at exit too
     assert open(tmp_path / TRACKER).read() == str(TOTAL)
