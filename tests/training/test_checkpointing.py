@@ -130,6 +130,19 @@ def test_keep_last_k(tmp_path):
     assert sorted(os.listdir(save)) == sorted([f"iter_{TOTAL - 1:07d}", f"iter_{TOTAL:07d}", TRACKER])
 
 
+@pytest.mark.parametrize("given,source", [(["--async-save"], "cli"), ([], "default")])
+def test_async_save_request_survives_validate_args_with_its_source(given, source):
+    """megatron's validate_args turns --async-save off without its persistent worker; we honour the
+    request, and the configuration still names who asked for it."""
+    import arguments
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "recipes", "tiny_dense.yaml")
+    args = arguments.parse(["--recipe", recipe, "--mock-data", "--dry-run", *given], exit_on_dry_run=False)
+    assert args.async_save is bool(given)
+    assert args.config_sources["async_save"] == source
+
+
 def test_debris_rule():
     """Once iter_4 is committed: deletes in progress and older partial saves go; a newer partial
     save is an async save still being written (they overlap when saves come faster than writes)."""
