@@ -1,10 +1,10 @@
 """What checkpoint checksums cost: saves and loads of the tiny recipes with and without them.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
+    .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
 
-Runs train.py's main() on a 2-process gloo world (tests/dist.py pools), DP2 with the distributed
-optimizer, saving every iteration, synchronously and with --async-save, with checksums on (the
-default) and off. The first save of a run (planning, the first fork) is left out. Per save:
+Runs train.py's main() on a fresh 2-process gloo world per case (megatron_ext.bench.launch), DP2
+with the distributed optimizer, saving every iteration, synchronously and with --async-save, with
+checksums on (the default) and off. The first save of a run (planning, the first fork) is left out. Per save:
 
   save_ms     sync: the save call (write + commit); async: start of the save to its commit
   stall_ms    what the training loop waited in the save call (async: until the writer is forked)
@@ -29,8 +29,6 @@ import statistics
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DEVICE = "cpu (2 cores, shared), gloo, 2 processes: not measured on GPU"
@@ -48,7 +46,6 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
 
     import train as entry
     from megatron_ext.training import checkpointing
-    from tests.training.jobs_ckpt import _may_start_processes
 
     made = []
     original_init = checkpointing.Checkpointer.__init__
@@ -60,13 +57,12 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
 
     checkpointing.Checkpointer.__init__ = init
     try:
-        with _may_start_processes():
-            entry.main(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"])
-            saves = made[-1].saves
-            loaded = []
-            for _ in range(loads):
-                entry.main(argv + ["--load", save_dir])
-                loaded.append(made[-1].loaded)
+        entry.main(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"])
+        saves = made[-1].saves
+        loaded = []
+        for _ in range(loads):
+            entry.main(argv + ["--load", save_dir])
+            loaded.append(made[-1].loaded)
     finally:
         checkpointing.Checkpointer.__init__ = original_init
     torch.distributed.barrier()
@@ -74,12 +70,11 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
 
 
 def run_case(recipe: str, saves: int, async_save: bool, checksums: bool) -> dict:
-    from tests.dist import run_distributed
+    from megatron_ext.bench.launch import run_world
 
     argv = RECIPES[recipe] + ["--train-iters", str(saves)] + (["--async-save"] if async_save else [])
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_distributed(2, "scripts.bench_ckpt:measure", timeout=600, argv=argv, save_dir=tmp,
-                                   checksums=checksums)
+        per_rank = run_world(2, measure, timeout=600, argv=argv, save_dir=tmp, checksums=checksums)
         size = sum(os.path.getsize(os.path.join(tmp, f"iter_{saves:07d}", f))
                    for f in os.listdir(os.path.join(tmp, f"iter_{saves:07d}")))
     rows = list(zip(*[r["saves"] for r in per_rank]))[1:]  # per save, every rank; the first left out
@@ -137,18 +132,9 @@ def main(argv=None) -> None:
     p.add_argument("--saves", type=int, default=8, help="iterations, one save each (the first is left out)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    sys.stdout.flush()
-    result_fd = os.dup(1)
-    os.dup2(2, 1)  # the workers log to fd 1: theirs to stderr, ours kept for the result
-    try:
-        rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
-                for sums in (True, False)]
-    finally:
-        from tests.dist import close_all
-
-        close_all()
-        sys.stdout.flush()
-        os.dup2(result_fd, 1)
+    # a fresh world of processes per case (megatron_ext.bench.launch): they log to stderr
+    rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
+            for sums in (True, False)]
     for r in rows:
         r["sum_pct"] = share(r)
     print(json.dumps({"device": DEVICE, "rows": rows}, indent=1) if a.json else table(rows))
