@@ -239,9 +239,7 @@ def _non_finite_parameters(model) -> list[str]:
             flags.append(torch.isfinite(p).all())
             names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
     bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, bad)
-    return sorted({n for part in everyone for n in part})
+    return integrity.union_over_ranks(bad)
 
 
 def _model_key(i: int) -> str:

@@ -1,8 +1,8 @@
 """Checkpoint integrity: a CRC-32 of every file of a checkpoint, taken from the bytes as they are
 written and checked before a load reads them.
 
-Save. megatron-core's writer (filesystem_async._write_item, a seam: megatron_ext/seams.py
-`checksummed_writes`) writes each item of a shard file through a stream that folds every byte into
+Save. megatron-core's writer (filesystem_async._write_item, a seam:
+megatron_ext/seams/checkpointing.py CHECKSUMMED_WRITES) writes each item of a shard file through a stream that folds every byte into
 the file's running CRC-32 on its way to the file, so nothing is read back. A synchronous save keeps
 the sums in this process; the forked writer of --async-save leaves them in a small sidecar file
 (`.checksums.<rank>.json`) that its rank picks up and removes at commit. At commit the ranks' sums are
@@ -15,7 +15,7 @@ renamed into place:
 
 Load. Before any byte is used: every rank checks metadata.json (its own CRC) and `.metadata` (every
 rank reads it); rank 0 checks that every listed file exists with its recorded size. Then, while
-dist_checkpointing loads, each read of torch's FileSystemReader (a seam: `verified_reads`) first
+dist_checkpointing loads, each read of torch's FileSystemReader (a seam: VERIFIED_READS) first
 verifies the files that read touches, which are exactly the files this rank reads, and all ranks
 agree (all_gather_object) before any of it is read. Checkpoints without a "checksums" entry (saved
 before this existed) are checked for completeness only: every file `.metadata` names exists and
@@ -261,13 +261,17 @@ class Damaged(Exception):
         self.problems = problems
 
 
-def _agree(problems: list[str]) -> tuple[list[str], float]:
-    """The union of every rank's problems, the same list on every rank; and the seconds it took
-    (mostly waiting for the slowest rank)."""
-    t0 = time.perf_counter()
+def union_over_ranks(items: list[str]) -> list[str]:
+    """The sorted union of every rank's items, the same list on every rank (collective)."""
     everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, sorted(set(problems)))
-    return sorted({p for part in everyone for p in part}), time.perf_counter() - t0
+    torch.distributed.all_gather_object(everyone, sorted(set(items)))
+    return sorted({item for part in everyone for item in part})
+
+
+def _agree(problems: list[str]) -> tuple[list[str], float]:
+    """union_over_ranks(problems), and the seconds it took (mostly waiting for the slowest rank)."""
+    t0 = time.perf_counter()
+    return union_over_ranks(problems), time.perf_counter() - t0
 
 
 class Verifier:
@@ -283,15 +287,23 @@ class Verifier:
         self.agree_seconds = 0.0  # the collectives deciding together
         self.bytes_read = 0
 
-    def _check(self, name: str) -> str | None:
-        size, crc = self.files[name]
+    def _size_problem(self, name: str) -> str | None:
+        """The listed file is missing or not of its recorded size."""
+        size = self.files[name][0]
         path = os.path.join(self.directory, name)
         if not os.path.exists(path):
             return f"{name} missing"
         have = os.path.getsize(path)
         if have != size:
             return f"{name} {'truncated' if have < size else 'longer than written'} ({have} of {size} bytes)"
-        got_size, got_crc = crc32_file(path)
+        return None
+
+    def _check(self, name: str) -> str | None:
+        problem = self._size_problem(name)
+        if problem:
+            return problem
+        size, crc = self.files[name]
+        got_size, got_crc = crc32_file(os.path.join(self.directory, name))
         self.bytes_read += got_size
         if got_size != size or got_crc != crc:
             return f"{name} checksum mismatch"
@@ -334,15 +346,7 @@ class Verifier:
                 if problem:
                     problems.append(problem)
             if torch.distributed.get_rank() == 0:  # the set is complete, each file whole
-                for name in sorted(self.files):
-                    path = os.path.join(self.directory, name)
-                    if not os.path.exists(path):
-                        problems.append(f"{name} missing")
-                    elif os.path.getsize(path) != self.files[name][0]:
-                        have, size = os.path.getsize(path), self.files[name][0]
-                        problems.append(
-                            f"{name} {'truncated' if have < size else 'longer than written'} ({have} of {size} bytes)"
-                        )
+                problems += [p for p in map(self._size_problem, sorted(self.files)) if p]
         elif config is not None and torch.distributed.get_rank() == 0:
             problems += self._structure_only()
         t1 = time.perf_counter()
