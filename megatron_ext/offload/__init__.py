@@ -187,8 +187,11 @@ def log_counters() -> dict:
     stats = dict(manager.stats)
     kept = sum(v for k, v in stats.items() if k.startswith("kept_"))
     # a new manager is a new run (persistent workers run several): counted from zero
-    delta = _SINCE({"offloaded": stats["offloaded_bytes"], "kept": kept}, run=manager)
+    by_module = manager.offloaded_by_module()
+    delta = _SINCE({"offloaded": stats["offloaded_bytes"], "kept": kept, **by_module}, run=manager)
     return {
         "act offloaded (MiB)": f"{delta['offloaded'] / 2**20:.2f}",
+        # per module, so a module whose tensors bypass the hooks shows as 0
+        "act offloaded by module (MiB)": " ".join(f"{m}={delta[m] / 2**20:.2f}" for m in manager.options.modules),
         "act kept on device (MiB)": f"{delta['kept'] / 2**20:.2f}",
     }

@@ -92,10 +92,11 @@ class _Record:
     """One device storage saved by a group."""
 
     __slots__ = ("storage", "nbytes", "device", "slots", "state", "d2h_event", "h2d_event", "reloaded",
-                 "waited", "group", "__weakref__")
+                 "waited", "group", "module", "__weakref__")
 
-    def __init__(self, storage, device, group):
+    def __init__(self, storage, device, group, module=None):
         self.storage = storage
+        self.module = module  # (offload module name, the hooked sub-module's path in its layer)
         self.nbytes = storage.nbytes()
         self.device = device
         self.slots = None
@@ -194,8 +195,12 @@ class OffloadManager:
         self._last_d2h = None  # the D2H stream's latest event: waiting for it covers every earlier copy
         self._alive: list = []  # CUDA reload buffers (h2d event, record, buffer) until the compute stream waited
         self._pushed = 0
+        self._saving: list = []  # (module name, sub-module path) of each pushed hook, innermost last
         self._faults: set = set()  # tests only: skip_h2d_wait, early_release, early_slot_return, reload_in_flight
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        # {(module name, sub-module path): {"saved": bytes, "offloaded": bytes}}: what each hooked
+        # sub-module saved for backward and how much of it left the device (none may be bypassed)
+        self.module_stats: dict = {}
 
     # ------------------------------------------------------------------ attach
     def attach(self, model_chunks) -> "OffloadManager":
@@ -222,16 +227,19 @@ class OffloadManager:
                 targets = seams.offload_targets(layer, modules)
                 if not targets:
                     continue
+                path = {id(m): n for n, m in layer.named_modules()}
                 self._handles.append(layer.register_forward_pre_hook(functools.partial(self._begin_group, chunk_idx)))
                 self._handles.append(layer.register_forward_hook(self._end_group, always_call=True))
-                for _name, kind, mods in targets:
+                for name, kind, mods in targets:
                     if kind == "module":
                         for m in mods:
-                            self._handles.append(m.register_forward_pre_hook(self._push))
+                            push = functools.partial(self._push, (name, path[id(m)]))
+                            self._handles.append(m.register_forward_pre_hook(push))
                             self._handles.append(m.register_forward_hook(self._pop, always_call=True))
                     else:  # "window": from fc1's exit to fc2's entry (the expert activation)
                         for fc1, fc2 in mods:
-                            self._handles.append(fc1.register_forward_hook(self._push, always_call=True))
+                            push = functools.partial(self._push, (name, path[id(fc1)] + ".."))
+                            self._handles.append(fc1.register_forward_hook(push, always_call=True))
                             self._handles.append(fc2.register_forward_pre_hook(self._pop, prepend=True))
         return self
 
@@ -274,15 +282,17 @@ class OffloadManager:
         self._pass.groups.append(group)
         self._group = group
 
-    def _push(self, *_):
+    def _push(self, module, *_):
         if self._group is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._pushed += 1
+            self._saving.append(module)
 
     def _pop(self, *_):
         if self._pushed:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._pushed -= 1
+            self._saving.pop()
 
     def _end_group(self, _layer, _args, output):
         group, self._group = self._group, None
@@ -325,8 +335,14 @@ class OffloadManager:
             if storage.nbytes() < self.options.min_tensor_bytes:
                 self.stats["kept_small_bytes"] += storage.nbytes()
                 return t
-            rec = group.records[ptr] = _Record(storage, t.device, group)
+            module = self._saving[-1] if self._saving else None
+            rec = group.records[ptr] = _Record(storage, t.device, group, module)
+            self._count(rec, "saved")
         return _Saved(rec, t)
+
+    def _count(self, rec, what: str) -> None:
+        entry = self.module_stats.setdefault(rec.module, {"saved": 0, "offloaded": 0})
+        entry[what] += rec.nbytes
 
     def _unpack(self, saved):
         if isinstance(saved, torch.Tensor):
@@ -477,6 +493,7 @@ class OffloadManager:
             self.d2h.run(functools.partial(self._copy_out, rec.storage, rec.device, rec.nbytes, slots), rec.nbytes)
             rec.d2h_event = self._last_d2h = self.d2h.record()
             self.stats["offloaded_bytes"] += rec.nbytes
+            self._count(rec, "offloaded")
             self.stats["d2h_chunks"] += len(slots)
         if compute_done is None:
             group.state = "kept"
@@ -591,6 +608,14 @@ class OffloadManager:
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.module_stats = {}
+
+    def offloaded_by_module(self) -> dict:
+        """{module name: bytes offloaded}, over every sub-module hooked for it."""
+        out = dict.fromkeys(self.options.modules, 0)
+        for (name, _path), entry in self.module_stats.items():
+            out[name] = out.get(name, 0) + entry["offloaded"]
+        return out
 
 
 _MANAGER: OffloadManager | None = None

@@ -115,6 +115,8 @@ class _CpuRedirectMode(TorchFunctionMode):
                 kwargs["device"] = "cpu"
             if func is torch.Tensor.cuda:
                 return args[0]
+            if func is torch.device and args and _is_cuda_device(args[0]):  # `with torch.device(cuda)`
+                return torch.device("cpu")
             if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
                 args = (args[0], "cpu") + tuple(args[2:])
         if "cuda_only_methods" in rules:
@@ -362,6 +364,8 @@ SHIMS: Dict[str, Shim] = {
                 "megatron/core/optimizer/optimizer.py:315",
                 "megatron/core/tensor_parallel/mappings.py:145",
                 "megatron/core/transformer/moe/router.py:98",
+                "megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py:78",
+                "megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py:122",
             ],
             "device='cuda' / torch.cuda.current_device() hard-coded in factory calls and .to()",
             _mode_rule("device"),

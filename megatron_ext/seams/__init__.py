@@ -3,6 +3,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
 
     training.py        process-wide megatron state cleared between runs; torch norms under
                        sequence parallelism
+    architectures.py   what real configs need of the local spec: multi-latent attention's core
+                       attention, the zero-centred norm of --apply-layernorm-1p
     schedules.py       TP (and EP) collectives routed through the overlap lanes, per-lane scratch
                        buffers; the plain schedule's passes labelled (benchmark only) or replaced
                        by stand-ins (recording its pipeline messages, tests only)
@@ -27,7 +29,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from megatron_ext.patching import Patch
-from megatron_ext.seams import checkpointing, moe, offload, schedules, sharded_params, training
+from megatron_ext.seams import architectures, checkpointing, moe, offload, schedules, sharded_params, training
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
 )
@@ -37,7 +39,7 @@ from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
-_CAPABILITIES = (training, schedules, offload, moe, checkpointing, sharded_params)
+_CAPABILITIES = (training, architectures, schedules, offload, moe, checkpointing, sharded_params)
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
 

@@ -11,7 +11,14 @@ finds, by the names of the flag --activation-offload-modules:
   core_attention  layer.self_attention.core_attention      transformer/attention.py:382
                   (local: DotProductAttention, transformer/dot_product_attention.py:142)
   qkv_linear      layer.self_attention.linear_qkv          transformer/attention.py:1681
+                  and the query/key norms of --qk-layernorm (q_layernorm, k_layernorm, :1722);
+                  multi-latent attention (MLASelfAttention, transformer/multi_latent_attention.py
+                  :644-866): every projection to queries, keys and values: linear_q_proj (no
+                  --q-lora-rank) or linear_q_down_proj, q_layernorm, linear_q_up_proj; and
+                  linear_kv_down_proj, kv_layernorm, linear_kv_up_proj (none is bypassed: the
+                  manager counts what each of them saved and offloaded, module_stats)
   attn_proj       layer.self_attention.linear_proj         transformer/attention.py:413
+                  (MLA: the same name, multi_latent_attention.py:220)
   router_fc1      MoE expert fc1: layer.mlp.experts.local_experts[i].linear_fc1 (SequentialMLP,
                   transformer/moe/experts.py:1260; MLP fc1 transformer/mlp.py:222) or
                   layer.mlp.experts.linear_fc1 (TEGroupedMLP, transformer/moe/experts.py:216)
@@ -60,6 +67,11 @@ def offload_fused_experts(layer) -> bool:
     return bool(getattr(experts, "_with_fused_impl", False))
 
 
+# standard attention, then MLA's (transformer/multi_latent_attention.py MLASelfAttention): absent ones are skipped
+_QKV_PROJECTIONS = ("linear_qkv", "q_layernorm", "k_layernorm", "linear_q_proj", "linear_q_down_proj",
+                    "linear_q_up_proj", "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj")
+
+
 def offload_targets(layer, names) -> list:
     """[(name, "module", [modules])] or [(name, "window", [(fc1, fc2)])] present in this layer."""
     attn = getattr(layer, "self_attention", None)
@@ -70,7 +82,7 @@ def offload_targets(layer, names) -> list:
         if name == "core_attention":
             mods = [getattr(attn, "core_attention", None)]
         elif name == "qkv_linear":
-            mods = [getattr(attn, "linear_qkv", None)]
+            mods = [getattr(attn, n, None) for n in _QKV_PROJECTIONS]
         elif name == "attn_proj":
             mods = [getattr(attn, "linear_proj", None)]
         elif name == "router_fc1":

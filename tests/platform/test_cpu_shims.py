@@ -61,6 +61,21 @@ def test_cuda_device_to_cpu():
         GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "probe")
 
 
+def test_cuda_device_to_cpu_yarn_rope():
+    """Multi-latent attention's yarn rope builds its tables under `with torch.device(cuda)`
+    (yarn_rotary_pos_embedding.py:78) and moves them with .to(device=current_device()) (:122)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    def build():
+        return YarnRotaryEmbedding(24, rotary_base=10000, scaling_factor=40.0, original_max_position_embeddings=16,
+                                   use_cpu_initialization=False)
+
+    rope = build()
+    assert rope.inv_freq.device.type == "cpu" and rope(8)[0].device.type == "cpu"
+    with cpu_shims.without("cuda_device_to_cpu"), pytest.raises(RuntimeError):
+        build()
+
+
 def test_cuda_only_tensor_methods():
     x = torch.ones(4)
     x.record_stream(torch.cuda.current_stream())  # fine_grained_callables.py:243

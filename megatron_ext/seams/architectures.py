@@ -1,0 +1,112 @@
+"""Seams of the architectures: what real model configs ask of megatron-core's local (plain torch) layer
+spec that it lacks. Each is plain torch, on every platform (CUDA without transformer-engine too).
+
+  local_latent_attention  multi-latent attention (MLA) on the local spec: MLASelfAttention builds its core
+                          attention with ``k_channels`` / ``v_channels`` (transformer/multi_latent_attention.py:207),
+                          which DotProductAttention does not take (transformer/dot_product_attention.py:42); the
+                          local spec's core attention (models/backends.py:129, LocalSpecProvider.core_attention)
+                          becomes a DotProductAttention that takes them: queries and keys of k_channels per head,
+                          values and the output of v_channels per head.
+  zero_centred_norm       --apply-layernorm-1p (config.layernorm_zero_centered_gamma, Nemotron): torch's norms
+                          refuse it (transformer/torch_norm.py:45). The norm stores gamma - 1 (initialised to 0)
+                          and applies (1 + gamma), transformer-engine's zero_centered_gamma formula
+                          (and megatron's own FusedLayerNorm, fusions/fused_layer_norm.py:133):
+                              LayerNorm: y = (x - E[x]) / sqrt(Var[x] + eps) * (1 + gamma) + beta
+                              RMSNorm:   y = x / sqrt(E[x^2] + eps) * (1 + gamma)
+                          Checkpoint keys stay those of torch's norms (weight, bias).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models import backends
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_ext.patching import Patch, set_attr
+
+
+class LocalLatentAttention(DotProductAttention):
+    """DotProductAttention whose key and value head sizes may differ from --kv-channels (MLA:
+    k_channels = qk_head_dim + qk_pos_emb_head_dim, v_channels = v_head_dim). The attention math is
+    DotProductAttention.forward's; only the sizes it derives from kv_channels change."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if k_channels is not None and softmax_scale is None:
+            self.softmax_scale = 1.0 / math.sqrt(k_channels)
+            if config.apply_query_key_layer_scaling:
+                self.softmax_scale /= max(1, layer_number)
+        if v_channels is not None:
+            self.hidden_size_per_attention_head = v_channels
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
+def _install_local_latent_attention():
+    return set_attr(backends.LocalSpecProvider, "core_attention", lambda self: LocalLatentAttention)
+
+
+def _zero_centred(norm_cls):
+    class ZeroCentred(norm_cls):
+        """torch's norm storing gamma - 1 (transformer-engine's zero_centered_gamma)."""
+
+        def reset_parameters(self) -> None:
+            super().reset_parameters()
+            if self.weight is not None:
+                torch.nn.init.zeros_(self.weight)
+
+        def forward(self, x):
+            if isinstance(self, torch.nn.LayerNorm):
+                return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+            return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+    ZeroCentred.__name__ = ZeroCentred.__qualname__ = f"ZeroCentred{norm_cls.__name__}"
+    return ZeroCentred
+
+
+ZERO_CENTRED = {cls: _zero_centred(cls) for cls in (torch.nn.LayerNorm, torch.nn.RMSNorm)}
+
+
+def _install_zero_centred_norm():
+    inner = torch_norm.WrappedTorchNorm.__new__  # the sequence-parallel seam's, when that is installed
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.layernorm_zero_centered_gamma:
+            return inner(cls, config, hidden_size, eps, **kwargs)
+        norm = inner(cls, dataclasses.replace(config, layernorm_zero_centered_gamma=False), hidden_size, eps, **kwargs)
+        norm.__class__ = ZERO_CENTRED[type(norm)]
+        norm.reset_parameters()
+        return norm
+
+    return set_attr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
+
+
+LOCAL_LATENT_ATTENTION = Patch(
+    "architectures.local_latent_attention",
+    ["megatron/core/models/backends.py:129", "megatron/core/transformer/multi_latent_attention.py:207",
+     "megatron/core/transformer/dot_product_attention.py:42"],
+    "the local spec's DotProductAttention does not take MLA's k_channels / v_channels",
+    _install_local_latent_attention,
+)
+ZERO_CENTRED_NORM = Patch(
+    "architectures.zero_centred_norm",
+    ["megatron/core/transformer/torch_norm.py:45"],
+    "torch's LayerNorm/RMSNorm refuse --apply-layernorm-1p (zero-centred gamma)",
+    _install_zero_centred_norm,
+)
+SEAMS = [LOCAL_LATENT_ATTENTION, ZERO_CENTRED_NORM]
+
+
+def for_run(args):
+    local = getattr(args, "transformer_impl", "local") == "local"
+    out = []
+    if local and getattr(args, "multi_latent_attention", False):
+        out.append(LOCAL_LATENT_ATTENTION)
+    if local and getattr(args, "layernorm_zero_centered_gamma", False):
+        out.append(ZERO_CENTRED_NORM)
+    return out
