@@ -544,20 +544,11 @@ RULES = (
     Rule("platform", ("moe_permute_fusion", "transformer_impl"), lambda a: target(a).te,
          "the fused permutation is a transformer-engine kernel (transformer-engine >= 2.1)",
          when=lambda a: a.moe_permute_fusion),
-    Rule("platform", ("multi_latent_attention", "transformer_impl"),
-         lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
-         "multi-latent attention needs --transformer-impl transformer_engine with transformer-engine installed",
-         when=lambda a: a.multi_latent_attention),
     Rule("platform", ("recompute_modules", "transformer_impl"),
          lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
          "recomputing the layernorm (--recompute-modules layernorm) needs transformer-engine",
          when=lambda a: (a.recompute_granularity == "selective" or a.recompute_activations)
          and "layernorm" in _recompute_modules(a)),
-    Rule("platform", ("layernorm_zero_centered_gamma", "transformer_impl"),
-         lambda a: a.transformer_impl == "transformer_engine" or target(a).apex,
-         "the zero-centred LayerNorm needs transformer-engine or apex (torch's LayerNorm has no "
-         "zero-centred gamma): use --transformer-impl transformer_engine",
-         when=lambda a: a.layernorm_zero_centered_gamma),
     Rule("platform", ("moe_grouped_gemm",), lambda a: target(a).cuda,
          "the grouped GEMM kernels need a CUDA GPU (compute capability >= 8.0)",
          when=lambda a: a.moe_grouped_gemm),
@@ -641,6 +632,10 @@ def check_rules(args, actions: dict, stage: str) -> str | None:
         if not rule.ok(args):
             allowed = rule.allowed + (f" ({rule.detail(args)})" if rule.detail else "")
             set_context = [d for d in rule.context if getattr(args, d, None) != actions[d].default]
+            if rule.family == "platform" and "transformer-engine" in rule.allowed and not target(args).declared:
+                from megatron_ext.platform.target import CLUSTER_HINT
+
+                allowed += "; " + CLUSTER_HINT.format(hint="--assume-te")
             return f"{describe(args, (*rule.flags, *set_context), functools.partial(name_of, actions))}: {allowed}"
     return None
 

@@ -247,7 +247,9 @@ def finalize(args, parser=None) -> None:
     features.before_validate(args)
     world_size_holder = args.world_size
     given = {k: copy.copy(v) for k, v in vars(args).items()}
-    with contextlib.redirect_stdout(io.StringIO()), _megatron_refusals(args, actions):
+    platform_target = rules.target(args)
+    with contextlib.redirect_stdout(io.StringIO()), _megatron_refusals(args, actions), \
+            target.device_answers(platform_target, args.launch_env):  # a --platform target's GPU answers
         validate_args(args)  # prints every argument on rank 0
     args.world_size = world_size_holder
     _mark_megatron_changes(args, given)
@@ -256,7 +258,7 @@ def finalize(args, parser=None) -> None:
     args.config_sources.setdefault("padded_vocab_size", "derived (the tokenizer's vocabulary, padded)")
     if args.config_sources.get("padded_vocab_size") == "default":
         args.config_sources["padded_vocab_size"] = "derived (the tokenizer's vocabulary, padded)"
-    with _megatron_refusals(args, actions):
+    with _megatron_refusals(args, actions), target.device_answers(platform_target, args.launch_env):
         args.megatron_configs_checked = build_configs(args)
     args.config_sources["megatron_configs_checked"] = "derived (built at parse time)"
 

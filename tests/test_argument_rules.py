@@ -215,9 +215,13 @@ def test_load_and_save_directories(tmp_path):
 def test_platform_rules_ask_the_target():
     layernorm_1p = ("--apply-layernorm-1p", "--normalization", "LayerNorm")
     assert refused("--moe-grouped-gemm", *CPU, recipe=MOE).startswith("--moe-grouped-gemm=True: the grouped GEMM")
-    assert refused(*layernorm_1p, *CUDA_NO_TE).startswith("--apply-layernorm-1p=True, --transformer-impl=local: ")
-    # apex's FusedLayerNorm has the zero-centred gamma; transformer-engine's layers have MLA
+    # the local spec has the zero-centred norm and multi-latent attention (seams.architectures), as
+    # apex's FusedLayerNorm and transformer-engine's layers do
+    assert parse(*layernorm_1p, *CUDA_NO_TE).layernorm_zero_centered_gamma
+    assert parse(*layernorm_1p, *CPU).layernorm_zero_centered_gamma
     assert parse(*layernorm_1p, *CUDA_NO_TE, "--assume-apex").layernorm_zero_centered_gamma
+    assert parse("--multi-latent-attention", *CUDA_NO_TE).transformer_impl == "local"
+    assert parse("--multi-latent-attention", *CPU).multi_latent_attention
     mla = parse("--multi-latent-attention", "--transformer-impl", "transformer_engine", "--platform", "cuda",
                 "--assume-te")
     # megatron's TransformerConfig checks probe the transformer-engine installed here: built only if there is one
@@ -226,11 +230,9 @@ def test_platform_rules_ask_the_target():
 
 @pytest.mark.parametrize("argv,recipe,world,flags", [  # on a CUDA cluster without transformer-engine
     (["--tensor-model-parallel-size", "2"], MOE, 2, "--num-experts=8, --tensor-model-parallel-size=2, --sequence-parallel=False"),
-    (["--apply-layernorm-1p", "--normalization", "LayerNorm"], DENSE, 1, "--apply-layernorm-1p=True, --transformer-impl=local"),
     (["--fp8-format", "hybrid", "--bf16"], MOE, 1, "--fp8-format=hybrid, --transformer-impl=local"),
     (["--fp8-format", "hybrid", "--bf16"], DENSE, 1, "--fp8-format=hybrid, --transformer-impl=local"),
     (["--moe-permute-fusion"], MOE, 1, "--moe-permute-fusion=True, --transformer-impl=local"),
-    (["--multi-latent-attention"], DENSE, 1, "--multi-latent-attention=True, --transformer-impl=local"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], DENSE, 1,
      "--recompute-modules=layernorm, --transformer-impl=local"),
 ])

@@ -73,7 +73,7 @@ def test_cluster_recipe_starts_on_cuda(recipe, te, monkeypatch):
     assert args.bias_swiglu_fusion == raw.get("bias_swiglu_fusion", True)  # torch.compile runs on CUDA
     tp_or_cp = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
     assert args.launch_env == ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp_or_cp else {})
-    assert "declared cuda, transformer-engine " + ("present" if te == "te" else "absent") in out
+    assert "declared cuda (h100, compute capability 9.0), transformer-engine " + ("present" if te == "te" else "absent") in out
 
 
 @pytest.mark.parametrize("recipe", CLUSTER)

@@ -1,10 +1,12 @@
 """The platform a configuration is validated for: this machine, or a declared target.
 
-    train.py --recipe R --dry-run --platform cuda [--assume-te | --assume-no-te] [--assume-apex]
+    train.py --recipe R --dry-run --platform cuda [--target-gpu h100] [--assume-te | --assume-no-te] [--assume-apex]
 
-validates as a CUDA cluster would (CUDA present; transformer-engine present or not; apex absent unless
-``--assume-apex``), so a CPU machine checks a cluster's start-up. Without ``--platform`` the target is
-this machine. The rules below are the ones megatron-core 0.19.2 applies when it builds the model on
+validates as a CUDA cluster would (CUDA present, of the GPU named by ``--target-gpu``, Hopper by default;
+transformer-engine present or not; apex absent unless ``--assume-apex``), so a CPU machine checks a
+cluster's start-up. What megatron asks the device while it validates (the compute capability) is answered
+for that GPU (:func:`device_answers`), and the launch environment is the one the target needs. Without
+``--platform`` the target is this machine. The rules below are the ones megatron-core 0.19.2 applies when it builds the model on
 such a platform, moved to parse time:
 
 * ``--transformer-impl transformer_engine`` (megatron's default) needs transformer-engine; where it
@@ -19,6 +21,7 @@ decide the launch environment without importing torch.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from dataclasses import dataclass
@@ -26,11 +29,19 @@ from dataclasses import dataclass
 from megatron_ext.errors import ConfigError
 
 # Recipe keys that are not accepted: where a configuration is checked is not part of it.
-CLI_ONLY = ("platform", "assume_te", "assume_apex")
+CLI_ONLY = ("platform", "assume_te", "assume_apex", "target_gpu")
 
-# Compute capability the declared CUDA target is validated for (Hopper). Megatron needs
+# GPUs a declared CUDA target may name: (compute capability, device memory in GiB as torch reports it).
+GPUS = {
+    "a100": ((8, 0), 80), "h100": ((9, 0), 80), "h200": ((9, 0), 141), "b200": ((10, 0), 180),
+    "gb200": ((10, 0), 186), "b300": ((10, 3), 270), "gb300": ((10, 3), 279),
+}
+DEFAULT_GPU = "h100"
+# What a refusal for a kernel this machine lacks adds: where to validate for the cluster instead.
+CLUSTER_HINT = "`--dry-run --platform cuda {hint}` validates it for a GPU cluster that has it"
+# Compute capability the declared CUDA target is validated for by default (Hopper). Megatron needs
 # CUDA_DEVICE_MAX_CONNECTIONS=1 below 10 (megatron/training/arguments.py:1414-1439).
-ASSUMED_CUDA_ARCH = 9
+ASSUMED_CUDA_ARCH = GPUS[DEFAULT_GPU][0][0]
 
 # apex's CUDA extensions megatron-core imports by these names.
 APEX_KERNELS = {
@@ -48,16 +59,22 @@ class Target:
     te: bool
     apex: bool
     declared: bool  # named by --platform (else: this machine)
+    gpu: str | None = None  # a declared CUDA target's GPU (GPUS)
 
     @property
     def name(self) -> str:
         return "cuda" if self.cuda else "cpu"
 
+    @property
+    def arch(self) -> int:
+        return GPUS[self.gpu][0][0] if self.gpu else ASSUMED_CUDA_ARCH
+
     def describe(self) -> str:
         if not self.declared:
             parts = [f"this machine ({self.name})"]
         else:
-            parts = [f"declared {self.name}"]
+            parts = [f"declared {self.name}" + (f" ({self.gpu}, compute capability "
+                                                 f"{'.'.join(map(str, GPUS[self.gpu][0]))})" if self.gpu else "")]
         parts.append("transformer-engine " + ("present" if self.te else "absent"))
         parts.append("apex " + ("present" if self.apex else "absent"))
         return ", ".join(parts)
@@ -73,6 +90,8 @@ class Target:
         hint = {"transformer-engine": "--assume-te", "apex": "--assume-apex"}.get(what)
         if self.declared and self.cuda and hint:
             return f"{self.why_missing(what)} ({hint} if the cluster has it)"
+        if not self.declared and hint:
+            return f"{self.why_missing(what)} ({CLUSTER_HINT.format(hint=hint)})"
         return self.why_missing(what)
 
 
@@ -90,6 +109,9 @@ def add_arguments(group) -> None:
                     help="With --platform cuda: transformer-engine is not installed on the target.")
     group.add_argument("--assume-apex", action="store_true", default=False,
                        help="With --platform cuda: NVIDIA apex with its CUDA extensions is installed on the target.")
+    group.add_argument("--target-gpu", choices=sorted(GPUS), default=None,
+                       help=f"With --platform cuda: the GPU the cluster has (default {DEFAULT_GPU}); megatron's "
+                       "questions to the device (compute capability) are answered for it.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +143,9 @@ def resolve(args) -> Target:
     declared = getattr(args, "platform", None)
     assume_te = getattr(args, "assume_te", None)
     assume_apex = getattr(args, "assume_apex", False)
+    gpu = getattr(args, "target_gpu", None)
+    if declared != "cuda" and gpu is not None:
+        raise ConfigError(f"--target-gpu={gpu}: only with --platform cuda (it describes a target, not this machine)")
     if declared is None:
         if assume_te is not None or assume_apex:
             flag = "--assume-apex" if assume_apex else ("--assume-te" if assume_te else "--assume-no-te")
@@ -135,7 +160,51 @@ def resolve(args) -> Target:
                               "transformer-engine and apex kernels need CUDA")
         return Target(cuda=False, te=False, apex=False, declared=True)
     te = te_importable() if assume_te is None else assume_te
-    return Target(cuda=True, te=te, apex=bool(assume_apex), declared=True)
+    return Target(cuda=True, te=te, apex=bool(assume_apex), declared=True, gpu=gpu or DEFAULT_GPU)
+
+
+@contextlib.contextmanager
+def device_answers(target: Target, env: dict | None = None):
+    """While megatron validates for a declared CUDA target on a machine without CUDA, its questions to
+    the device are answered for the target's GPU, and the launch environment is the target's:
+    torch.cuda.get_device_capability (megatron/training/arguments.py:1339, --moe-grouped-gemm),
+    torch.cuda.get_device_properties and get_device_arch_version (megatron/training/utils/
+    common_utils.py:504, read at megatron/training/arguments.py:1414, 1444, 1484), and
+    CUDA_DEVICE_MAX_CONNECTIONS (asserted at megatron/training/arguments.py:1437) as `env` (the
+    target's launch_env) sets it. Elsewhere: nothing."""
+    import os
+    import types
+
+    if not (target.declared and target.cuda) or _cuda_here():
+        yield
+        return
+    import torch
+    from megatron.training import arguments
+
+    from megatron_ext.patching import set_attr, undo_all
+
+    (major, minor), gib = GPUS[target.gpu]
+    props = types.SimpleNamespace(name=f"{target.gpu} (declared target)", major=major, minor=minor,
+                                  total_memory=gib << 30, multi_processor_count=132)
+    env_before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    undo = undo_all([
+        set_attr(torch.cuda, "get_device_capability", lambda device=None: (major, minor)),
+        set_attr(torch.cuda, "get_device_properties", lambda device=None: props),
+        set_attr(arguments, "get_device_arch_version", lambda: major),
+    ])
+    try:
+        for key, value in (env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        undo()
+        if env_before is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = env_before
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,7 +301,7 @@ def fit_defaults(args, target: Target | None = None) -> Target:
     args.launch_env = launch_env(
         tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1),
         fsdp=bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)),
-        arch=ASSUMED_CUDA_ARCH,
+        arch=target.arch,
     ) if target.cuda else {}
     sources["launch_env"] = "derived (launch environment megatron needs on the target)"
     return target

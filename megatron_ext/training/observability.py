@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.errors import ConfigError
+from megatron_ext.platform.target import resolve
 
 
 def validate(args) -> None:
@@ -31,7 +32,7 @@ def validate(args) -> None:
         raise ConfigError(
             f"--profile-step-end={args.profile_step_end}: must be above --profile-step-start={args.profile_step_start}"
         )
-    if args.profile and not args.use_pytorch_profiler and not platform.current().is_cuda:
+    if args.profile and not args.use_pytorch_profiler and not resolve(args).cuda:  # this machine or the --platform target
         raise ConfigError(
             "--profile without --use-pytorch-profiler is an nsys capture range (cudaProfilerStart/Stop), "
             "CUDA only: add --use-pytorch-profiler for a torch.profiler trace"

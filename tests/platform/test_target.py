@@ -43,7 +43,7 @@ def test_gpu_without_apex_switches_kernel_fusions_off_and_keeps_compiled_ones():
     # torch.compile fusions run on CUDA: megatron's defaults stay (on CPU they are switched off)
     assert args.bias_swiglu_fusion is True and src["bias_swiglu_fusion"] == "default"
     assert args.bias_dropout_fusion is True
-    assert "declared cuda, transformer-engine absent, apex absent" in out
+    assert "declared cuda (h100, compute capability 9.0), transformer-engine absent, apex absent" in out
     here, _ = parse()
     assert here.bias_swiglu_fusion is False and here.config_sources["bias_swiglu_fusion"] == "default (off: CPU)"
 
@@ -148,3 +148,33 @@ def test_model_build_installs_the_sequence_parallel_norm_on_cuda(monkeypatch):
     assert cpu_shims.SHIMS["torch_norm_sequence_parallel"].active
     with cpu_shims.without("torch_norm_sequence_parallel"), pytest.raises(AssertionError):
         WrappedTorchNorm(config, 8)  # the removal undid the seam too
+
+
+def test_target_gpu_answers_megatrons_device_questions():
+    import torch
+    from megatron.training import arguments as margs
+
+    before = (torch.cuda.get_device_capability, margs.get_device_arch_version)
+    # TP2 before Blackwell: the launch environment needs CUDA_DEVICE_MAX_CONNECTIONS=1; from Blackwell on not
+    hopper, _ = parse(*TE, "--tensor-model-parallel-size", "2", "--world-size", "2")
+    blackwell, _ = parse(*TE, "--target-gpu", "b200", "--tensor-model-parallel-size", "2", "--world-size", "2")
+    assert "h100" in hopper.target_platform and hopper.launch_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert "b200" in blackwell.target_platform and blackwell.launch_env == {}
+    captured = {}
+    with target.device_answers(target.resolve(blackwell), blackwell.launch_env):
+        captured["capability"] = torch.cuda.get_device_capability()
+        captured["arch"] = margs.get_device_arch_version()
+    assert captured == {"capability": (10, 0), "arch": 10}
+    assert (torch.cuda.get_device_capability, margs.get_device_arch_version) == before  # put back
+    # megatron's grouped-GEMM check asks the device (megatron/training/arguments.py:1339)
+    moe = os.path.join(ROOT, "recipes", "tiny_moe.yaml")
+    assert parse(*TE, "--moe-grouped-gemm", recipe_path=moe)[0].moe_grouped_gemm
+    with pytest.raises(ConfigError, match="^--target-gpu=b200: only with --platform cuda"):
+        parse("--target-gpu", "b200")
+
+
+def test_nsys_profile_range_is_a_cuda_feature_accepted_on_a_cuda_target():
+    args, _ = parse(*TE, "--profile", "--profile-step-start", "2", "--profile-step-end", "3")
+    assert args.profile and not args.use_pytorch_profiler
+    with pytest.raises(ConfigError, match="^--profile without --use-pytorch-profiler is an nsys capture range"):
+        parse("--profile", "--profile-step-start", "2", "--profile-step-end", "3")

@@ -21,6 +21,7 @@ import math
 import pytest
 
 import arguments
+from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 from tests.training import local_tokenizers
 
@@ -118,8 +119,7 @@ CHANGES = {
                                      "and its --vocab-file/--merge-file are GPT-2's")},
     },
     "llama3": {
-        "drop": {"--apply-layernorm-1p": "needs transformer-engine's layer norm (the local spec has no 1p variant)",
-                 "--profile": "without --use-pytorch-profiler it is an nsys capture range, CUDA only",
+        "drop": {"--profile": "without --use-pytorch-profiler it is an nsys capture range, CUDA only",
                  "--profile-step-start": "goes with --profile", "--profile-step-end": "goes with --profile",
                  "--cross-entropy-loss-fusion": "a fused kernel: transformer-engine/CUDA",
                  "--attention-backend": "'fused' is transformer-engine's attention; the local spec runs unfused"},
@@ -195,6 +195,30 @@ def test_example_script_dry_run_at_its_world_size(name, assets, tmp_path):
         assert args.train_iters == 1953125000 // 128 and args.data_parallel_size == 8
     if name == "mixtral":
         assert args.expert_model_parallel_size == 8 and args.pipeline_model_parallel_size == 4
+
+
+# The scripts' DTYPE=fp8 (the default) adds these, word-split as bash does.
+LLAMA3_FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+              "--fp8-param-gather"]
+
+
+@pytest.mark.parametrize("name", ["llama3", "mixtral"])
+def test_example_script_as_written_passes_a_cuda_dry_run(name, assets, tmp_path):
+    """Nothing dropped (fp8, --profile's nsys range, --moe-grouped-gemm, fused kernels): validated as
+    the cluster would, at the script's world size, megatron's device queries answered for its GPU."""
+    script = SCRIPTS[name]
+    argv = [_data(name, assets) if a == "$DATA_PATH" else a for a in substitute(script["argv"], assets, tmp_path)]
+    argv += LLAMA3_FP8 if name == "llama3" else []
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = arguments.parse(argv + ["--dry-run", "--platform", "cuda", "--assume-te", "--world-size",
+                                       str(script["world"])], exit_on_dry_run=False)
+    assert args.transformer_impl == "transformer_engine" and "h100" in args.target_platform
+    assert (args.fp8 == "hybrid") if name == "llama3" else args.moe_grouped_gemm
+    assert args.profile == (name == "llama3")
+    # the same script on this machine is refused, and the line says where it validates
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(ConfigError) as refused:
+        arguments.parse(argv + ["--dry-run", "--world-size", str(script["world"])], exit_on_dry_run=False)
+    assert "--platform cuda --assume-te" in str(refused.value) or "CUDA GPU" in str(refused.value)
 
 
 # Scaled down: the sizes, batch, lengths and parallel degrees; every other flag as written.
