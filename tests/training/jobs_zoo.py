@@ -1,0 +1,41 @@
+"""Job functions for the model-zoo test (run on every rank of a gloo world, see tests/dist.py)."""
+from __future__ import annotations
+
+import hashlib
+
+
+def _digest(t) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(-1).view(t.dtype).cpu().numpy().tobytes()).hexdigest()
+
+
+def train_digest(argv: list[str]) -> dict:
+    """train.main on this rank; its log history, and a hash of every parameter and of its last
+    gradient (DDP's main_grad) after training: equal hashes = bit-identical weights and gradients."""
+    import train
+    from megatron_ext import offload
+    from megatron_ext.seams import offload_unwrap
+    from megatron_ext.training import model as models
+
+    built, original = [], models.build_model
+
+    def keep(*a, **k):
+        chunks = original(*a, **k)
+        built.extend(offload_unwrap(c) for c in chunks)  # the DDP wrappers are emptied at teardown
+        return chunks
+
+    models.build_model = keep
+    try:
+        history = train.main(list(argv))
+        mgr = offload.current()
+        by_module = {f"{m}/{path}": dict(v) for (m, path), v in mgr.module_stats.items()} if mgr else {}
+    finally:
+        models.build_model = original
+        offload.detach()
+    params, grads = {}, {}
+    for i, chunk in enumerate(built):
+        for name, p in chunk.named_parameters():
+            params[f"{i}.{name}"] = _digest(p)
+            if getattr(p, "main_grad", None) is not None:
+                grads[f"{i}.{name}"] = _digest(p.main_grad)
+    built.clear()
+    return dict(history=history, params=params, grads=grads, offloaded=by_module)
