@@ -25,8 +25,11 @@ def reset_megatron_globals() -> None:
     (parallel_state.py:129, 131, 146-147), which keeps each gloo group's threads alive, and the
     lru_cache on RotaryEmbedding.forward (models/common/embeddings/rotary_pos_embedding.py:177,
     yarn_rotary_pos_embedding.py:159), keyed by the module, so it keeps the last 32 models' rotary
-    embeddings and with them their context-parallel groups."""
+    embeddings and with them their context-parallel groups, and the multi-token-prediction loss
+    tracker (transformer/multi_token_prediction.py:372), sized by the previous run's MTP layer count
+    and holding its process groups."""
     from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     parallel_state.destroy_global_memory_buffer()
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
@@ -40,6 +43,7 @@ def reset_megatron_globals() -> None:
     yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
     reset_moe_aux_loss_scale()
     destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def _install_torch_norm_sequence_parallel():
