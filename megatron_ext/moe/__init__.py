@@ -49,7 +49,6 @@ def validate(args) -> None:
         )
     for flag, name in (
         ("--moe-permute-fusion", "moe_permute_fusion"),
-        ("--moe-shared-expert-overlap", "moe_shared_expert_overlap"),
         ("--moe-router-padding-for-quantization", "moe_router_padding_for_quantization"),
     ):
         if getattr(args, name, False):

@@ -105,14 +105,22 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         )
         self.rows_sent = 0  # rows this rank put into the last dispatch all-to-all (tests, bench)
         self.cudagraph_attrs = []
+        self.shared_experts = None
 
     @classmethod
     def replacing(cls, old) -> "MultihotTokenDispatcher":
         groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
-        return cls(old.num_local_experts, old.local_expert_indices, old.config, pg_collection=groups)
+        new = cls(old.num_local_experts, old.local_expert_indices, old.config, pg_collection=groups)
+        if getattr(old, "shared_experts", None) is not None:  # set by MoELayer under --moe-shared-expert-overlap
+            new.set_shared_experts(old.shared_experts)
+        return new
 
     def set_shared_experts(self, shared_experts):
-        raise NotImplementedError("multihot dispatcher: moe_shared_expert_overlap is not supported")
+        """--moe-shared-expert-overlap: the shared experts run on their side stream at the points of
+        megatron's alltoall dispatcher (token_dispatcher.py:652, 693, 710, 854, 865-866, 898): gather
+        before the dispatch, fc1 after the dispatch all-to-all, fc2 after the combine all-to-all, the
+        output added at the end."""
+        self.shared_experts = shared_experts
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -131,6 +139,8 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
     # ------------------------------------------------------------------------------ dispatch
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         self.num_tokens = hidden_states.shape[0]
         self.capacity = self._capacity(self.num_tokens)
@@ -143,6 +153,14 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         return self._a2a_preprocess(hidden_states, routing_map, probs)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+            hidden_states, probs = self._token_dispatch(hidden_states, probs)
+            self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+            return hidden_states, probs
+        return self._token_dispatch(hidden_states, probs)
+
+    def _token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         if self.comm == "allgather":
             if self.tp_size > 1 or self.ep_size > 1:
                 with torch.no_grad():
@@ -182,6 +200,15 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+            hidden_states = self._token_combine(hidden_states)
+            self.shared_experts.linear_fc2_forward(hidden_states)
+            self.shared_experts.post_forward_comm()
+            return hidden_states
+        return self._token_combine(hidden_states)
+
+    def _token_combine(self, hidden_states: torch.Tensor):
         if self.comm == "allgather":
             if self.tp_size > 1 or self.ep_size > 1:
                 hidden_states = self.up.reduce_scatter(
@@ -207,7 +234,10 @@ class MultihotTokenDispatcher(MoETokenDispatcher):
                 drop_and_pad=self.capacity is not None,
             )
             self.routing_map = None
-        return hidden_states.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output += self.shared_experts.get_output()
+        return output
 
     # ------------------------------------------------------------------------------ allgather, token-level a2a
     def _multihot_postprocess(self, hidden_states, probs):

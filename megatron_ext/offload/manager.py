@@ -154,6 +154,28 @@ def _solely_ours(rec) -> bool:
     return _use_count(rec.storage) == 1 and sys.getrefcount(rec.storage) == 2
 
 
+class _WrappedCall:
+    """An instance method wrapped in push/pop of the saved-tensor hooks; remove() restores it."""
+
+    def __init__(self, obj, name, push, pop):
+        self.obj, self.name = obj, name
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            push()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                pop()
+
+        setattr(obj, name, call)
+
+    def remove(self) -> None:
+        if self.name in vars(self.obj):
+            delattr(self.obj, self.name)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -236,6 +258,10 @@ class OffloadManager:
                             push = functools.partial(self._push, (name, path[id(m)]))
                             self._handles.append(m.register_forward_pre_hook(push))
                             self._handles.append(m.register_forward_hook(self._pop, always_call=True))
+                    elif kind == "calls":  # methods called instead of the module's forward
+                        for obj, method in mods:
+                            self._handles.append(_WrappedCall(obj, method, functools.partial(
+                                self._push, (name, f"{path[id(obj)]}.{method}")), self._pop))
                     else:  # "window": from fc1's exit to fc2's entry (the expert activation)
                         for fc1, fc2 in mods:
                             push = functools.partial(self._push, (name, path[id(fc1)] + ".."))

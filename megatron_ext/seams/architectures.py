@@ -7,6 +7,12 @@ spec that it lacks. Each is plain torch, on every platform (CUDA without transfo
                           local spec's core attention (models/backends.py:129, LocalSpecProvider.core_attention)
                           becomes a DotProductAttention that takes them: queries and keys of k_channels per head,
                           values and the output of v_channels per head.
+                          Without --q-lora-rank, --qk-layernorm puts the query norm in front of linear_q_proj as a
+                          fused norm+linear (transformer/mla_qk_norm_config.py:140, 233), which the local backend
+                          lacks (models/backends.py:114 returns None) and its spec's standalone q_layernorm is
+                          refused (mla_qk_norm_config.py:172): the local backend gets a norm+linear (torch's norm,
+                          then ColumnParallelLinear), and the standalone query norm moves into it, as in the
+                          transformer-engine spec.
   zero_centred_norm       --apply-layernorm-1p (config.layernorm_zero_centered_gamma, Nemotron): torch's norms
                           refuse it (transformer/torch_norm.py:45). The norm stores gamma - 1 (initialised to 0)
                           and applies (1 + gamma), transformer-engine's zero_centered_gamma formula
@@ -24,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models import backends
 from megatron.core.transformer import torch_norm
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
 
-from megatron_ext.patching import Patch, set_attr
+from megatron_ext.patching import Patch, set_attr, undo_all
 
 
 class LocalLatentAttention(DotProductAttention):
@@ -47,8 +55,37 @@ class LocalLatentAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
+class LocalNormLinear(ColumnParallelLinear):
+    """A norm, then ColumnParallelLinear: the local backend's fused norm+linear (as transformer-engine's
+    LayerNormColumnParallelLinear computes it). The norm is the local spec's (torch_norm.WrappedTorchNorm),
+    so it follows --normalization, --norm-epsilon and sequence parallelism."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm = torch_norm.WrappedTorchNorm(config=config, hidden_size=input_size, eps=config.layernorm_epsilon)
+
+    def forward(self, input_, *args, **kwargs):
+        return super().forward(self.norm(input_), *args, **kwargs)
+
+
 def _install_local_latent_attention():
-    return set_attr(backends.LocalSpecProvider, "core_attention", lambda self: LocalLatentAttention)
+    from megatron.core.transformer import mla_qk_norm_config
+
+    resolver = mla_qk_norm_config.QKNormConfigResolver
+    original_init = resolver.__init__
+
+    def __init__(self, config, submodules):
+        if config.q_lora_rank is None and config.qk_layernorm and config.transformer_impl == "local" \
+                and submodules.q_layernorm not in (None, IdentityOp):
+            # the query norm of a model without query LoRA is fused into linear_q_proj (built below)
+            submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp)
+        original_init(self, config, submodules)
+
+    return undo_all([
+        set_attr(backends.LocalSpecProvider, "core_attention", lambda self: LocalLatentAttention),
+        set_attr(backends.LocalSpecProvider, "column_parallel_layer_norm_linear", lambda self: LocalNormLinear),
+        set_attr(resolver, "__init__", __init__),
+    ])
 
 
 def _zero_centred(norm_cls):
@@ -89,8 +126,10 @@ def _install_zero_centred_norm():
 LOCAL_LATENT_ATTENTION = Patch(
     "architectures.local_latent_attention",
     ["megatron/core/models/backends.py:129", "megatron/core/transformer/multi_latent_attention.py:207",
-     "megatron/core/transformer/dot_product_attention.py:42"],
-    "the local spec's DotProductAttention does not take MLA's k_channels / v_channels",
+     "megatron/core/transformer/dot_product_attention.py:42", "megatron/core/models/backends.py:114",
+     "megatron/core/transformer/mla_qk_norm_config.py:172"],
+    "the local spec's DotProductAttention does not take MLA's k_channels / v_channels; without query LoRA "
+    "its query norm has no fused norm+linear to go into",
     _install_local_latent_attention,
 )
 ZERO_CENTRED_NORM = Patch(

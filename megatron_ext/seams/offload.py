@@ -27,7 +27,9 @@ finds, by the names of the flag --activation-offload-modules:
                   its fc2 starting (MLP.forward transformer/mlp.py:267-336, TEGroupedMLP.forward
                   transformer/moe/experts.py:815-876), so fused, GLU and TE activations are all
                   covered without wrapping config.activation_func
-  shared_experts  layer.mlp.shared_experts                 transformer/moe/moe_layer.py:338
+  shared_experts  layer.mlp.shared_experts                 transformer/moe/moe_layer.py:338;
+                  under --moe-shared-expert-overlap the dispatcher calls its linear_fc1_forward_and_act
+                  and linear_fc2_forward instead of its forward (moe_layer.py:345): those calls are wrapped
   refused: expert modules when the experts run TE's fused op (TEGroupedMLP._with_fused_impl,
                   transformer/moe/experts.py:290, taken at :753), which bypasses linear_fc1 / linear_fc2
 Module paths are the same in the local and the transformer-engine layer specs.
@@ -72,8 +74,14 @@ _QKV_PROJECTIONS = ("linear_qkv", "q_layernorm", "k_layernorm", "linear_q_proj",
                     "linear_q_up_proj", "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj")
 
 
+# --moe-shared-expert-overlap: the dispatcher runs the shared experts through these methods
+# (transformer/moe/shared_experts.py:254, 312; called at token_dispatcher.py:710, 865), never their forward
+_OVERLAPPED_SHARED_EXPERT_CALLS = ("linear_fc1_forward_and_act", "linear_fc2_forward")
+
+
 def offload_targets(layer, names) -> list:
-    """[(name, "module", [modules])] or [(name, "window", [(fc1, fc2)])] present in this layer."""
+    """[(name, "module", [modules])], [(name, "window", [(fc1, fc2)])] or [(name, "calls", [(object,
+    method name)])] present in this layer."""
     attn = getattr(layer, "self_attention", None)
     mlp = getattr(layer, "mlp", None)
     experts = getattr(mlp, "experts", None)
@@ -90,7 +98,12 @@ def offload_targets(layer, names) -> list:
         elif name == "router_fc2":
             mods = _expert_linears(experts, "linear_fc2")
         elif name == "shared_experts":
-            mods = [getattr(mlp, "shared_experts", None)]
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None and getattr(mlp, "shared_expert_overlap", False):
+                # the dispatcher calls these instead of the module (--moe-shared-expert-overlap)
+                out.append((name, "calls", [(shared, m) for m in _OVERLAPPED_SHARED_EXPERT_CALLS]))
+                continue
+            mods = [shared]
         elif name == "moe_act":
             pairs = list(zip(_expert_linears(experts, "linear_fc1"), _expert_linears(experts, "linear_fc2")))
             if pairs:

@@ -5,7 +5,9 @@ import hashlib
 
 
 def _digest(t) -> str:
-    return hashlib.sha1(t.detach().contiguous().view(-1).view(t.dtype).cpu().numpy().tobytes()).hexdigest()
+    import torch
+
+    return hashlib.sha1(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def train_digest(argv: list[str]) -> dict:

@@ -13,7 +13,7 @@ BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
     "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
     "--train-iters", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "0",
-    "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234", "--init-method-std", "0.02",
+    "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234", "--init-method-std", "0.02", "--bf16",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--transformer-impl", "local",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--make-vocab-size-divisible-by", "80",
     "--num-workers", "0", "--log-interval", "1", "--untie-embeddings-and-output-weights",
@@ -23,73 +23,92 @@ MOE_PARALLEL = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-s
 ATTENTION_MODULES = ["core_attention", "qkv_linear", "attn_proj"]
 EXPERT_MODULES = ["router_fc1", "router_fc2", "moe_act"]
 
+# The model flags below follow Megatron-LM's own configurations of these models
+# (examples/post_training/modelopt/conf/<org>/<model>.sh, examples/gptoss/02_train.sh); sizes scaled down.
+_COMMON = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+           "--no-rope-fusion", "--no-masked-softmax-fusion"]
 # multi-latent attention as DeepSeek-V3 / Kimi-K2 configure it (q_lora 1536, kv_lora 512, qk 128 + rope 64,
-# v 128; yarn rope, factor 40, mscale 1.0 / 1.0), scaled down
+# v 128, qk-layernorm = the latent norms; yarn rope with mscale 1.0 / 1.0), scaled down
 _MLA = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
-        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
-        "--mscale", "1.0", "--mscale-all-dim", "1.0", "--rotary-base", "10000",
-        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope"]
-# DeepSeek-V3's MoE: 256 routed experts top-8 in 8 groups (top-4 groups), sigmoid scores with an expert
-# bias, scores scaled by 2.5, a sequence-level aux loss, one shared expert, the first 3 layers dense
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+        "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+# DeepSeek-V3's MoE: sigmoid scores with an expert bias, pre-softmax, a sequence-level aux loss, one
+# shared expert overlapped with the dispatch, dense first layers
 _DEEPSEEK_MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-                 "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
-                 "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
+                 "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap",
+                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-bias-update-rate", "1e-3", "--moe-router-pre-softmax",
                  "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
-                 "--moe-token-dispatcher-type", "alltoall", "--ffn-hidden-size", "128"]
+                 "--moe-token-dispatcher-type", "alltoall", "--moe-token-drop-policy", "probs",
+                 "--moe-layer-freq", "([0]+[1]*1)", "--ffn-hidden-size", "128"]
+_QWEN3 = ["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--qk-layernorm",
+          "--rotary-percent", "1.0", "--rotary-base", "1000000", "--no-bias-swiglu-fusion"]
+_AUX_LOSS_MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                 "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
+                 "--moe-token-dispatcher-type", "alltoall"]
 
 ZOO = {
-    "deepseek_v3": dict(  # 61 layers (3 dense), hidden 7168, 128 heads, MTP 1 layer
-        argv=[*_MLA, *_DEEPSEEK_MOE, "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
-              "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "([0]+[1]*1)", "--mtp-num-layers", "1",
-              "--mtp-loss-scaling-factor", "0.1"],
+    "deepseek_v3": dict(  # DeepSeek-V3/R1: 61 layers (3 dense), hidden 7168, 128 heads, 256 experts top-8 in
+        # 8 groups (top-4 groups), scaled 2.5; one MTP layer
+        argv=[*_COMMON, *_MLA, *_DEEPSEEK_MOE, "--rotary-base", "10000", "--rotary-scaling-factor", "40",
+              "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+              "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"],
         moe=True, shared_experts=True),
-    "kimi_k2": dict(  # 61 layers (1 dense), hidden 7168, 64 heads, 384 experts top-8 in one group, scaled 2.827
-        argv=[*_MLA, *_DEEPSEEK_MOE, "--moe-router-num-groups", "1", "--moe-router-group-topk", "1",
+    "deepseek_v2_lite": dict(  # DeepSeek-V2-Lite: 27 layers (1 dense), hidden 2048, 16 heads, no query LoRA,
+        # 64 experts top-6 (softmax), 2 shared, mscale 0.707
+        argv=[*_COMMON, "--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+              "--rotary-base", "10000", "--rotary-scaling-factor", "40", "--mscale", "0.707", "--mscale-all-dim", "0.707",
+              "--norm-epsilon", "1e-6", "--attention-softmax-in-fp32",
+              "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+              "--moe-shared-expert-intermediate-size", "64", "--moe-router-score-function", "softmax",
+              "--moe-router-topk-scaling-factor", "1.0", "--moe-router-pre-softmax",
+              "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+              "--moe-token-dispatcher-type", "alltoall", "--moe-token-drop-policy", "probs",
+              "--moe-layer-freq", "([0]+[1]*1)", "--ffn-hidden-size", "128"],
+        moe=True, shared_experts=True),
+    "kimi_k2": dict(  # Kimi-K2: 61 layers (1 dense), hidden 7168, 64 heads, 384 experts top-8 (one group),
+        # scaled 2.827, yarn factor 32
+        argv=[*_COMMON, *_MLA, *_DEEPSEEK_MOE, "--rotary-base", "50000", "--rotary-scaling-factor", "32",
               "--moe-router-topk-scaling-factor", "2.827"],
         moe=True, shared_experts=True),
-    "qwen3": dict(  # Qwen3-8B: 36 layers, hidden 4096, 32 heads, 8 KV groups, head dim 128, qk-layernorm
-        argv=["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--qk-layernorm",
-              "--ffn-hidden-size", "192", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-              "--position-embedding-type", "rope", "--rotary-base", "1000000"],
+    "qwen3": dict(  # Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV groups, head dim 128
+        argv=[*_COMMON, *_QWEN3, "--ffn-hidden-size", "192"],
         moe=False),
     "qwen3_moe": dict(  # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads / 4 KV groups, 128 experts top-8
-        argv=["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--qk-layernorm",
-              "--ffn-hidden-size", "192", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-              "--position-embedding-type", "rope", "--rotary-base", "1000000",
-              "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
-              "--moe-token-dispatcher-type", "alltoall"],
+        argv=[*_COMMON, *_QWEN3, "--ffn-hidden-size", "192", *_AUX_LOSS_MOE],
         moe=True),
-    "gpt_oss": dict(  # gpt-oss-20b: 24 layers, hidden 2880, 64 heads / 8 KV groups, 32 experts top-4,
-        # sliding window 128 on every other layer, learnable softmax sinks, biases, clamped GLU (limit 7.0)
-        argv=["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
-              "--window-size", "8,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable",
-              "--add-qkv-bias", "--normalization", "RMSNorm", "--swiglu", "--glu-linear-offset", "1.0",
-              "--activation-func-clamp-value", "7.0", "--position-embedding-type", "rope", "--rotary-base", "150000",
-              "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
-              "--moe-token-dispatcher-type", "alltoall"],
+    "gpt_oss": dict(  # gpt-oss-20b: 24 layers, hidden 2880, 64 heads / 8 KV groups, 32 experts top-4; biases,
+        # GLU of quick-GELU with offset 1 clamped at 7, sliding window 128 on every other layer, learnable
+        # softmax sinks; yarn rope (factor 32 from 4096 positions, beta 32 / 1)
+        argv=["--normalization", "RMSNorm", "--no-rope-fusion", "--no-masked-softmax-fusion",
+              "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--quick-geglu",
+              "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0", "--softmax-type", "learnable",
+              "--window-size", "7,0", "--window-attn-skip-freq", "2", "--position-embedding-type", "yarn",
+              "--rotary-base", "150000", "--rotary-scaling-factor", "32", "--yarn-original-max-position-embeddings",
+              "16", "--yarn-beta-fast", "32", "--yarn-beta-slow", "1", "--no-bias-gelu-fusion",
+              "--no-bias-dropout-fusion", "--ffn-hidden-size", "64", *_AUX_LOSS_MOE, "--moe-z-loss-coeff", "1e-3"],
         moe=True),
-    "llama3": dict(  # Llama-3-8B: 32 layers, hidden 4096, 32 heads / 8 KV groups, rope base 500000
-        argv=["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "224",
-              "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-              "--rotary-base", "500000"],
+    "llama3": dict(  # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 KV groups, rope 500000 with llama-3.1 scaling
+        argv=[*_COMMON, "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "224",
+              "--rotary-base", "500000", "--use-rope-scaling"],
         moe=False),
     "llama4": dict(  # Llama-4-Scout: 48 layers, hidden 5120, 40 heads / 8 KV groups, 16 experts top-1 with
-        # sigmoid scores and a shared expert, interleaved rope, no rope on every 4th layer, qk L2 norm
-        argv=["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
-              "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-              "--rotary-base", "500000", "--rotary-interleaved", "--no-rope-freq", "2", "--qk-l2-norm",
-              "--num-experts", "8", "--moe-router-topk", "1", "--moe-router-score-function", "sigmoid",
+        # sigmoid scores and a shared expert, interleaved rope scaled by 8
+        argv=[*_COMMON, "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--ffn-hidden-size",
+              "128", "--rotary-interleaved", "--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor",
+              "8.0", "--no-bias-swiglu-fusion", "--num-experts", "8", "--moe-router-topk", "1",
+              "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "1.0",
               "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
-              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
-              "--moe-token-dispatcher-type", "alltoall"],
+              "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+              "--moe-token-dispatcher-type", "alltoall", "--moe-token-drop-policy", "probs"],
         moe=True, shared_experts=True),
-    "nemotron": dict(  # Nemotron-4-15B: 32 layers, hidden 6144, 48 heads / 8 KV groups, squared ReLU,
-        # zero-centred LayerNorm (--apply-layernorm-1p), rope on half the head
-        argv=["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "256",
+    "nemotron": dict(  # Nemotron-Mini-4B: 32 layers, hidden 3072, 24 heads / 8 KV groups, squared ReLU,
+        # zero-centred LayerNorm (--apply-layernorm-1p), rope on half of each head
+        argv=["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "192",
               "--normalization", "LayerNorm", "--apply-layernorm-1p", "--squared-relu", "--disable-bias-linear",
-              "--position-embedding-type", "rope", "--rotary-percent", "0.5"],
+              "--use-rotary-position-embeddings", "--rotary-percent", "0.5", "--no-rope-fusion", "--no-position-embedding",
+              "--no-masked-softmax-fusion", "--rotary-base", "10000"],
         moe=False),
 }
 
