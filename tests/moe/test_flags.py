@@ -43,10 +43,13 @@ def test_validate_accepts_supported():
     (dict(moe_pad_expert_input_to_capacity=True), "--moe-expert-capacity-factor"),
 ])
 def test_validate_rejects_with_flag_and_value(kw, expect):
-    moe.validate(ns(moe_shared_expert_overlap=True))  # supported: the shared experts overlap the dispatch
     with pytest.raises(ConfigError) as e:
         moe.validate(ns(**kw))
     assert "--moe-sync-free-dispatcher=True" in str(e.value) and expect in str(e.value)
+
+
+def test_shared_expert_overlap_is_accepted():
+    moe.validate(ns(moe_shared_expert_overlap=True))  # the shared experts run at megatron's hook points
 
 
 def test_full_argument_path_with_recipe(capsys):
