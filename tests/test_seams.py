@@ -18,6 +18,8 @@ from megatron.core.optimizer import distrib_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import token_dispatcher
 
 from megatron_ext import seams
@@ -33,6 +35,7 @@ TARGETS = {
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
+    "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
 }
 
 
