@@ -4,10 +4,10 @@
 
 validates as a CUDA cluster would (CUDA present, of the GPU named by ``--target-gpu``, Hopper by default;
 transformer-engine present or not; apex absent unless ``--assume-apex``), so a CPU machine checks a
-cluster's start-up. What megatron asks the device while it validates (the compute capability) is answered
-for that GPU (:func:`device_answers`), and the launch environment is the one the target needs. Without
-``--platform`` the target is this machine. The rules below are the ones megatron-core 0.19.2 applies when it builds the model on
-such a platform, moved to parse time:
+cluster's start-up. What megatron asks the device while it validates (the compute capability) is
+answered for that GPU (:func:`device_answers`), and the launch environment is the one the target needs.
+Without ``--platform`` the target is this machine. The rules below are the ones megatron-core 0.19.2
+applies when it builds the model on such a platform, moved to parse time:
 
 * ``--transformer-impl transformer_engine`` (megatron's default) needs transformer-engine; where it
   is absent a *default* falls back to the local spec, an explicit request is refused.
