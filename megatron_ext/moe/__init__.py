@@ -6,6 +6,10 @@
   dispatcher of every megatron-core ``MoELayer``; zero syncs with a capacity factor, one (the
   variable split sizes) in dropless mode. Selected by ``--moe-sync-free-dispatcher`` (recipe key
   ``moe_sync_free_dispatcher: true``).
+* :class:`FixedBudgetDispatcher` (``fixed_dispatch.py``) with grouped experts over device offsets
+  (``grouped_experts.py``): dropless with zero syncs, ``--moe-zero-sync-dropless``; a token budget
+  (``--moe-dropless-budget-factor``) whose overflow is counted on the device and read at log time
+  (``--moe-dropless-overflow``).
 * :class:`SyncDetector` (``sync_detector.py``): counts the syncs a block would cause on CUDA, on CPU.
 
 Importing this package does not import megatron-core; the hooks below do, when called.
@@ -16,8 +20,12 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.moe.multihot import indices_to_multihot
 
 FLAG = "--moe-sync-free-dispatcher"
+ZERO_SYNC = "--moe-zero-sync-dropless"
+BUDGET = "--moe-dropless-budget-factor"
+OVERFLOW_FLAG = "--moe-dropless-overflow"
 
-__all__ = ["indices_to_multihot", "add_arguments", "validate", "after_model", "install", "FLAG"]
+__all__ = ["indices_to_multihot", "add_arguments", "validate", "after_model", "install", "at_log_line",
+           "log_counters", "teardown", "FLAG"]
 
 
 def add_arguments(parser):
@@ -33,10 +41,39 @@ def add_arguments(parser):
         "runs with no host-device synchronisation (CUDA-graph capturable), in dropless mode with "
         "exactly one (the variable split sizes). See docs/moe.md.",
     )
+    group.add_argument(
+        ZERO_SYNC,
+        dest="moe_zero_sync_dropless",
+        action="store_true",
+        default=False,
+        help=f"With {FLAG} in dropless mode: no host synchronisation at all. Tokens travel in "
+        "fixed-size per-rank buffers (a token budget), the experts run as grouped GEMMs over "
+        "per-expert offsets kept on the device (local spec experts). Bit-identical to megatron's "
+        "dropless dispatcher while nothing overflows the budget.",
+    )
+    group.add_argument(
+        BUDGET,
+        dest="moe_dropless_budget_factor",
+        type=float,
+        default=None,
+        help=f"With {ZERO_SYNC}: rows of each buffer as a multiple of the balanced load "
+        "(tokens x top-k / EP), capped at the worst case. Default: the worst case "
+        "(tokens x min(top-k, local experts)), where nothing can overflow.",
+    )
+    group.add_argument(
+        OVERFLOW_FLAG,
+        dest="moe_dropless_overflow",
+        choices=("error", "drop"),
+        default="error",
+        help=f"With {ZERO_SYNC} and a budget below the worst case: what a routing that overflows "
+        "it does. error: stop at the next log line, naming the factor that would have fitted; "
+        "drop: drop the pairs past the budget, counted in the log line. (default: error)",
+    )
     return parser
 
 
 def validate(args) -> None:
+    _validate_zero_sync(args)
     if not getattr(args, "moe_sync_free_dispatcher", False):
         return
     on = f"{FLAG}=True"
@@ -58,19 +95,62 @@ def validate(args) -> None:
         raise ConfigError(f"{on}: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
+def _validate_zero_sync(args) -> None:
+    factor = getattr(args, "moe_dropless_budget_factor", None)
+    zero_sync = getattr(args, "moe_zero_sync_dropless", False)
+    if not zero_sync:
+        if factor is not None:
+            raise ConfigError(f"{BUDGET}={factor}: needs {ZERO_SYNC}")
+        return
+    on = f"{ZERO_SYNC}=True"
+    if not getattr(args, "moe_sync_free_dispatcher", False):
+        raise ConfigError(f"{on}: needs {FLAG}")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        raise ConfigError(f"{on}: is the dropless mode; --moe-expert-capacity-factor="
+                          f"{args.moe_expert_capacity_factor} already has no host sync")
+    if factor is not None and not factor > 0:
+        raise ConfigError(f"{BUDGET}={factor}: must be > 0")
+    if getattr(args, "moe_grouped_gemm", False):
+        raise ConfigError(f"{on}: --moe-grouped-gemm runs transformer-engine's grouped GEMM, which takes "
+                          "per-expert row counts on the host; the grouped experts here need the local "
+                          "SequentialMLP experts (drop --moe-grouped-gemm)")
+    for flag, name in (("--fp8-format", "fp8"), ("--fp4-format", "fp4")):
+        if getattr(args, name, None):
+            raise ConfigError(f"{on}: {flag} pads expert inputs per expert on the host; not supported")
+    if getattr(args, "use_te_activation_func", False):
+        raise ConfigError(f"{on}: --use-te-activation-func is not supported by the grouped experts")
+    if getattr(args, "moe_latent_size", None):
+        raise ConfigError(f"{on}: --moe-latent-size is not supported by the grouped experts")
+    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or 1
+    for name, size in (("--hidden-size", args.hidden_size), ("--moe-ffn-hidden-size / expert-TP", (ffn or 0) // etp)):
+        if size and (size * dtype_bytes) % 16:
+            raise ConfigError(f"{on}: {name}={size}: the grouped GEMM needs rows of a multiple of 16 bytes "
+                              f"({16 // dtype_bytes} elements in this precision)")
+
+
 installed = 0  # dispatchers replaced in this process (tests check the flag really took effect)
 
 
-def install(model_chunks) -> int:
-    """Swap the token dispatcher of every MoELayer in ``model_chunks`` (modules or DDP wrappers).
+def install(model_chunks, zero_sync: bool = False, budget_factor=None) -> int:
+    """Swap the token dispatcher of every MoELayer in ``model_chunks`` (modules or DDP wrappers);
+    with ``zero_sync`` the fixed-budget one, and the experts run grouped over device offsets.
     Returns how many were replaced."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_ext import seams
     from megatron_ext.moe.dispatcher import MultihotTokenDispatcher
+    from megatron_ext.moe.fixed_dispatch import FixedBudgetDispatcher
+
+    kind = FixedBudgetDispatcher if zero_sync else MultihotTokenDispatcher
 
     def make(old):
-        return old if isinstance(old, MultihotTokenDispatcher) else MultihotTokenDispatcher.replacing(old)
+        if type(old) is kind:
+            return old
+        if zero_sync:
+            return FixedBudgetDispatcher.replacing(old, budget_factor=budget_factor)
+        return MultihotTokenDispatcher.replacing(old)
 
     global installed
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -79,10 +159,56 @@ def install(model_chunks) -> int:
         for module in chunk.modules():
             if isinstance(module, MoELayer) and seams.replace_token_dispatcher(module, make):
                 replaced += 1
+                if zero_sync:
+                    seams.run_experts_grouped(module)
     installed += replaced
     return replaced
 
 
 def after_model(args, model_chunks) -> None:
     if getattr(args, "moe_sync_free_dispatcher", False):
-        install(model_chunks)
+        install(model_chunks, zero_sync=getattr(args, "moe_zero_sync_dropless", False),
+                budget_factor=getattr(args, "moe_dropless_budget_factor", None))
+
+
+_last_line = {}  # this process's overflow figures of the last log line (zero-sync mode only)
+
+
+def at_log_line(args) -> None:
+    """Every rank, at each log line: the one host read of the overflow counters, summed (pairs
+    dropped) and maxed (load) over the ranks, so every rank decides the same."""
+    if not getattr(args, "moe_zero_sync_dropless", False):
+        return
+    import math
+
+    import torch
+
+    from megatron_ext import platform
+    from megatron_ext.moe.fixed_dispatch import OVERFLOW as counter
+
+    dropped, load = counter.take()
+    device = platform.current().device
+    dropped = torch.zeros(1, dtype=torch.float64, device=device) if dropped is None else dropped.double()
+    load = torch.zeros(1, dtype=torch.float64, device=device) if load is None else load
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(dropped)
+        torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX)
+    n, fits = int(dropped.item()), math.ceil(load.item() * 100) / 100
+    _last_line.update(dropped=n)
+    if n and args.moe_dropless_overflow == "error":
+        raise ConfigError(f"{BUDGET}={args.moe_dropless_budget_factor}: {n} routed (token, expert) pairs "
+                          f"overflowed the dispatch budget since the last log line; a factor of {fits} "
+                          f"would have fitted (or {OVERFLOW_FLAG} drop to drop them)")
+
+
+def log_counters() -> dict:
+    if not _last_line:
+        return {}
+    return {"moe dropped pairs": _last_line.pop("dropped")}
+
+
+def teardown() -> None:
+    from megatron_ext.moe.fixed_dispatch import OVERFLOW as counter
+
+    counter.reset()
+    _last_line.clear()

@@ -12,7 +12,8 @@ import torch
 from megatron_ext import platform
 from megatron_ext.moe.sync_detector import SyncDetector, run_backward
 
-MODES = ("dropless", "capacity", "capacity-nopad")
+# dropless-syncfree: dropless; ours runs the fixed-budget dispatcher with grouped experts
+MODES = ("dropless", "capacity", "capacity-nopad", "dropless-syncfree")
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,15 @@ class LayerSpec:
     tp: int = 1
     ep: int = 1
     etp: Optional[int] = None
+    budget_factor: Optional[float] = None  # dropless-syncfree only (None: the worst case)
+    shared_expert: bool = False  # a shared expert, overlapped with the dispatch (alltoall)
 
     def config(self):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
-        capacity = self.mode != "dropless"
+        capacity = self.mode.startswith("capacity")
         return TransformerConfig(
             num_layers=1,
             hidden_size=self.hidden,
@@ -52,6 +55,8 @@ class LayerSpec:
             expert_tensor_parallel_size=self.etp,
             use_cpu_initialization=True,
             add_bias_linear=False,
+            moe_shared_expert_intermediate_size=self.ffn if self.shared_expert else None,
+            moe_shared_expert_overlap=self.shared_expert and self.dispatcher == "alltoall",
             params_dtype=torch.float32,
         )
 
@@ -68,7 +73,8 @@ def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):
     layer = layer_spec.submodules.mlp(config=spec.config())
     if platform.current().is_cuda:
         layer = layer.cuda()
-    layer.replaced = moe.install(layer) if ours else 0
+    zero_sync = spec.mode == "dropless-syncfree"
+    layer.replaced = moe.install(layer, zero_sync=zero_sync, budget_factor=spec.budget_factor) if ours else 0
     return layer
 
 

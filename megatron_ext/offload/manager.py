@@ -250,6 +250,11 @@ class OffloadManager:
                 if not targets:
                     continue
                 path = {id(m): n for n, m in layer.named_modules()}
+                for _, _, mods in targets:  # modules run in place of registered ones (grouped experts)
+                    for m in mods:
+                        for one in (m if isinstance(m, tuple) else (m,)):
+                            if id(one) not in path and hasattr(one, "path_in"):
+                                path[id(one)] = one.path_in(path)
                 self._handles.append(layer.register_forward_pre_hook(functools.partial(self._begin_group, chunk_idx)))
                 self._handles.append(layer.register_forward_hook(self._end_group, always_call=True))
                 for name, kind, mods in targets:

@@ -33,7 +33,7 @@ from megatron_ext.seams import architectures, checkpointing, moe, offload, sched
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
 )
-from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale
+from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
@@ -96,7 +96,7 @@ __all__ = [
     "SEAMS", "TORCH_NORM_SEQUENCE_PARALLEL", "apply_for_run", "install", "uninstall", "without",
     "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "checksummed_writes",
     "verified_reads", "replace_token_dispatcher",
-    "reset_moe_aux_loss_scale", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
+    "reset_moe_aux_loss_scale", "run_experts_grouped", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
     "install_schedules_seams", "label_plain_schedule_passes", "install_sharded_params_seams",
     "remove_sharded_params_seams", "sharded_params_seams_installed", "reset_megatron_globals",
 ]

@@ -11,6 +11,12 @@ Replaced (per instance, by --moe-sync-free-dispatcher, after the model is built)
        MoEAlltoAllTokenDispatcher (:372). It reuses, unchanged: moe_utils.permute (:337),
        unpermute (:470), get_capacity (:241); tensor_parallel all_to_all (mappings.py:558),
        gather_from_sequence_parallel_region (:522), reduce_scatter_to_sequence_parallel_region (:536).
+Replaced per instance by --moe-zero-sync-dropless (after the model is built):
+  SequentialMLP.forward            transformer/moe/experts.py:1318 (its tokens_per_expert.tolist()
+                                   at :1352 is the host read) -> megatron_ext.moe.grouped_experts:
+                                   the same experts' weights as grouped GEMMs over device offsets,
+                                   megatron's MLP.forward (transformer/mlp.py:258) called unbound on
+                                   a namespace holding grouped linear_fc1 / linear_fc2
 Reference only (called unbound, never replaced): _DeepepManager._indices_to_multihot
   (token_dispatcher.py:1328), the bit-equality oracle for megatron_ext.moe.indices_to_multihot.
 Wrapped only while a SyncDetector is active (CPU only, restored on exit):
@@ -44,6 +50,19 @@ def replace_token_dispatcher(moe_layer, make) -> bool:
     if getattr(moe_layer, "_training_token_dispatcher", None) is old:
         moe_layer._training_token_dispatcher = new
     return True
+
+
+def run_experts_grouped(moe_layer) -> None:
+    """The layer's SequentialMLP runs through megatron_ext.moe.grouped_experts (an instance
+    attribute shadowing SequentialMLP.forward, experts.py:1318; ``del experts.forward`` undoes it)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_ext.moe import grouped_experts
+
+    experts = moe_layer.experts
+    if type(experts) is not SequentialMLP:
+        raise ValueError(f"zero-sync dropless MoE needs SequentialMLP experts, got {type(experts).__name__}")
+    experts.forward = grouped_experts.attach(experts)
 
 
 def reset_moe_aux_loss_scale() -> None:

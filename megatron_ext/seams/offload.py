@@ -22,6 +22,8 @@ finds, by the names of the flag --activation-offload-modules:
   router_fc1      MoE expert fc1: layer.mlp.experts.local_experts[i].linear_fc1 (SequentialMLP,
                   transformer/moe/experts.py:1260; MLP fc1 transformer/mlp.py:222) or
                   layer.mlp.experts.linear_fc1 (TEGroupedMLP, transformer/moe/experts.py:216)
+                  or, under --moe-zero-sync-dropless, the grouped linear that replaces the local
+                  experts' (megatron_ext/moe/grouped_experts.py)
   router_fc2      the same with linear_fc2 (transformer/mlp.py:242, transformer/moe/experts.py:235)
   moe_act         the expert activation: everything saved between the expert's fc1 returning and
                   its fc2 starting (MLP.forward transformer/mlp.py:267-336, TEGroupedMLP.forward
@@ -55,6 +57,9 @@ def offload_layers(model) -> list:
 def _expert_linears(experts, which: str) -> list:
     if experts is None:
         return []
+    grouped = getattr(experts, "grouped_experts", None)  # --moe-zero-sync-dropless: one grouped linear
+    if grouped is not None:
+        return [getattr(grouped, which)]
     if hasattr(experts, "local_experts"):  # SequentialMLP
         return [getattr(e, which) for e in experts.local_experts]
     lin = getattr(experts, which, None)

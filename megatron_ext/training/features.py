@@ -6,6 +6,7 @@
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig before the model is built
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
+    at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 import importlib
 import weakref
 
-PACKAGES = ("megatron_ext.offload", "megatron_ext.moe", "megatron_ext.schedules", "megatron_ext.training")
+# moe before offload: offload hooks the expert modules the MoE package puts in place
+PACKAGES = ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.training")
 
 
 def _hooks(name):
@@ -68,6 +70,11 @@ class SinceLastCall:
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         return delta
+
+
+def at_log_line(args) -> None:
+    for fn in _hooks("at_log_line"):
+        fn(args)
 
 
 def log_counters() -> dict:

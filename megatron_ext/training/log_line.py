@@ -126,7 +126,10 @@ class TrainingLogger:
         self._records.append(record)
         self._unread += 1
         self.interval_iterations += 1
-        if self.is_logging_rank and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+        line_due = iteration % args.log_interval == 0 or iteration == args.train_iters
+        if line_due:
+            features.at_log_line(args)  # every rank
+        if self.is_logging_rank and line_due:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
             per_iteration = (now - self.interval_start) / self.interval_iterations

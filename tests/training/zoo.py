@@ -88,7 +88,7 @@ ZOO = {
               "--rotary-base", "150000", "--rotary-scaling-factor", "32", "--yarn-original-max-position-embeddings",
               "16", "--yarn-beta-fast", "32", "--yarn-beta-slow", "1", "--no-bias-gelu-fusion",
               "--no-bias-dropout-fusion", "--ffn-hidden-size", "64", *_AUX_LOSS_MOE, "--moe-z-loss-coeff", "1e-3"],
-        moe=True),
+        moe=True, expert_bias=True),
     "llama3": dict(  # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 KV groups, rope 500000 with llama-3.1 scaling
         argv=[*_COMMON, "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "224",
               "--rotary-base", "500000", "--use-rope-scaling"],
@@ -133,6 +133,12 @@ def features_argv(name: str) -> list[str]:
     if ZOO[name]["moe"]:
         extra.append("--moe-sync-free-dispatcher")
     return plain_argv(name) + extra
+
+
+def zero_sync_argv(name: str) -> list[str]:
+    """Every feature, with the MoE layers in the zero-sync dropless mode (fixed-budget dispatch,
+    grouped experts over device offsets)."""
+    return features_argv(name) + ["--moe-zero-sync-dropless"]
 
 
 # Features next to megatron's own memory savers and DeepSeek-V3's MTP: (architecture, extra flags for
