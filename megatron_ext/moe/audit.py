@@ -29,6 +29,7 @@ class LayerSpec:
     etp: Optional[int] = None
     budget_factor: Optional[float] = None  # dropless-syncfree only (None: the worst case)
     shared_expert: bool = False  # a shared expert, overlapped with the dispatch (alltoall)
+    routing: tuple = ()  # extra TransformerConfig fields, (name, value) pairs (router options)
 
     def config(self):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,7 +37,7 @@ class LayerSpec:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
         capacity = self.mode.startswith("capacity")
-        return TransformerConfig(
+        fields = dict(
             num_layers=1,
             hidden_size=self.hidden,
             num_attention_heads=4,
@@ -59,6 +60,7 @@ class LayerSpec:
             moe_shared_expert_overlap=self.shared_expert and self.dispatcher == "alltoall",
             params_dtype=torch.float32,
         )
+        return TransformerConfig(**{**fields, **dict(self.routing)})
 
 
 def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):

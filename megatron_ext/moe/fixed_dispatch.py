@@ -136,6 +136,10 @@ class FixedBudgetDispatcher(MultihotTokenDispatcher):
             end = counts.view(ep, L).cumsum(dim=1)
             self.kept = end.clamp(max=B) - (end - counts.view(ep, L)).clamp(max=B)  # [ep, L]
             self._count((per_dest - B).clamp(min=0).sum(), per_dest.max(), balanced)
+            # tokens that lost a pair to the budget (inspection; zeros when nothing overflows)
+            lost = (expert < E) & ~keep
+            self.tokens_dropped = torch.zeros(T + 1, dtype=torch.bool, device=dev).index_fill_(
+                0, torch.where(lost, self.sorted_indices, torch.full_like(self.sorted_indices, T)), True)[:T]
         H = x.shape[-1]
         send = permuted.new_zeros(ep * B + 1, H).index_copy(0, self.slot, permuted)[: ep * B]
         send_probs = permuted_probs.new_zeros(ep * B + 1).index_copy(0, self.slot, permuted_probs)[: ep * B]

@@ -8,16 +8,20 @@ from megatron_ext.moe import audit
 
 
 def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=None, experts=4, topk=2,
-                      seq=16, batch=2, hidden=32, seed=7, padded_tail=0):
+                      seq=16, batch=2, hidden=32, seed=7, padded_tail=0, budget_factor=None, shared_expert=False,
+                      routing=()):
     """Standard vs multihot dispatcher on one MoELayer: outputs, input grads, weight grads and the
-    syncs each one causes (forward / backward) on this rank."""
+    syncs each one causes (forward / backward) on this rank. ``mode="dropless-syncfree"``: also the
+    budget, the pairs it dropped (device counters) and which output rows still equal upstream's."""
+    from megatron_ext.moe.fixed_dispatch import OVERFLOW
     from megatron_ext.training import parallel
 
     parallel.initialize(tensor=tp, expert=ep, expert_tensor=etp)
     seams.reset_moe_aux_loss_scale()
     try:
         spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=experts, topk=topk,
-                               hidden=hidden, tp=tp, ep=ep, etp=etp)
+                               hidden=hidden, tp=tp, ep=ep, etp=etp, budget_factor=budget_factor,
+                               shared_expert=shared_expert, routing=tuple(routing))
         x, g = audit.rank_inputs(spec, seq=seq, batch=batch, seed=seed)
         mask = None
         if padded_tail:  # the last `padded_tail` positions of this rank's sequence are padding
@@ -30,8 +34,12 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
         ref_pairs = sum(int(v) for v in splits) if splits is not None else -1
         seams.reset_moe_aux_loss_scale()
         layer = audit.build_layer(spec, seed=seed, ours=True)
+        OVERFLOW.reset()
         ours = audit.run_layer(layer, x, g, padding_mask=mask)
+        dropped, load = OVERFLOW.take()
         dispatcher_ = layer.token_dispatcher
+        lost = getattr(dispatcher_, "tokens_dropped", None)
+        row_diff = (ref.out - ours.out).abs().amax(dim=-1).reshape(-1)  # [s, b, h] -> per token (s-major)
         return {
             "out_equal": torch.equal(ref.out, ours.out),
             "dx_equal": torch.equal(ref.dx, ours.dx),
@@ -50,6 +58,11 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
             "token_level": getattr(dispatcher_, "token_level", None),
             "rows_sent": getattr(dispatcher_, "rows_sent", None),
             "pairs": int(ref_pairs),
+            "budget": getattr(dispatcher_, "budget", None),
+            "dropped": None if dropped is None else int(dropped.sum()),
+            "load": None if load is None else float(load.max()),
+            "lost_tokens": None if lost is None else lost.tolist(),
+            "row_diff": row_diff.tolist(),
         }
     finally:
         seams.reset_moe_aux_loss_scale()

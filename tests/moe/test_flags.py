@@ -61,3 +61,22 @@ def test_full_argument_path_with_recipe(capsys):
     assert args.moe_sync_free_dispatcher is True
     assert args.config_sources["moe_sync_free_dispatcher"] == "cli"
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("kw,expect", [
+    (dict(moe_zero_sync_dropless=False, moe_dropless_budget_factor=1.0), "--moe-dropless-budget-factor=1.0: needs"),
+    (dict(moe_sync_free_dispatcher=False), "--moe-zero-sync-dropless=True: needs --moe-sync-free-dispatcher"),
+    (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor=1.0"),
+    (dict(moe_dropless_budget_factor=0.0), "--moe-dropless-budget-factor=0.0: must be > 0"),
+    (dict(moe_grouped_gemm=True), "--moe-grouped-gemm"),
+    (dict(hidden_size=36, bf16=True), "--hidden-size=36"),
+])
+def test_zero_sync_dropless_refusals(kw, expect):
+    base = dict(moe_zero_sync_dropless=True, moe_dropless_budget_factor=None, hidden_size=64, ffn_hidden_size=128,
+                moe_ffn_hidden_size=32, bf16=False)
+    base.update(kw)
+    with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        moe.validate(ns(**base))
+    moe.validate(ns(**{**base, **{k: v for k, v in dict(moe_zero_sync_dropless=True, moe_sync_free_dispatcher=True,
+                                                          moe_expert_capacity_factor=None, moe_grouped_gemm=False,
+                                                          moe_dropless_budget_factor=None, hidden_size=64).items()}}))

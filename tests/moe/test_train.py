@@ -40,3 +40,24 @@ def test_losses_equal_standard_dispatcher(case):
     assert losses == ref_losses  # exact float equality, every iteration, every rank
     assert norms == ref_norms
     assert losses[0][-1] < losses[0][0]  # and it trains
+
+
+ZERO_SYNC = ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]
+
+
+def test_zero_sync_dropless_trains_bitwise_and_overflow_stops_the_run():
+    """The recipe under EP2 with the zero-sync dropless mode (worst-case budget): the standard
+    dispatcher's losses and grad norms, bit for bit. With a budget far below the load, the run stops
+    at the first log line with one error naming the flag and a factor that would have fitted."""
+    argv = BASE + ["--log-interval", "1"]
+    ref_losses, ref_norms, _ = _train(2, argv)
+    losses, norms, installed = _train(2, argv + ZERO_SYNC)
+    assert installed == [4, 4]
+    assert losses == ref_losses and norms == ref_norms
+    with pytest.raises(RuntimeError) as err:
+        _train(2, argv + ZERO_SYNC + ["--moe-dropless-budget-factor", "0.25"])
+    message = str(err.value)
+    assert "--moe-dropless-budget-factor=0.25:" in message and "a factor of" in message, message
+    losses, _, _ = _train(2, argv + ZERO_SYNC + ["--moe-dropless-budget-factor", "0.25",
+                                                 "--moe-dropless-overflow", "drop"])
+    assert len(losses[0]) == 3 and losses != ref_losses  # dropping changes the result, and it says so
