@@ -8,6 +8,10 @@ syncs counted by the CPU SyncDetector (on CUDA additionally torch.cuda.set_sync_
 around ours), bit equality over random inputs of many shapes, median time ratio.
 Part 2 (--ep processes, gloo or NCCL): one MoELayer forward+backward per dispatcher and mode, the
 syncs the detector finds on rank 0 (each site listed with --sites), and the median step time.
+Part 3, dropless side by side: megatron's dropless dispatcher, ours with one sync, ours with none
+(--moe-zero-sync-dropless) at budget factors 1.0 / 1.25 / worst case, under balanced and skewed
+routing: syncs, all-to-all bytes, dispatch buffer bytes, peak live bytes of the step, step time,
+pairs dropped, and whether outputs and gradients equal megatron's bit for bit.
 """
 from __future__ import annotations
 
@@ -186,6 +190,105 @@ def bench_layers(opts) -> list:
     return run_world(opts["ep"], layer_job, opts=opts)[0]  # a worker that dies fails the run, naming its rank
 
 
+BUDGETS = (1.0, 1.25, None)  # None: the worst case (nothing can overflow)
+
+
+def _skew(layer, x, strength):
+    """Inputs leaning towards rank 0's experts: add the mean of their router rows (same for every
+    dispatcher: the routing is the layer's own)."""
+    if not strength:
+        return x
+    w = layer.router.weight.detach()
+    lean = w[: max(1, w.shape[0] // torch.distributed.get_world_size())].mean(0)
+    return x + strength * lean / lean.norm() * x.norm(dim=-1, keepdim=True).mean()
+
+
+def dropless_job(opts) -> list:
+    """Rank 0's rows (counts summed over ranks where noted) for each dropless dispatcher."""
+    from megatron_ext import seams
+    from megatron_ext.bench.memtrack import LiveBytesTracker
+    from megatron_ext.moe import audit
+    from megatron_ext.moe.fixed_dispatch import OVERFLOW
+    from megatron_ext.moe.sync_detector import run_backward
+    from megatron_ext.training import parallel
+
+    rows = []
+    try:
+        parallel.initialize(expert=opts["ep"])
+        for dispatcher in ("alltoall", "allgather"):
+            for routing, strength in (("balanced", 0.0), ("skewed", 2.0)):
+                variants = [("megatron", "dropless", None, False), ("ours-one-sync", "dropless", None, True)]
+                variants += [("ours-zero-sync", "dropless-syncfree", f, True) for f in BUDGETS]
+                reference = None
+                for name, mode, factor, ours in variants:
+                    spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=opts["experts"],
+                                           topk=opts["topk"], hidden=opts["hidden"], ffn=2 * opts["hidden"],
+                                           ep=opts["ep"], budget_factor=factor)
+                    seams.reset_moe_aux_loss_scale()
+                    layer = audit.build_layer(spec, seed=1, ours=ours)
+                    x, g = audit.rank_inputs(spec, seq=opts["seq"], batch=2, seed=1)
+                    x = _skew(layer, x, strength)
+                    OVERFLOW.reset()
+                    run = audit.run_layer(layer, x, g)
+                    dropped, _ = OVERFLOW.take()
+                    dropped = torch.zeros(1, dtype=torch.long) if dropped is None else dropped.cpu()
+                    torch.distributed.all_reduce(dropped)
+                    if reference is None:
+                        reference = run
+                    equal = (torch.equal(run.out, reference.out) and torch.equal(run.dx, reference.dx)
+                             and all(torch.equal(run.dw[k], reference.dw[k]) for k in reference.dw))
+                    equal_everywhere = torch.tensor([int(equal)])
+                    torch.distributed.all_reduce(equal_everywhere, op=torch.distributed.ReduceOp.MIN)
+                    equal = bool(equal_everywhere.item())
+                    td = layer.token_dispatcher
+                    H, elem = spec.hidden, x.element_size()
+                    if mode == "dropless-syncfree":
+                        sent_rows = td.rows_sent if dispatcher == "alltoall" else 0
+                        buffer_rows = 3 * td.budget * (opts["ep"] if dispatcher == "alltoall" else 1)
+                    elif ours:
+                        sent_rows = td.rows_sent if dispatcher == "alltoall" else 0
+                        buffer_rows = None
+                    else:
+                        splits = getattr(td, "input_splits", None)
+                        sent_rows = sum(int(v) for v in splits) if splits is not None else 0
+                        buffer_rows = None
+
+                    def step():
+                        xx = x.clone().requires_grad_(True)
+                        out, _ = layer(xx)
+                        run_backward(out, g)
+
+                    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+                    with LiveBytesTracker(exclude_ptrs=params) as tracker:
+                        step()
+                    torch.distributed.barrier()
+                    t = _median_time(step, opts["reps"], x.device)
+                    rows.append({
+                        "dispatcher": dispatcher,
+                        "impl": name,
+                        "mode": "dropless-syncfree" if mode == "dropless-syncfree" else "dropless",
+                        "routing": routing,
+                        "budget_factor": factor if mode == "dropless-syncfree" else None,
+                        "budget_rows": getattr(td, "budget", None),
+                        "syncs_forward": run.syncs_forward,
+                        "syncs_backward": run.syncs_backward,
+                        "a2a_bytes_sent": int(sent_rows) * H * elem,
+                        "dispatch_buffer_bytes": None if buffer_rows is None else buffer_rows * H * elem,
+                        "peak_live_bytes": int(tracker.peak),
+                        "step_ms": round(t * 1e3, 2),
+                        "overflowed_tokens": int(dropped.item()),
+                        "bitwise_equal": bool(equal),
+                    })
+        seams.reset_moe_aux_loss_scale()
+    finally:
+        parallel.destroy()
+    return rows
+
+
+def bench_dropless(opts) -> list:
+    return run_world(opts["ep"], dropless_job, opts=opts)[0]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -205,8 +308,9 @@ def main(argv=None):
     platform.setup()
     result = {"device": device_name()}
     result["multihot"] = bench_multihot(a.tokens, a.topk, a.experts, a.reps)
-    result["moe_layer"] = bench_layers({"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk,
-                                        "hidden": a.hidden, "seq": a.seq, "reps": a.layer_reps})
+    layer_opts = {"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk, "hidden": a.hidden, "seq": a.seq,
+                  "reps": a.layer_reps}
+    result["moe_layer"] = bench_layers(layer_opts) + bench_dropless(layer_opts)
     result["moe_layer_setup"] = {"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk,
                                  "hidden": a.hidden, "tokens_per_rank": a.seq * 2, "syncs_counted_on": "rank 0"}
     if a.json:
@@ -224,12 +328,26 @@ def main(argv=None):
           f"{a.seq * 2} tokens/rank (syncs on rank 0)")
     print(f"{'dispatcher':24}{'mode':16}{'fwd syncs':>10}{'bwd syncs':>10}{'a2a rows':>10}{'step ms':>10}")
     for r in result["moe_layer"]:
+        if "impl" in r:
+            continue
         rows = "-" if r["a2a_rows_sent"] is None else r["a2a_rows_sent"]
         print(f"{r['dispatcher']:24}{r['mode']:16}{r['syncs_forward']:>10}{r['syncs_backward']:>10}{rows:>10}"
               f"{r['step_ms']:>10.2f}")
         if a.sites:
             for s in r["sites"]:
                 print(f"{'':26}{s}")
+    print("\nDropless side by side (syncs on rank 0; overflowed pairs summed over ranks; bitwise vs megatron "
+          "on every rank)")
+    print(f"{'disp':10}{'routing':10}{'impl':16}{'budget':>8}{'fwd':>5}{'bwd':>5}{'a2a KiB':>9}{'buf KiB':>9}"
+          f"{'peak KiB':>10}{'step ms':>9}{'overflow':>9}{'bitwise':>9}")
+    for r in result["moe_layer"]:
+        if "impl" not in r:
+            continue
+        budget = "-" if r["mode"] == "dropless" else ("worst" if r["budget_factor"] is None else r["budget_factor"])
+        buf = "-" if r["dispatch_buffer_bytes"] is None else f"{r['dispatch_buffer_bytes'] / 1024:.0f}"
+        print(f"{r['dispatcher']:10}{r['routing']:10}{r['impl']:16}{budget:>8}{r['syncs_forward']:>5}"
+              f"{r['syncs_backward']:>5}{r['a2a_bytes_sent'] / 1024:>9.0f}{buf:>9}{r['peak_live_bytes'] / 1024:>10.0f}"
+              f"{r['step_ms']:>9.2f}{r['overflowed_tokens']:>9}{str(r['bitwise_equal']):>9}")
     return result
 
 
