@@ -85,7 +85,10 @@ def test_sections_cover_what_the_gpu_run_promises(smoke):
     assert {m for row in s["offload"]["cases"] for m in row["modules"]} == set(MODULES)
     combos = {(r["dispatcher"], r["mode"]) for r in s["moe_layer"]["rows"]}
     assert combos == {(f"{who}-{d}", m) for who in ("megatron", "multihot") for d in ("alltoall", "allgather")
-                      for m in ("dropless", "capacity", "capacity-nopad")}
+                      for m in ("dropless", "capacity", "capacity-nopad", "dropless-syncfree")}
+    zero_sync = [r for r in s["moe_layer"]["rows"] if r["mode"] == "dropless-syncfree" and r["dispatcher"].startswith("multihot")]
+    assert zero_sync and all(r["syncs_forward"] == r["syncs_backward"] == 0 and r["bitwise_equal_to_megatron"]
+                             for r in zero_sync)
     assert s["train"]["dense_offload"]["offloaded_bytes"] > 0 and s["train"]["moe_sync_free"]["dispatchers_replaced"] > 0
     gpu = gpu_check.SIZES["gpu"]  # the sizes the GPU run measures at
     assert max(gpu["multihot_tokens"]) == 131072 and max(gpu["multihot_experts"]) == 256
