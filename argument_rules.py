@@ -206,7 +206,7 @@ FAMILIES = (
     _family("positive", Domain(float, 0, lo_open=True), "a scale, factor, size or duration", """
         mup_width_mult mup_embedding_mult mup_output_mult mup_base_head_dim qk_clip_threshold
         rope_scaling_factor rotary_scaling_factor mscale moe_router_topk_scaling_factor
-        moe_expert_capacity_factor moe_expert_rank_capacity_factor loss_scale initial_loss_scale
+        moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_dropless_budget_factor loss_scale initial_loss_scale
         min_loss_scale loss_scale_window muon_extra_scale_factor head_lr_mult mask_factor
         dino_warmup_teacher_temp dino_teacher_temp yarn_beta_fast yarn_beta_slow
         rl_default_temperature inference_dynamic_batching_buffer_size_gb
