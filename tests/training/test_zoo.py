@@ -47,6 +47,14 @@ def test_moe_architecture_trains_bitwise_zero_sync_dropless(name):
         assert {k.split("/")[0] for k in grouped} == {"router_fc1", "router_fc2", "moe_act"}, sorted(r["offloaded"])
 
 
+def test_zero_sync_dropless_allgather_trains_bitwise_with_every_feature_on():
+    """The allgather dispatcher in the zero-sync mode, with offload of the grouped experts and the
+    TP-overlapped 1F1B schedule (Qwen3-MoE)."""
+    swap = ["--moe-token-dispatcher-type", "allgather"]
+    featured = _run(zoo.zero_sync_argv("qwen3_moe") + swap)
+    _assert_bitwise(_run(zoo.plain_argv("qwen3_moe") + swap), featured, zoo.offload_modules("qwen3_moe"))
+
+
 def test_expert_biases_zero_sync_dropless_equal_to_rounding():
     """gpt-oss's experts have biases: the grouped path sums each expert's bias gradient in another
     order than torch's per-expert column sum (docs/moe.md), so only the first loss is bitwise."""
