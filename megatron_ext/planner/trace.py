@@ -1,0 +1,471 @@
+"""What the model itself saves for backward, from a trace of a tiny copy of it, scaled to the target.
+
+The tiny copy is the run's own model (the project's builders, the run's layer spec, attention kind,
+norms, activation, router and dispatcher) with one layer of each kind the run has (dense / MoE, in the
+order they first appear), no parallelism, and every width divided by a power of two ``W``: hidden,
+head dimensions, FFN sizes, the latent ranks of multi-latent attention. Heads, query groups and experts
+keep the per-rank counts of the target (heads / TP; every expert is local, routed tokens are scaled by
+1 / EP afterwards), so the structure of each tensor is the target's.
+
+One micro-batch runs forward and backward under saved-tensor hooks and the live-bytes tracker
+(``megatron_ext.bench.memtrack``), per component (embedding, each layer kind, head = final norm +
+output layer + loss):
+
+- saved: every distinct storage saved for backward, with the offload module (``megatron_ext.offload``)
+  whose hooks saw it, found by the offload manager's own hook placement (no offload happens);
+- fwd / bwd: the working set above what is saved: the most live bytes during the component's forward
+  above those at its start, and during its backward above the saved bytes still held (its own and
+  those of the components before it);
+- params: every parameter, by component.
+
+The trace runs at a base shape and with each of four factors doubled: width, vocabulary (per TP rank),
+sequence length, micro-batch size. Each saved tensor, parameter and working set is then a monomial
+``bytes = b0 * prod(factor ** e)`` with exponents ``e = log2(ratio)`` (1 for tokens x hidden, 2 for
+seq x seq attention scores, ...), which scales it to the target shape. Nothing here knows an
+architecture: the tensors and their exponents are what megatron's modules do.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+
+FACTORS = ("width", "vocab", "seq", "mbs")
+# the width fields: scaled together by the width factor (per TP rank where megatron shards them)
+_WIDTH_FIELDS = ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "kv_channels",
+                 "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                 "qk_pos_emb_head_dim", "v_head_dim")
+_TP_SHARDED = ("ffn_hidden_size", "moe_shared_expert_intermediate_size")
+BASE = dict(vocab=64, seq=16, mbs=2)  # mbs 1 would skip copies (a transpose of one sample is contiguous)
+MIN_HEAD_DIM = 4  # smallest traced head / rope dimension
+
+
+@dataclasses.dataclass
+class Item:
+    """One traced quantity: bytes at the base shape and its exponent per factor."""
+    nbytes: float
+    exps: dict
+    module: str | None = None   # offload module that saved it (saved tensors only)
+    routed: bool = False        # belongs to the routed experts: x 1/EP at the target
+    name: str = ""
+
+    def at(self, factors: dict) -> float:
+        return self.nbytes * math.prod(factors[f] ** self.exps.get(f, 0.0) for f in FACTORS)
+
+
+def width_divisor(args) -> int:
+    """Largest power of two W (trace hidden >= 16) dividing every per-rank width field, with head
+    dimensions >= MIN_HEAD_DIM after division (and after one more halving of W for the
+    width-doubled trace, which only grows them)."""
+    tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    values = []
+    for f in _WIDTH_FIELDS:
+        v = getattr(args, f, None)
+        if not v:
+            continue
+        if f in _TP_SHARDED:
+            v //= tp
+        elif f == "moe_ffn_hidden_size":
+            v //= etp
+        values.append((f, v))
+    w = 1
+    while True:
+        nxt = w * 2
+        ok = all(v % nxt == 0 for _, v in values) and args.hidden_size // nxt >= 16
+        ok = ok and all(v // nxt >= MIN_HEAD_DIM for f, v in values if f not in ("hidden_size",))
+        if not ok:
+            return w
+        w = nxt
+
+
+def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, kinds: list, recompute=None):
+    """A copy of the run's arguments for the tiny model: one layer per kind, no parallelism."""
+    a = copy.deepcopy(args)
+    tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    for f in _WIDTH_FIELDS:
+        v = getattr(a, f, None)
+        if not v:
+            continue
+        if f in _TP_SHARDED:
+            v //= tp
+        elif f == "moe_ffn_hidden_size":
+            v //= etp
+        setattr(a, f, v // divisor)
+    a.num_attention_heads = args.num_attention_heads // tp
+    if getattr(args, "num_query_groups", None):
+        a.num_query_groups = max(1, args.num_query_groups // tp)
+    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = a.expert_model_parallel_size = 1
+    a.expert_tensor_parallel_size = 1
+    a.context_parallel_size = 1
+    a.virtual_pipeline_model_parallel_size = None
+    a.num_layers_per_virtual_pipeline_stage = None
+    a.decoder_first_pipeline_num_layers = a.decoder_last_pipeline_num_layers = None
+    a.account_for_embedding_in_pipeline_split = a.account_for_loss_in_pipeline_split = False
+    a.pipeline_model_parallel_layout = None
+    a.sequence_parallel = False
+    a.num_layers = len(kinds)
+    if args.num_experts:
+        a.moe_layer_freq = [1 if k == "moe" else 0 for k in kinds]
+    a.mtp_num_layers = None
+    a.padded_vocab_size = a.vocab_size = vocab
+    a.seq_length = seq
+    a.max_position_embeddings = max(seq, 2)
+    a.micro_batch_size = mbs
+    a.activation_offload_modules = None
+    a.fp8 = None
+    a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
+    a.recompute_modules = None
+    if recompute == "selective":
+        a.recompute_granularity, a.recompute_modules = "selective", ["core_attn"]
+    elif recompute == "full":
+        a.recompute_granularity, a.recompute_method, a.recompute_num_layers = "full", "uniform", 1
+    a.overlap_tp_comm_1f1b = False
+    a.moe_layer_recompute = False
+    return a
+
+
+def layer_kinds(args) -> list:
+    """Kinds of the run's decoder layers, in layer order ("dense" / "moe")."""
+    n = args.num_layers
+    if not args.num_experts:
+        return ["dense"] * n
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        pattern = [1 if i % freq == 0 else 0 for i in range(n)]
+    else:
+        pattern = list(freq)
+    return ["moe" if p else "dense" for p in pattern]
+
+
+class _Tagger:
+    """Which component runs, forward and backward; every storage saved outside the offload
+    manager's hooks is recorded with it."""
+
+    def __init__(self, model, exclude):
+        from megatron_ext.seams import offload_layers
+
+        self.exclude = exclude
+        self.current = "embedding"
+        self.saved: dict = {}  # ptr -> [component, nbytes, module]
+        self.handles = []
+        self.marks: list = []  # (tracker op index, component, "F"/"B")
+        self.ids: dict = {}  # saved ptr -> the tracker's index of that storage
+        self.tracker = None
+        self.layers = offload_layers(model)
+        for i, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(f"layer{i}")))
+            self.handles.append(layer.register_forward_hook(lambda m, a, o, i=i: self._leave_layer(i, o)))
+        emb = getattr(model, "embedding", None)
+        if emb is not None:
+            self.handles.append(emb.register_forward_hook(lambda m, a, o: self._grad_mark(o, "embedding")))
+
+    def _enter(self, name):
+        self.current = name
+        self.marks.append((self.tracker.ops, name, "F"))
+
+    def _leave_layer(self, i, out):
+        nxt = "head" if i == len(self.layers) - 1 else f"layer{i + 1}"
+        self._grad_mark(out, f"layer{i}")
+        self.current = nxt
+        self.marks.append((self.tracker.ops, nxt, "F"))
+
+    def _grad_mark(self, out, name):
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda g: self.marks.append((self.tracker.ops, name, "B")))
+
+    def pack(self, t):
+        if isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr and ptr not in self.exclude and ptr not in self.saved:
+            self.saved[ptr] = [self.current, st.nbytes(), None]
+            self._id(ptr)
+        return t
+
+    def _id(self, ptr):
+        k = self.tracker.ids.get(ptr)
+        if k is not None:
+            self.ids[ptr] = k
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _trace_manager_class():
+    from megatron_ext.offload.manager import OffloadManager
+
+    class _SeeingManager(OffloadManager):
+        """The offload manager's hook placement, recording instead of offloading."""
+
+        tagger: _Tagger = None
+
+        def _pack(self, t):
+            if self._group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+                return t
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            tg = self.tagger
+            if ptr and ptr not in tg.exclude:
+                module = self._saving[-1][0] if self._saving else None
+                rec = tg.saved.get(ptr)
+                if rec is None:
+                    tg.saved[ptr] = [tg.current, st.nbytes(), module]
+                    tg._id(ptr)
+                elif rec[2] != module:
+                    rec[2] = "shared"  # saved by two places: offloading one frees nothing
+            return t
+
+    return _SeeingManager
+
+
+def _component_of(param_name: str) -> str:
+    if ".layers." in param_name:
+        return "layer" + param_name.split(".layers.")[1].split(".")[0]
+    if param_name.startswith("embedding"):
+        return "embedding"
+    return "head"
+
+
+class _AllocTracker:
+    """The live-bytes tracker, also keeping every storage's life as [first op, op at which it was
+    found dead, bytes] in the order storages appear, so that the timeline can be replayed with each
+    storage re-sized."""
+
+    def __new__(cls, exclude, device_type):
+        from megatron_ext.bench.memtrack import LiveBytesTracker
+
+        class Tracker(LiveBytesTracker):
+            def __init__(self):
+                super().__init__(exclude, device_type)
+                self.allocs: list = []
+                self.ids: dict = {}  # ptr -> index in allocs, while alive
+
+            def _sweep(self):
+                for ptr, (ref, _n) in list(self.live.items()):
+                    if ref.expired():
+                        self.current -= self.live.pop(ptr)[1]
+                        k = self.ids.pop(ptr, None)
+                        if k is not None:
+                            self.allocs[k][1] = self.ops
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.func = func.__name__
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+            def _see(self, t):
+                before = len(self.live)
+                super()._see(t)
+                if len(self.live) > before:
+                    ptr = t.untyped_storage().data_ptr()
+                    self.ids[ptr] = len(self.allocs)
+                    self.allocs.append([self.ops, None, self.live[ptr][1], self.func])
+
+        return Tracker()
+
+
+def run_once(args, kinds, seed: int = 1234) -> dict:
+    """Build the tiny model from ``args`` (already shrunk), run one micro-batch forward and backward.
+    Returns the storages' lives (allocs), which of them are saved (by component and offload
+    module), the component phases (op ranges, forward and backward) and the parameters."""
+    from megatron_ext.bench.memtrack import model_state_ptrs
+    from megatron_ext.offload.manager import MODULES, Options
+    from megatron_ext.training import model as models
+    from megatron_ext.training import parallel
+
+    parallel.initialize(seed=seed)
+    try:
+        config = models.transformer_config(args)
+        chunks = models.build_model(args, config, wrap_with_ddp=False)
+        model = chunks[0]
+        root = model
+        while hasattr(root, "module") and isinstance(root.module, torch.nn.Module):
+            root = root.module
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        exclude = model_state_ptrs(chunks)
+        params = {}
+        for name, p in root.named_parameters():
+            params.setdefault(_component_of(name), []).append(
+                (name, p.numel() * p.element_size(), ".experts." in name and "shared_experts" not in name))
+        g = torch.Generator().manual_seed(seed)
+        s, b = args.seq_length, args.micro_batch_size
+        dev = next(model.parameters()).device
+        tokens = torch.randint(0, args.padded_vocab_size, (b, s + 1), generator=g).to(dev)
+        pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, -1).contiguous()
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        tagger = _Tagger(root, exclude)
+        manager = _trace_manager_class()(Options(modules=MODULES, min_tensor_bytes=0))
+        manager.tagger = tagger
+        manager.attach(chunks)
+        tracker = _AllocTracker(exclude, dev.type)
+        tagger.tracker = tracker
+        try:
+            with tracker:
+                with torch.autograd.graph.saved_tensors_hooks(tagger.pack, lambda x: x):
+                    tagger.marks.append((0, "embedding", "F"))
+                    out = model(inputs, pos, mask, labels=labels)
+                    loss = out.float().mean()
+                end_fwd = tracker.ops
+                tagger.marks.append((end_fwd, "head", "B"))
+                del out
+                loss.backward()
+                tracker._sweep()
+                end = tracker.ops
+        finally:
+            manager.detach()
+            tagger.remove()
+        comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
+        saved = {}  # alloc index -> (component, offload module or None)
+        for ptr, (comp, _nbytes, module) in tagger.saved.items():
+            k = tagger.ids.get(ptr)
+            if k is not None:  # else an input of the step (token ids): not the step's allocation
+                saved[k] = (comp, None if module == "shared" else module)
+        phases = {(w, c): [] for w in "FB" for c in comps}
+        for which, stop in (("F", end_fwd), ("B", end)):
+            marks = [(i, c) for i, c, k in tagger.marks if k == which] + [(stop, None)]
+            for (i0, c), (i1, _) in zip(marks, marks[1:]):
+                if c is not None and i1 > i0:
+                    phases[(which, c)].append((i0, i1))
+        return dict(allocs=[tuple(a) for a in tracker.allocs], saved=saved, phases=phases, params=params,
+                    comps=comps, ops=end, peak=tracker.peak, kinds=list(kinds))
+    finally:
+        models.release_models()
+        parallel.destroy()
+
+
+def _exp(a: float, b: float) -> float:
+    if a <= 0 or b <= 0:
+        return 0.0
+    return math.log2(b / a)
+
+
+def _storage_exponents(base: dict, doubled: dict) -> list:
+    """Per storage, its exponent per factor. Storages are matched by the order they appear (one code
+    path allocates them in the same order at every shape); a size is a product of the factors, so an
+    exponent is a multiple of 1/2 (head dimensions under width scaling are not). Where a trace took
+    another path (another count of storages, e.g. an expert that got no token), that factor's exponent
+    is the whole step's."""
+    import difflib
+
+    mine = base["allocs"]
+    out = [dict() for _ in mine]
+    for f in FACTORS:
+        other = doubled[f]["allocs"]
+        matcher = difflib.SequenceMatcher(a=[a[3] for a in mine], b=[a[3] for a in other], autojunk=False)
+        matched = {}
+        for i, j, n in matcher.get_matching_blocks():
+            for d in range(n):
+                matched[i + d] = j + d
+        # a size is a product of the factors (exponents in halves); a storage whose ratio is not such
+        # a power depends on the values (tokens routed to one expert): those are scaled together, by
+        # the ratio of their sums, as are the storages found on one path only
+        exact, noisy_a, noisy_b = {}, 0, 0
+        for k, j in matched.items():
+            e = _exp(mine[k][2], other[j][2])
+            if abs(e - round(2 * e) / 2) < 0.05:
+                exact[k] = round(2 * e) / 2
+            else:
+                noisy_a += mine[k][2]
+                noisy_b += other[j][2]
+        seen = set(matched.values())
+        noisy_a += sum(a[2] for k, a in enumerate(mine) if k not in matched)
+        noisy_b += sum(a[2] for j, a in enumerate(other) if j not in seen)
+        rest = _exp(noisy_a, noisy_b) if noisy_a and noisy_b else 1.0
+        for k in range(len(mine)):
+            out[k][f] = exact.get(k, rest)
+    return out
+
+
+def _param_items(base: dict, doubled: dict) -> dict:
+    out = {}
+    for c, plist in base["params"].items():
+        items = []
+        for j, (name, n, routed) in enumerate(plist):
+            exps = {f: round(2 * _exp(n, doubled[f]["params"][c][j][1])) / 2 for f in FACTORS}
+            items.append(Item(n, exps, None, routed, name))
+        out[c] = items
+    return out
+
+
+class Scaled:
+    """The base trace replayed at a target shape, each storage re-sized by its exponents: per
+    component, saved bytes (and per offload module, counting storages of at least
+    ``min_offload_bytes``), forward and backward working sets, parameter bytes."""
+
+    def __init__(self, tr: dict, factors: dict, min_offload_bytes: int = 0, ep: int = 1):
+        base = tr["raw"]
+        self.kinds = base["kinds"]
+        self.comps = base["comps"]
+        self.sizes = [a[2] * math.prod(factors[f] ** e.get(f, 0.0) for f in FACTORS)
+                      for a, e in zip(base["allocs"], tr["exps"])]
+        ops = base["ops"] + 1
+        diff = [0.0] * (ops + 1)
+        for (a0, a1, _n, _f), size in zip(base["allocs"], self.sizes):
+            diff[a0] += size
+            diff[a1 if a1 is not None else ops] -= size
+        live, acc = [], 0.0
+        for d in diff[:ops]:
+            acc += d
+            live.append(acc)
+        self.saved = dict.fromkeys(self.comps, 0.0)
+        self.offloadable = {c: {} for c in self.comps}
+        for k, (comp, module) in base["saved"].items():
+            self.saved[comp] += self.sizes[k]
+            if module is not None and self.sizes[k] >= min_offload_bytes:
+                self.offloadable[comp][module] = self.offloadable[comp].get(module, 0.0) + self.sizes[k]
+        self.fwd, self.bwd = {}, {}
+        for i, c in enumerate(self.comps):
+            held = sum(self.saved[x] for x in self.comps[: i + 1])
+            f = [max(live[i0:i1]) - (live[i0 - 1] if i0 else 0.0) for i0, i1 in base["phases"][("F", c)]]
+            b = [max(live[i0:i1]) - held for i0, i1 in base["phases"][("B", c)]]
+            self.fwd[c] = max(f) if f else 0.0
+            self.bwd[c] = max(b) if b else 0.0
+        self.params = {c: sum(it.at(factors) / (ep if it.routed else 1) for it in items)
+                       for c, items in tr["params"].items()}
+        self.peak = max(live) if live else 0.0
+
+    def kind(self, kind: str) -> str:
+        """The component name of a layer kind."""
+        return f"layer{self.kinds.index(kind)}"
+
+
+def trace(args, recompute=None, base=None) -> dict:
+    """Trace the run's model (``args``: the target's parsed arguments) at the base shape and with
+    each factor doubled. Needs an initialised default process group; runs on this process alone."""
+    kinds = []
+    for k in layer_kinds(args):
+        if k not in kinds:
+            kinds.append(k)
+    w = width_divisor(args)
+    b = dict(BASE, **(base or {}))
+    if args.num_experts:  # enough routed tokens that every expert gets some at the base shape
+        k = args.moe_router_topk or 1
+        while b["seq"] * b["mbs"] * k < 8 * args.num_experts and b["seq"] < 256:
+            b["seq"] *= 2
+    runs = {}
+    for f in (None, *FACTORS):
+        if f == "width" and w == 1:  # the widths are already the target's: nothing to scale
+            runs[f] = runs[None]
+            continue
+        a = trace_args(args, w // 2 if f == "width" else w, b["vocab"] * (2 if f == "vocab" else 1),
+                       b["seq"] * (2 if f == "seq" else 1), b["mbs"] * (2 if f == "mbs" else 1), kinds, recompute)
+        runs[f] = run_once(a, kinds)
+    doubled = {f: runs[f] for f in FACTORS}
+    return dict(raw=runs[None], exps=_storage_exponents(runs[None], doubled),
+                params=_param_items(runs[None], doubled), kinds=kinds, divisor=w,
+                base=dict(width=1, **b), recompute=recompute)
+
+
+def factors_for(args, tr: dict) -> dict:
+    """The factors from the trace's base shape to the target's (per rank)."""
+    tp = args.tensor_model_parallel_size
+    return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tp / tr["base"]["vocab"],
+                seq=args.seq_length / tr["base"]["seq"], mbs=args.micro_batch_size / tr["base"]["mbs"])
