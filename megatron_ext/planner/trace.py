@@ -117,15 +117,26 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, kinds: list, 
     a.micro_batch_size = mbs
     a.activation_offload_modules = None
     a.fp8 = None
+    if recompute is None:  # as the run: full recompute of every traced layer where the run has it
+        recompute = recompute_of(args)
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
     a.recompute_modules = None
     if recompute == "selective":
+        a.recompute_granularity = "selective"
+        a.recompute_modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
+    elif recompute == "selective-core-attn":
         a.recompute_granularity, a.recompute_modules = "selective", ["core_attn"]
     elif recompute == "full":
         a.recompute_granularity, a.recompute_method, a.recompute_num_layers = "full", "uniform", 1
     a.overlap_tp_comm_1f1b = False
     a.moe_layer_recompute = False
     return a
+
+
+def recompute_of(args) -> str:
+    """The run's recompute: "none", "selective" (its --recompute-modules) or "full"."""
+    g = getattr(args, "recompute_granularity", None)
+    return g if g in ("selective", "full") else "none"
 
 
 def layer_kinds(args) -> list:
@@ -347,38 +358,39 @@ def _exp(a: float, b: float) -> float:
     return math.log2(b / a)
 
 
-def _storage_exponents(base: dict, doubled: dict) -> list:
-    """Per storage, its exponent per factor. Storages are matched by the order they appear (one code
-    path allocates them in the same order at every shape); a size is a product of the factors, so an
-    exponent is a multiple of 1/2 (head dimensions under width scaling are not). Where a trace took
-    another path (another count of storages, e.g. an expert that got no token), that factor's exponent
-    is the whole step's."""
+def _match(mine: list, other: list) -> dict:
+    """Storage k of ``mine`` -> its counterpart in ``other``: aligned on the op that allocated them
+    (one code path allocates in the same order at every shape)."""
     import difflib
 
+    matcher = difflib.SequenceMatcher(a=[a[3] for a in mine], b=[a[3] for a in other], autojunk=False)
+    return {i + d: j + d for i, j, n in matcher.get_matching_blocks() for d in range(n)}
+
+
+def _storage_exponents(base: dict, reseeded: dict, doubled: dict) -> list:
+    """Per storage, its exponent per factor. A size is a product of the factors, so an exponent is a
+    multiple of 1/2. Storages whose size depends on the values (tokens routed to one expert: they
+    differ between two seeds at the same shape), or that one trace has and the other not, are scaled
+    together, by the ratio of their sums."""
     mine = base["allocs"]
+    same = _match(mine, reseeded["allocs"])
+    varying = {k for k in range(len(mine)) if k not in same or reseeded["allocs"][same[k]][2] != mine[k][2]}
     out = [dict() for _ in mine]
     for f in FACTORS:
         other = doubled[f]["allocs"]
-        matcher = difflib.SequenceMatcher(a=[a[3] for a in mine], b=[a[3] for a in other], autojunk=False)
-        matched = {}
-        for i, j, n in matcher.get_matching_blocks():
-            for d in range(n):
-                matched[i + d] = j + d
-        # a size is a product of the factors (exponents in halves); a storage whose ratio is not such
-        # a power depends on the values (tokens routed to one expert): those are scaled together, by
-        # the ratio of their sums, as are the storages found on one path only
-        exact, noisy_a, noisy_b = {}, 0, 0
+        matched = _match(mine, other)
+        exact, a_sum, b_sum = {}, 0, 0
         for k, j in matched.items():
             e = _exp(mine[k][2], other[j][2])
-            if abs(e - round(2 * e) / 2) < 0.05:
+            if k not in varying and abs(e - round(2 * e) / 2) < 0.05:
                 exact[k] = round(2 * e) / 2
             else:
-                noisy_a += mine[k][2]
-                noisy_b += other[j][2]
+                a_sum += mine[k][2]
+                b_sum += other[j][2]
         seen = set(matched.values())
-        noisy_a += sum(a[2] for k, a in enumerate(mine) if k not in matched)
-        noisy_b += sum(a[2] for j, a in enumerate(other) if j not in seen)
-        rest = _exp(noisy_a, noisy_b) if noisy_a and noisy_b else 1.0
+        a_sum += sum(a[2] for k, a in enumerate(mine) if k not in matched)
+        b_sum += sum(a[2] for j, a in enumerate(other) if j not in seen)
+        rest = _exp(a_sum, b_sum) if a_sum and b_sum else 1.0
         for k in range(len(mine)):
             out[k][f] = exact.get(k, rest)
     return out
@@ -397,10 +409,10 @@ def _param_items(base: dict, doubled: dict) -> dict:
 
 class Scaled:
     """The base trace replayed at a target shape, each storage re-sized by its exponents: per
-    component, saved bytes (and per offload module, counting storages of at least
-    ``min_offload_bytes``), forward and backward working sets, parameter bytes."""
+    component, saved bytes (per offload module: ``offloadable_at``), forward and backward working
+    sets, parameter bytes (expert parameters / ``ep``)."""
 
-    def __init__(self, tr: dict, factors: dict, min_offload_bytes: int = 0, ep: int = 1):
+    def __init__(self, tr: dict, factors: dict, ep: int = 1):
         base = tr["raw"]
         self.kinds = base["kinds"]
         self.comps = base["comps"]
@@ -416,11 +428,10 @@ class Scaled:
             acc += d
             live.append(acc)
         self.saved = dict.fromkeys(self.comps, 0.0)
-        self.offloadable = {c: {} for c in self.comps}
+        self._saved_items = []  # (component, offload module, bytes)
         for k, (comp, module) in base["saved"].items():
             self.saved[comp] += self.sizes[k]
-            if module is not None and self.sizes[k] >= min_offload_bytes:
-                self.offloadable[comp][module] = self.offloadable[comp].get(module, 0.0) + self.sizes[k]
+            self._saved_items.append((comp, module, self.sizes[k]))
         self.fwd, self.bwd = {}, {}
         for i, c in enumerate(self.comps):
             held = sum(self.saved[x] for x in self.comps[: i + 1])
@@ -428,9 +439,19 @@ class Scaled:
             b = [max(live[i0:i1]) - held for i0, i1 in base["phases"][("B", c)]]
             self.fwd[c] = max(f) if f else 0.0
             self.bwd[c] = max(b) if b else 0.0
-        self.params = {c: sum(it.at(factors) / (ep if it.routed else 1) for it in items)
-                       for c, items in tr["params"].items()}
+        self.params_dense = {c: sum(it.at(factors) for it in items if not it.routed)
+                             for c, items in tr["params"].items()}
+        self.params_expert = {c: sum(it.at(factors) for it in items if it.routed) / ep
+                              for c, items in tr["params"].items()}
         self.peak = max(live) if live else 0.0
+
+    def offloadable_at(self, comp: str, min_bytes: int) -> dict:
+        """{offload module: bytes} that component saves in storages of at least ``min_bytes``."""
+        out: dict = {}
+        for c, module, size in self._saved_items:
+            if c == comp and module is not None and size >= min_bytes:
+                out[module] = out.get(module, 0.0) + size
+        return out
 
     def kind(self, kind: str) -> str:
         """The component name of a layer kind."""
@@ -451,17 +472,18 @@ def trace(args, recompute=None, base=None) -> dict:
         while b["seq"] * b["mbs"] * k < 8 * args.num_experts and b["seq"] < 256:
             b["seq"] *= 2
     runs = {}
-    for f in (None, *FACTORS):
+    seed = getattr(args, "seed", 1234)
+    for f in (None, "reseeded", *FACTORS):
         if f == "width" and w == 1:  # the widths are already the target's: nothing to scale
             runs[f] = runs[None]
             continue
         a = trace_args(args, w // 2 if f == "width" else w, b["vocab"] * (2 if f == "vocab" else 1),
                        b["seq"] * (2 if f == "seq" else 1), b["mbs"] * (2 if f == "mbs" else 1), kinds, recompute)
-        runs[f] = run_once(a, kinds)
+        runs[f] = run_once(a, kinds, seed=seed + 1 if f == "reseeded" else seed)
     doubled = {f: runs[f] for f in FACTORS}
-    return dict(raw=runs[None], exps=_storage_exponents(runs[None], doubled),
+    return dict(raw=runs[None], exps=_storage_exponents(runs[None], runs["reseeded"], doubled),
                 params=_param_items(runs[None], doubled), kinds=kinds, divisor=w,
-                base=dict(width=1, **b), recompute=recompute)
+                base=dict(width=1, **b), recompute=recompute or recompute_of(args))
 
 
 def factors_for(args, tr: dict) -> dict:
