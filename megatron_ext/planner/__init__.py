@@ -65,8 +65,10 @@ def target_config(args):
 
     from megatron.training.arguments import core_transformer_config_from_args
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        return core_transformer_config_from_args(args)
+    from megatron_ext.planner.trace import buildable_here
+
+    with contextlib.redirect_stdout(io.StringIO()):  # only its layer layout is read: kernels do not matter
+        return core_transformer_config_from_args(buildable_here(args))
 
 
 def plan(*args, **kwargs):

@@ -129,7 +129,31 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, kinds: list, 
     elif recompute == "full":
         a.recompute_granularity, a.recompute_method, a.recompute_num_layers = "full", "uniform", 1
     a.overlap_tp_comm_1f1b = False
+    _local_unfused(a)
+    a.overlap_grad_reduce = a.overlap_param_gather = False
+    a.use_distributed_optimizer = False
+    a.cross_entropy_loss_fusion = False
     a.moe_layer_recompute = False
+    return a
+
+
+def _local_unfused(a) -> None:
+    """In place: the local spec without fused kernels (what this machine builds). The tiny copy
+    runs so; the transformer-engine spec saves differently (its fused attention keeps no score
+    matrix), which the trace does not see."""
+    a.transformer_impl = "local"
+    for name, value in list(vars(a).items()):
+        if name.startswith("no_") and ("fusion" in name or "persist" in name):
+            setattr(a, name, True)
+        elif value is True and ("fusion" in name or name in ("persist_layer_norm", "moe_grouped_gemm",
+                                                           "moe_use_legacy_grouped_gemm", "tp_comm_overlap")):
+            setattr(a, name, False)
+
+
+def buildable_here(args):
+    """A copy of the arguments whose TransformerConfig this machine can build (sizes unchanged)."""
+    a = copy.copy(args)
+    _local_unfused(a)
     return a
 
 
