@@ -48,6 +48,7 @@ CASES = {
     "moe EP2": (2, [*MOE, *EP2]),
     "moe EP2 offload": (2, [*MOE, *EP2, *EXPERTS]),
     "moe PP2": (2, [*MOE, *PP2]),
+    "dense TP2 SP": (2, [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "mla-moe EP2": (2, [*MOE, *EP2, *MLA]),
     "mla-moe EP2 offload": (2, [*MOE, *EP2, *MLA, *EXPERTS]),
 }

@@ -4,7 +4,8 @@ The measured run is train.py's own path (its argument parsing, builders, DDP, me
 and schedule, the data iterators): one step creates the optimizer state (and lets offload learn the
 backward order), the next is measured. Bytes per rank:
 
-- parameters, gradient buffers (DDP's), optimizer state: the distinct storages they occupy;
+- parameters, gradient buffers (DDP's), optimizer state: the distinct storages they occupy; megatron's
+  global memory buffer (sequence-parallel gathers);
 - activations: the most live bytes during the measured step's forward/backward schedule, from the
   independent tracker (``memtrack.LiveBytesTracker``, parameters, gradients and the offload pool
   excluded; on CUDA ``torch.cuda.max_memory_allocated``).
@@ -97,8 +98,10 @@ def measure(argv: list) -> dict:
         step.train_step(args, model, optimizer, scheduler, iterators.train, tracked)
         if mgr is not None:
             mgr.synchronize()
+        from megatron_ext.planner.trace import global_buffer_bytes
+
         measured = dict(parameters=sum(params.values()), gradients=sum(grads.values()), optimizer=sum(opt.values()),
-                        activations=tracker.peak)
+                        buffers=global_buffer_bytes(), activations=tracker.peak)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         first_in_stage = (parallel_state.get_tensor_model_parallel_rank() == 0
                           and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
 
-__all__ = ["add_arguments", "validate", "predict_memory", "plan", "main"]
+__all__ = ["add_arguments", "predict_memory", "plan", "main"]
 
 
 def add_arguments(parser):
@@ -33,15 +33,6 @@ def add_arguments(parser):
     g.add_argument("--plan-png", default=None, metavar="FILE",
                    help="Also draw per stage memory by component, before/after the chosen offload.")
     return parser
-
-
-def validate(args) -> None:
-    budget = getattr(args, "plan_memory_gb", None)
-    if budget is not None and not budget > 0:
-        raise ConfigError(f"--plan-memory-gb={budget}: must be > 0")
-    link = getattr(args, "plan_host_link_gbps", None)
-    if link is not None and not link > 0:
-        raise ConfigError(f"--plan-host-link-gbps={link}: must be > 0")
 
 
 def predict_memory(args, recompute=None, offload=None, trace=None) -> list:
@@ -77,7 +68,9 @@ def plan(*args, **kwargs):
     return _plan(*args, **kwargs)
 
 
-def main(argv: list | None = None):
+def main(argv: list | None = None, prefix: str = "--"):
+    """The command line: scripts/plan.py's flags (prefix "--": --gpu, --memory-gb, ...) or
+    train.py's (prefix "--plan-": --plan-gpu, --plan-memory-gb, ...)."""
     from megatron_ext.planner.cli import main as _main
 
-    return _main(argv)
+    return _main(argv, prefix)

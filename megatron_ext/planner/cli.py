@@ -9,7 +9,7 @@ import json
 import sys
 
 GIB = 2**30
-COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "offload_removed")
+COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set", "offload_removed")
 # scripts/plan.py's spellings -> train.py's (declared in megatron_ext.planner.add_arguments)
 SHORT = {"--gpu": "--plan-gpu", "--memory-gb": "--plan-memory-gb", "--host-link-gbps": "--plan-host-link-gbps",
          "--search-parallelism": "--plan-search-parallelism", "--json": "--plan-json", "--png": "--plan-png"}

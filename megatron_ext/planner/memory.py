@@ -1,5 +1,7 @@
 """Peak device memory of each pipeline stage, from the scaled trace and megatron's schedule.
 
+Buffers: megatron's global memory buffer (reused by sequence-parallel all-gathers), as traced.
+
 Model state per stage: parameters (the trace's, scaled; expert parameters / EP; with tied embeddings
 the last stage holds the word embeddings too), gradients (fp32 when megatron accumulates in fp32,
 else the parameter dtype) and Adam state (an fp32 main copy when parameters are 16-bit, two fp32
@@ -188,7 +190,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
     act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload)
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
-                      activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
+                      buffers=scaled.buffers, activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
     return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],
                 components=components, at=act["where"], in_flight=act["in_flight"],
                 layers=[[(c[1] if isinstance(c, tuple) else c) for c in comps] for comps in comps_per_chunk],

@@ -183,7 +183,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     budget = memory_gb * GIB if memory_gb else g["memory_gib"] * GIB * RESERVE
     link = host_link_gbps * 1e9 if host_link_gbps else g["host_link"]
     tracer = Tracer()
-    given = tracer(args, tr.recompute_of(args))
+    given = tr.trace(args)  # the run as given (its own recompute modules)
     layout = memory.Layout.from_args(args)
     scaled = tr.Scaled(given, tr.factors_for(args, given), ep=layout.ep)
     as_given = memory.predict(args, target_config(args), scaled)

@@ -1,28 +1,33 @@
 """What the model itself saves for backward, from a trace of a tiny copy of it, scaled to the target.
 
 The tiny copy is the run's own model (the project's builders, the run's layer spec, attention kind,
-norms, activation, router and dispatcher) with one layer of each kind the run has (dense / MoE, in the
-order they first appear), no parallelism, and every width divided by a power of two ``W``: hidden,
-head dimensions, FFN sizes, the latent ranks of multi-latent attention. Heads, query groups and experts
-keep the per-rank counts of the target (heads / TP; every expert is local, routed tokens are scaled by
-1 / EP afterwards), so the structure of each tensor is the target's.
+norms, activation, router and dispatcher, its tensor and sequence parallelism) with two layers of each
+kind the run has (dense / MoE; the second stands for every layer of its kind), no pipeline, expert or
+context parallelism (every expert local: a rank's experts receive top-k x its tokens under any EP, in
+expectation), and every width divided by a power of two ``W``: hidden, head dimensions, FFN sizes, the
+latent ranks of multi-latent attention. Heads, query groups, experts and top-k are the target's. The
+tensor-parallel ranks run it on a local world (gloo on CPU), the process's own when it has room.
 
-One micro-batch runs forward and backward under saved-tensor hooks and the live-bytes tracker
-(``megatron_ext.bench.memtrack``), per component (embedding, each layer kind, head = final norm +
-output layer + loss):
+After one untracked step (what persists across steps, e.g. megatron's global buffer for
+sequence-parallel gathers, then exists and is counted once, as buffers), one micro-batch runs forward
+and backward under saved-tensor hooks and a live-bytes tracker (``megatron_ext.bench.memtrack``)
+that keeps every storage's life (allocated at op i, found dead at op j, n bytes), per component
+(embedding, each layer, head = final norm + output layer + loss):
 
-- saved: every distinct storage saved for backward, with the offload module (``megatron_ext.offload``)
-  whose hooks saw it, found by the offload manager's own hook placement (no offload happens);
-- fwd / bwd: the working set above what is saved: the most live bytes during the component's forward
-  above those at its start, and during its backward above the saved bytes still held (its own and
-  those of the components before it);
-- params: every parameter, by component.
+- saved: the storages saved for backward, with the offload module (``megatron_ext.offload``) whose
+  hooks saw them (the offload manager's own hook placement; nothing is offloaded);
+- forward / backward working sets: the most live bytes during a component's forward above those at its
+  start, and during its backward above the saved bytes still held (its own and those before it);
+- parameters by component.
 
-The trace runs at a base shape and with each of four factors doubled: width, vocabulary (per TP rank),
-sequence length, micro-batch size. Each saved tensor, parameter and working set is then a monomial
-``bytes = b0 * prod(factor ** e)`` with exponents ``e = log2(ratio)`` (1 for tokens x hidden, 2 for
-seq x seq attention scores, ...), which scales it to the target shape. Nothing here knows an
-architecture: the tensors and their exponents are what megatron's modules do.
+The trace runs at a base shape, again with another seed, and with each of four factors doubled:
+width, vocabulary, sequence length, micro-batch size. Storages are matched across traces by the op
+that allocated them; each one's size is a monomial ``bytes = b0 * prod(factor ** e)`` (e = 1 for tokens
+x hidden, 2 in sequence for attention scores, ...). Storages whose size depends on the values (the
+tokens routed to one expert: they differ between the two seeds) are scaled together, by the ratio of
+their sums. The timeline is then replayed with every storage re-sized to the target shape
+(``Scaled``). Nothing here knows an architecture: the tensors and their exponents are what megatron's
+modules do.
 """
 from __future__ import annotations
 
@@ -56,9 +61,9 @@ class Item:
 
 
 def width_divisor(args) -> int:
-    """Largest power of two W (trace hidden >= 16) dividing every per-rank width field, with head
-    dimensions >= MIN_HEAD_DIM after division (and after one more halving of W for the
-    width-doubled trace, which only grows them)."""
+    """Largest power of two W (trace hidden >= 16) such that every width field / W still divides
+    by the tensor (expert) parallel size, with head dimensions >= MIN_HEAD_DIM after division (the
+    width-doubled trace, at W / 2, only grows them)."""
     tp = args.tensor_model_parallel_size
     etp = getattr(args, "expert_tensor_parallel_size", None) or tp
     values = []
@@ -82,34 +87,24 @@ def width_divisor(args) -> int:
 
 
 def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, kinds: list, recompute=None):
-    """A copy of the run's arguments for the tiny model: one layer per kind, no parallelism."""
+    """A copy of the run's arguments for the tiny model: one layer per kind, the run's tensor
+    parallelism (and sequence parallelism), no pipeline, expert or context parallelism."""
     a = copy.deepcopy(args)
-    tp = args.tensor_model_parallel_size
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
     for f in _WIDTH_FIELDS:
         v = getattr(a, f, None)
-        if not v:
-            continue
-        if f in _TP_SHARDED:
-            v //= tp
-        elif f == "moe_ffn_hidden_size":
-            v //= etp
-        setattr(a, f, v // divisor)
-    a.num_attention_heads = args.num_attention_heads // tp
-    if getattr(args, "num_query_groups", None):
-        a.num_query_groups = max(1, args.num_query_groups // tp)
-    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = a.expert_model_parallel_size = 1
-    a.expert_tensor_parallel_size = 1
+        if v:
+            setattr(a, f, v // divisor)
+    a.pipeline_model_parallel_size = a.expert_model_parallel_size = 1
     a.context_parallel_size = 1
     a.virtual_pipeline_model_parallel_size = None
     a.num_layers_per_virtual_pipeline_stage = None
     a.decoder_first_pipeline_num_layers = a.decoder_last_pipeline_num_layers = None
     a.account_for_embedding_in_pipeline_split = a.account_for_loss_in_pipeline_split = False
     a.pipeline_model_parallel_layout = None
-    a.sequence_parallel = False
     a.num_layers = len(kinds)
     if args.num_experts:
         a.moe_layer_freq = [1 if k == "moe" else 0 for k in kinds]
+        a.moe_layer_freq = a.moe_layer_freq if len(set(kinds)) > 1 else 1
     a.mtp_num_layers = None
     a.padded_vocab_size = a.vocab_size = vocab
     a.seq_length = seq
@@ -117,15 +112,14 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, kinds: list, 
     a.micro_batch_size = mbs
     a.activation_offload_modules = None
     a.fp8 = None
-    if recompute is None:  # as the run: full recompute of every traced layer where the run has it
+    modules = ["core_attn"]
+    if recompute is None:  # as the run (full recompute: of every traced layer)
         recompute = recompute_of(args)
+        modules = list(getattr(args, "recompute_modules", None) or modules)
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
     a.recompute_modules = None
     if recompute == "selective":
-        a.recompute_granularity = "selective"
-        a.recompute_modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
-    elif recompute == "selective-core-attn":
-        a.recompute_granularity, a.recompute_modules = "selective", ["core_attn"]
+        a.recompute_granularity, a.recompute_modules = "selective", modules
     elif recompute == "full":
         a.recompute_granularity, a.recompute_method, a.recompute_num_layers = "full", "uniform", 1
     a.overlap_tp_comm_1f1b = False
@@ -185,10 +179,9 @@ class _Tagger:
 
         self.exclude = exclude
         self.current = "embedding"
-        self.saved: dict = {}  # ptr -> [component, nbytes, module]
+        self.saved: dict = {}  # the tracker's storage index -> [component, offload module]
         self.handles = []
         self.marks: list = []  # (tracker op index, component, "F"/"B")
-        self.ids: dict = {}  # saved ptr -> the tracker's index of that storage
         self.tracker = None
         self.layers = offload_layers(model)
         for i, layer in enumerate(self.layers):
@@ -218,15 +211,19 @@ class _Tagger:
             return t
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr and ptr not in self.exclude and ptr not in self.saved:
-            self.saved[ptr] = [self.current, st.nbytes(), None]
-            self._id(ptr)
+        self.record(ptr, None)
         return t
 
-    def _id(self, ptr):
+    def record(self, ptr, module) -> None:
+        """A storage saved for backward (keyed by the tracker's index: a freed address may be reused)."""
         k = self.tracker.ids.get(ptr)
-        if k is not None:
-            self.ids[ptr] = k
+        if k is None:  # not allocated by the step (its inputs) or excluded (parameters)
+            return
+        rec = self.saved.get(k)
+        if rec is None:
+            self.saved[k] = [self.current, module]
+        elif rec[1] != module:
+            rec[1] = "shared"  # saved by two places: offloading one frees nothing
 
     def remove(self):
         for h in self.handles:
@@ -246,15 +243,7 @@ def _trace_manager_class():
                 return t
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            tg = self.tagger
-            if ptr and ptr not in tg.exclude:
-                module = self._saving[-1][0] if self._saving else None
-                rec = tg.saved.get(ptr)
-                if rec is None:
-                    tg.saved[ptr] = [tg.current, st.nbytes(), module]
-                    tg._id(ptr)
-                elif rec[2] != module:
-                    rec[2] = "shared"  # saved by two places: offloading one frees nothing
+            self.tagger.record(ptr, self._saving[-1][0] if self._saving else None)
             return t
 
     return _SeeingManager
@@ -305,6 +294,17 @@ class _AllocTracker:
         return Tracker()
 
 
+def global_buffer_bytes() -> int:
+    """Bytes of megatron's global memory buffer (sequence-parallel all-gathers reuse it; it stays)."""
+    from megatron.core import parallel_state
+
+    try:
+        buf = parallel_state.get_global_memory_buffer()
+    except AssertionError:
+        return 0
+    return sum(t.untyped_storage().nbytes() for t in buf.buffer.values())
+
+
 def run_once(args, kinds, seed: int = 1234) -> dict:
     """Build the tiny model from ``args`` (already shrunk), run one micro-batch forward and backward.
     Returns the storages' lives (allocs), which of them are saved (by component and offload
@@ -314,7 +314,8 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
     from megatron_ext.training import model as models
     from megatron_ext.training import parallel
 
-    parallel.initialize(seed=seed)
+    parallel.initialize(tensor=args.tensor_model_parallel_size,
+                        expert_tensor=getattr(args, "expert_tensor_parallel_size", None), seed=seed)
     try:
         config = models.transformer_config(args)
         chunks = models.build_model(args, config, wrap_with_ddp=False)
@@ -342,6 +343,12 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
         manager.attach(chunks)
         tracker = _AllocTracker(exclude, dev.type)
         tagger.tracker = tracker
+        # a first step untracked, as a run's measured step follows others: what persists across
+        # steps (megatron's global buffer for sequence-parallel gathers, cached rotary tables) exists
+        # before it and is counted once, as buffers
+        model(inputs, pos, mask, labels=labels).float().mean().backward()
+        for p in model.parameters():
+            p.grad.zero_()
         try:
             with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(tagger.pack, lambda x: x):
@@ -359,10 +366,7 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
             tagger.remove()
         comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
         saved = {}  # alloc index -> (component, offload module or None)
-        for ptr, (comp, _nbytes, module) in tagger.saved.items():
-            k = tagger.ids.get(ptr)
-            if k is not None:  # else an input of the step (token ids): not the step's allocation
-                saved[k] = (comp, None if module == "shared" else module)
+        saved = {k: (comp, None if module == "shared" else module) for k, (comp, module) in tagger.saved.items()}
         phases = {(w, c): [] for w in "FB" for c in comps}
         for which, stop in (("F", end_fwd), ("B", end)):
             marks = [(i, c) for i, c, k in tagger.marks if k == which] + [(stop, None)]
@@ -370,7 +374,7 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
                 if c is not None and i1 > i0:
                     phases[(which, c)].append((i0, i1))
         return dict(allocs=[tuple(a) for a in tracker.allocs], saved=saved, phases=phases, params=params,
-                    comps=comps, ops=end, peak=tracker.peak, kinds=list(kinds))
+                    comps=comps, ops=end, peak=tracker.peak, kinds=list(kinds), buffers=global_buffer_bytes())
     finally:
         models.release_models()
         parallel.destroy()
@@ -438,7 +442,7 @@ class Scaled:
 
     def __init__(self, tr: dict, factors: dict, ep: int = 1):
         base = tr["raw"]
-        self.kinds = base["kinds"]
+        self.kinds = list(dict.fromkeys(base["kinds"]))
         self.comps = base["comps"]
         self.sizes = [a[2] * math.prod(factors[f] ** e.get(f, 0.0) for f in FACTORS)
                       for a, e in zip(base["allocs"], tr["exps"])]
@@ -467,6 +471,7 @@ class Scaled:
                              for c, items in tr["params"].items()}
         self.params_expert = {c: sum(it.at(factors) for it in items if it.routed) / ep
                               for c, items in tr["params"].items()}
+        self.buffers = tr["buffers"].at(factors)
         self.peak = max(live) if live else 0.0
 
     def offloadable_at(self, comp: str, min_bytes: int) -> dict:
@@ -478,8 +483,8 @@ class Scaled:
         return out
 
     def kind(self, kind: str) -> str:
-        """The component name of a layer kind."""
-        return f"layer{self.kinds.index(kind)}"
+        """The component that stands for a layer kind: its second layer in the trace."""
+        return f"layer{2 * self.kinds.index(kind) + 1}"
 
 
 def trace(args, recompute=None, base=None) -> dict:
@@ -495,23 +500,46 @@ def trace(args, recompute=None, base=None) -> dict:
         k = args.moe_router_topk or 1
         while b["seq"] * b["mbs"] * k < 8 * args.num_experts and b["seq"] < 256:
             b["seq"] *= 2
-    runs = {}
-    seed = getattr(args, "seed", 1234)
+    shapes = {}
     for f in (None, "reseeded", *FACTORS):
         if f == "width" and w == 1:  # the widths are already the target's: nothing to scale
-            runs[f] = runs[None]
             continue
-        a = trace_args(args, w // 2 if f == "width" else w, b["vocab"] * (2 if f == "vocab" else 1),
-                       b["seq"] * (2 if f == "seq" else 1), b["mbs"] * (2 if f == "mbs" else 1), kinds, recompute)
-        runs[f] = run_once(a, kinds, seed=seed + 1 if f == "reseeded" else seed)
+        shapes[f] = (w // 2 if f == "width" else w, b["vocab"] * (2 if f == "vocab" else 1),
+                     b["seq"] * (2 if f == "seq" else 1), b["mbs"] * (2 if f == "mbs" else 1))
+    # two layers of each kind: the second one stands for every layer of its kind (the first after
+    # the embedding saves its input differently)
+    runs = _run_shapes(args, shapes, [k for k in kinds for _ in range(2)], recompute)
+    if w == 1:
+        runs["width"] = runs[None]
     doubled = {f: runs[f] for f in FACTORS}
-    return dict(raw=runs[None], exps=_storage_exponents(runs[None], runs["reseeded"], doubled),
+    buffers = Item(runs[None]["buffers"], {f: round(2 * _exp(runs[None]["buffers"], doubled[f]["buffers"])) / 2
+                                           for f in FACTORS})
+    return dict(raw=runs[None], exps=_storage_exponents(runs[None], runs["reseeded"], doubled), buffers=buffers,
                 params=_param_items(runs[None], doubled), kinds=kinds, divisor=w,
                 base=dict(width=1, **b), recompute=recompute or recompute_of(args))
 
 
+def run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
+    """Job (every rank of a world of TP ranks, or more): the traces of ``shapes``, this rank's."""
+    seed = getattr(args, "seed", 1234)
+    return {f: run_once(trace_args(args, *shape, kinds, recompute), kinds, seed=seed + 1 if f == "reseeded" else seed)
+            for f, shape in shapes.items()}
+
+
+def _run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
+    """On this process's world when it has room for the run's tensor parallelism (a benchmark or
+    test world), else on a local world of TP processes started for it (gloo on CPU)."""
+    import torch.distributed as dist
+
+    tp = args.tensor_model_parallel_size
+    if dist.is_initialized() and dist.get_world_size() % tp == 0:
+        return run_shapes(args, shapes, kinds, recompute)
+    from megatron_ext.bench.launch import run_world
+
+    return run_world(tp, run_shapes, args=args, shapes=shapes, kinds=kinds, recompute=recompute)[0]
+
+
 def factors_for(args, tr: dict) -> dict:
     """The factors from the trace's base shape to the target's (per rank)."""
-    tp = args.tensor_model_parallel_size
-    return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tp / tr["base"]["vocab"],
+    return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tr["base"]["vocab"],
                 seq=args.seq_length / tr["base"]["seq"], mbs=args.micro_batch_size / tr["base"]["mbs"])
