@@ -114,3 +114,54 @@ def measure(argv: list) -> dict:
     prediction = planner.predict_memory(args)  # traces a tiny copy on this process (model parallel sizes 1)
     return dict(pp_rank=pp_rank, report=first_in_stage, measured=measured, predicted=prediction[pp_rank],
                 megatron_estimate=megatron_estimate(args), offload_stats=stats)
+
+
+# A cluster recipe scaled down to this machine: its structure (attention kind and heads, experts,
+# top-k, norms, activation) kept, sizes divided so the ratios that decide activation memory stay
+# close (heads x sequence / hidden, FFN / hidden, vocabulary / hidden), two pipeline stages.
+SCALED_DOWN = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
+               "--num-attention-heads", "32", "--num-query-groups", "8", "--kv-channels", "2", "--seq-length", "64",
+               "--max-position-embeddings", "64", "--vocab-size", "500", "--make-vocab-size-divisible-by", "128",
+               "--micro-batch-size", "1", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
+               "--expert-model-parallel-size", "1", "--transformer-impl", "local", "--train-iters", "4",
+               "--num-workers", "0", "--world-size", "2"]
+SMALL_OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625",
+                 "--activation-offload-pool-mb", "64"]
+
+
+def _choice_flags(flags: list) -> list:
+    """The chosen configuration's flags for the scaled-down run: the pool sized for this scale."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+            continue
+        if f == "--activation-offload-pool-mb":
+            skip = True
+            continue
+        out.append(f)
+    return out
+
+
+def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str = "h100") -> dict:
+    """Job (every rank of a 2-process world). The planner on the cluster recipe, with the recompute
+    the recipe has, for a budget halfway between its predicted peak without offload and with the
+    best offload (so it cannot fit without); then the chosen configuration and the recipe without
+    offload, scaled down (SCALED_DOWN) and measured. The scaled budget is the cluster budget times
+    the ratio of the chosen configuration's predicted peaks (scaled-down / cluster), worst stage."""
+    from megatron_ext import planner
+    from megatron_ext.planner import cli, search
+    from megatron_ext.planner import trace as tr
+
+    _, full = cli.parse(["--recipe", recipe, "--gpu", gpu])
+    given = (tr.recompute_of(full),)
+    everything = planner.plan(full, gpu=gpu, memory_gb=1e6, top=10**6, recomputes=given)["candidates"]
+    plain = next(c for c in everything if not any(f.startswith("--activation-offload") for f in c.flags))
+    best = min((c for c in everything if c is not plain), key=lambda c: max(c.peak_bytes_per_stage))
+    budget = (max(plain.peak_bytes_per_stage) + max(best.peak_bytes_per_stage)) / 2
+    chosen = planner.plan(full, gpu=gpu, memory_gb=budget / search.GIB, recomputes=given)["candidates"][0]
+    small = ["--recipe", recipe, *SCALED_DOWN]
+    with_choice = measure([*small, *_choice_flags(chosen.flags), *SMALL_OFFLOAD])
+    without = measure(small)
+    return dict(budget_bytes=budget, chosen_flags=chosen.flags, chosen_peaks=chosen.peak_bytes_per_stage,
+                plain_peaks=plain.peak_bytes_per_stage, with_choice=with_choice, without=without)

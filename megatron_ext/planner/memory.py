@@ -13,7 +13,8 @@ every pass holds what its components save (embedding on the first chunk, its lay
 last). At a forward inside component i of a pass the live bytes are the other passes' saved bytes,
 this pass's saved bytes of components before i and i's forward working set; in the backward of
 component i they are the other passes', this pass's still held (components up to i) and i's
-backward working set. The peak is the largest over the step.
+backward working set; receive buffers the schedule has posted and no pass consumed yet, and sent
+tensors whose send was not waited for, add one boundary tensor each. The peak is the largest over the step.
 
 Offload (``megatron_ext.offload``): what the chosen modules save in a layer (storages of at least
 ``--activation-offload-min-tensor-kb``) leaves the device one layer late in forward (the previous
@@ -136,8 +137,19 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
     return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count)
 
 
-def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload) -> dict:
-    """Replay the rank's pass order; the most live activation bytes and what they were at that moment."""
+def boundary_bytes(args, layout: Layout) -> float:
+    """One tensor megatron sends between pipeline stages: (sequence / TP under sequence parallelism,
+    micro-batch, hidden) in the pipeline dtype."""
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    seq = args.seq_length // (layout.tp if getattr(args, "sequence_parallel", False) else 1)
+    return float(seq * args.micro_batch_size * args.hidden_size * elem)
+
+
+def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,
+                    boundary: float = 0.0) -> dict:
+    """Replay the rank's pass order; the most live activation bytes and what they were at that moment
+    (boundary tensors the schedule holds, receives posted ahead and sends in flight, count as
+    ``boundary`` bytes each)."""
     names = [[_name(scaled, c) for c in comps] for comps in comps_per_chunk]
     saved = [[scaled.saved[n] for n in ns] for ns in names]
     mods = set(offload.modules)
@@ -154,8 +166,8 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
         if value > best["peak"]:
             best.update(peak=value, saved=saved_now, working=working, offload_removed=removed, where=where)
 
-    for kind, mb, v in events:
-        others = sum(total[c] for _m, c in alive)
+    for kind, mb, v, posted in events:
+        others = sum(total[c] for _m, c in alive) + posted * boundary
         others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
         ns, ss, oo = names[v], saved[v], off[v]
         if kind == "F":
@@ -169,7 +181,7 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
             alive.append((mb, v))
         else:
             alive.remove((mb, v))
-            others = sum(total[c] for _m, c in alive)
+            others = sum(total[c] for _m, c in alive) + posted * boundary
             others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
             # the layer being back-propagated and the prefetch window are on the device, earlier
             # layers still on the host
@@ -188,7 +200,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
     vpp = layout.vpp or 1
     comps_per_chunk = [chunk_components(args, config, layout, pp_rank, v) for v in range(vpp)]
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
-    act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload)
+    act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout))
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
                       buffers=scaled.buffers, activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
     return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],

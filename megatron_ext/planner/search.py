@@ -137,7 +137,7 @@ def layouts(args) -> list:
 
 
 def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dict, link: float,
-              efficiency: float) -> list:
+              efficiency: float, recomputes=RECOMPUTE) -> list:
     from megatron_ext.planner import target_config
 
     config = target_config(args)
@@ -145,7 +145,7 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
     base = memory.Offload.from_args(args)
     min_bytes = base.min_tensor_bytes if base.modules else memory.Offload().min_tensor_bytes
     out = []
-    for recompute in RECOMPUTE:
+    for recompute in recomputes:
         traced = tracer(args, recompute)
         scaled = tr.Scaled(traced, tr.factors_for(args, traced), ep=layout.ep)
         for mods in _offload_sets(scaled, min_bytes, recompute):
@@ -172,7 +172,7 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
-         flag_prefix: str = "--") -> dict:
+         flag_prefix: str = "--", recomputes=RECOMPUTE) -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
     Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets."""
     from megatron_ext.planner import target_config
@@ -190,7 +190,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     candidates = []
     for a in (layouts(args) if search_parallelism else [args]):
         try:
-            candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency)
+            candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
         except (ValueError, AssertionError, RuntimeError):  # a split megatron refuses
             continue
     candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage)))

@@ -349,6 +349,7 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
         model(inputs, pos, mask, labels=labels).float().mean().backward()
         for p in model.parameters():
             p.grad.zero_()
+        tagger.marks.clear()
         try:
             with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(tagger.pack, lambda x: x):
