@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import sys
 
 GIB = 2**30
@@ -90,8 +91,15 @@ def main(argv: list | None = None, prefix: str = "--") -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, args = parse(argv, prefix)
     platform.init_distributed()  # the trace runs a tiny copy of the model on this process
-    result = plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, host_link_gbps=opts.host_link_gbps,
-                  search_parallelism=opts.search_parallelism, top=opts.top, flag_prefix=prefix)
+    log = logging.getLogger("megatron")
+    level = log.level
+    log.setLevel(logging.ERROR)  # building the tiny copies warns; stdout stays the plan's
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, host_link_gbps=opts.host_link_gbps,
+                          search_parallelism=opts.search_parallelism, top=opts.top, flag_prefix=prefix)
+    finally:
+        log.setLevel(level)
     if opts.png:
         from megatron_ext.planner.picture import draw
 

@@ -193,7 +193,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
             candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
         except (ValueError, AssertionError, RuntimeError):  # a split megatron refuses
             continue
-    candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage)))
+    candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage), len(c.flags)))
     seen, unique = set(), []
     for c in candidates:
         key = tuple(c.flags)

@@ -535,9 +535,19 @@ def _run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
     tp = args.tensor_model_parallel_size
     if dist.is_initialized() and dist.get_world_size() % tp == 0:
         return run_shapes(args, shapes, kinds, recompute)
+    import pickle
+
     from megatron_ext.bench.launch import run_world
 
-    return run_world(tp, run_shapes, args=args, shapes=shapes, kinds=kinds, recompute=recompute)[0]
+    # pickled here, unpickled by the job: the arguments hold megatron objects, which a worker may
+    # import only after its platform is set up
+    return run_world(tp, _run_pickled, payload=pickle.dumps((args, shapes, kinds, recompute)))[0]
+
+
+def _run_pickled(payload: bytes) -> dict:
+    import pickle
+
+    return run_shapes(*pickle.loads(payload))
 
 
 def factors_for(args, tr: dict) -> dict:
