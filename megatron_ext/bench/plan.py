@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 
 def _storages(tensors) -> dict:
@@ -111,7 +112,10 @@ def measure(argv: list) -> dict:
         step.release_schedule_hooks()
         models.release_models()
         parallel.destroy()
-    prediction = planner.predict_memory(args)  # traces a tiny copy on this process (model parallel sizes 1)
+    from megatron_ext import platform
+
+    # traces a tiny copy on this world; predicted for the backend measured here
+    prediction = planner.predict_memory(args, backend=platform.current().backend)
     return dict(pp_rank=pp_rank, report=first_in_stage, measured=measured, predicted=prediction[pp_rank],
                 megatron_estimate=megatron_estimate(args), offload_stats=stats)
 
@@ -119,10 +123,10 @@ def measure(argv: list) -> dict:
 # A cluster recipe scaled down to this machine: its structure (attention kind and heads, experts,
 # top-k, norms, activation) kept, sizes divided so the ratios that decide activation memory stay
 # close (heads x sequence / hidden, FFN / hidden, vocabulary / hidden), two pipeline stages.
-SCALED_DOWN = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
+SCALED_DOWN = ["--num-layers", "16", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
                "--num-attention-heads", "32", "--num-query-groups", "8", "--kv-channels", "2", "--seq-length", "64",
                "--max-position-embeddings", "64", "--vocab-size", "500", "--make-vocab-size-divisible-by", "128",
-               "--micro-batch-size", "1", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
+               "--micro-batch-size", "1", "--global-batch-size", "8", "--lr-warmup-iters", "0", "--pipeline-model-parallel-size", "2",
                "--expert-model-parallel-size", "1", "--transformer-impl", "local", "--train-iters", "4",
                "--num-workers", "0", "--world-size", "2"]
 SMALL_OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625",
@@ -143,25 +147,71 @@ def _choice_flags(flags: list) -> list:
     return out
 
 
+def _one_replica_recipe(recipe: str) -> str:
+    """The recipe for one data-parallel replica: the distributed optimizer shards nothing there, and
+    is off, because on gloo its coalesced reduce-scatter copies the whole gradient buffer at the end
+    of the backward (NCCL reduces in place), which the cluster would not see."""
+    import tempfile
+
+    import yaml
+
+    with open(recipe) as f:
+        keys = yaml.safe_load(f)
+    keys.update(use_distributed_optimizer=False, overlap_param_gather=False)
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="one_replica_")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(keys, f)
+    return path
+
+
+def _activation_part(stage: dict) -> float:
+    c = stage["components"]
+    return c["activations"] + c["working_set"] + c["offload_removed"]
+
+
 def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str = "h100") -> dict:
     """Job (every rank of a 2-process world). The planner on the cluster recipe, with the recompute
-    the recipe has, for a budget halfway between its predicted peak without offload and with the
-    best offload (so it cannot fit without); then the chosen configuration and the recipe without
-    offload, scaled down (SCALED_DOWN) and measured. The scaled budget is the cluster budget times
-    the ratio of the chosen configuration's predicted peaks (scaled-down / cluster), worst stage."""
+    the recipe has, for a budget three quarters of the way from its predicted peak with the best
+    offload to the one without (so it cannot fit without); then the recipe scaled down (SCALED_DOWN),
+    measured with the chosen configuration and without offload.
+
+    The scaled budget keeps what the cluster budget leaves for activations: with S the model state
+    and buffers and A the activation peak without offload of the most loaded stage, the cluster
+    budget is S + phi x A; the scaled budget is S' + phi x A' with S', A' predicted for the scaled-down
+    recipe (its most loaded stage)."""
+    import torch.distributed as dist
+
     from megatron_ext import planner
     from megatron_ext.planner import cli, search
     from megatron_ext.planner import trace as tr
 
-    _, full = cli.parse(["--recipe", recipe, "--gpu", gpu])
-    given = (tr.recompute_of(full),)
-    everything = planner.plan(full, gpu=gpu, memory_gb=1e6, top=10**6, recomputes=given)["candidates"]
+    _, full = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0"])
+    given, tracer = (tr.recompute_of(full),), search.Tracer()
+    everything = planner.plan(full, gpu=gpu, memory_gb=1e6, top=10**6, recomputes=given, tracer=tracer)["candidates"]
     plain = next(c for c in everything if not any(f.startswith("--activation-offload") for f in c.flags))
     best = min((c for c in everything if c is not plain), key=lambda c: max(c.peak_bytes_per_stage))
-    budget = (max(plain.peak_bytes_per_stage) + max(best.peak_bytes_per_stage)) / 2
-    chosen = planner.plan(full, gpu=gpu, memory_gb=budget / search.GIB, recomputes=given)["candidates"][0]
-    small = ["--recipe", recipe, *SCALED_DOWN]
-    with_choice = measure([*small, *_choice_flags(chosen.flags), *SMALL_OFFLOAD])
-    without = measure(small)
+    low, high = max(best.peak_bytes_per_stage), max(plain.peak_bytes_per_stage)
+    budget = low + 0.75 * (high - low)
+    chosen = planner.plan(full, gpu=gpu, memory_gb=budget / search.GIB, recomputes=given, tracer=tracer)["candidates"][0]
+    worst = max(plain.stages, key=lambda st: st["peak_bytes"])
+    phi = (budget - (worst["peak_bytes"] - _activation_part(worst))) / _activation_part(worst)
+    small = ["--recipe", _one_replica_recipe(recipe), *SCALED_DOWN]
+    try:
+        with_choice = measure([*small, *_choice_flags(chosen.flags), *SMALL_OFFLOAD])
+        without = measure(small)
+    finally:
+        os.unlink(small[1])
+
+    def stage_max(m):  # the most loaded rank of each stage, over the world
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (m["pp_rank"], sum(m["measured"].values()), m["predicted"]))
+        return rows
+
+    with_rows, without_rows = stage_max(with_choice), stage_max(without)
+    w_small = max((r[2] for r in without_rows), key=lambda p: p["peak_bytes"])
+    scaled_budget = (w_small["peak_bytes"] - _activation_part(w_small)) + phi * _activation_part(w_small)
     return dict(budget_bytes=budget, chosen_flags=chosen.flags, chosen_peaks=chosen.peak_bytes_per_stage,
-                plain_peaks=plain.peak_bytes_per_stage, with_choice=with_choice, without=without)
+                plain_peaks=plain.peak_bytes_per_stage, phi=phi, scaled_budget_bytes=scaled_budget,
+                measured_with_choice=max(r[1] for r in with_rows), measured_without=max(r[1] for r in without_rows),
+                predicted_with_choice=max(r[2]["peak_bytes"] for r in with_rows),
+                predicted_without=w_small["peak_bytes"])

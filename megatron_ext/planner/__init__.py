@@ -35,7 +35,7 @@ def add_arguments(parser):
     return parser
 
 
-def predict_memory(args, recompute=None, offload=None, trace=None) -> list:
+def predict_memory(args, recompute=None, offload=None, trace=None, backend: str = "nccl") -> list:
     """Per pipeline stage: {"stage", "peak_bytes", "components", ...} for parsed arguments
     (``megatron_ext.planner.memory``), with this run's offload unless ``offload`` is given. Traces
     a tiny copy of the model on this process (needs the default process group; model-parallel
@@ -46,7 +46,7 @@ def predict_memory(args, recompute=None, offload=None, trace=None) -> list:
     config = target_config(args)
     traced = trace if trace is not None else tr.trace(args, recompute)
     scaled = tr.Scaled(traced, tr.factors_for(args, traced), ep=args.expert_model_parallel_size)
-    return memory.predict(args, config, scaled, offload)
+    return memory.predict(args, config, scaled, offload, backend)
 
 
 def target_config(args):

@@ -196,11 +196,19 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
     return dict(best, in_flight=in_flight)
 
 
-def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: Offload) -> dict:
+def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: Offload, backend: str = "nccl") -> dict:
     vpp = layout.vpp or 1
     comps_per_chunk = [chunk_components(args, config, layout, pp_rank, v) for v in range(vpp)]
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
     act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout))
+    if backend == "gloo" and getattr(args, "use_distributed_optimizer", False):
+        # the distributed optimizer reduce-scatters the gradient buckets under torch's coalescing
+        # manager, which on gloo (no coalesced collectives) gathers them into one flat copy at the
+        # end of the backward; NCCL reduces them in place
+        copy = state["gradients"]
+        if copy > act["peak"]:
+            act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0,
+                       where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
                       buffers=scaled.buffers, activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
     return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],
@@ -209,7 +217,8 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
                 param_count=state["param_count"])
 
 
-def predict(args, config, scaled, offload: Offload | None = None) -> list:
+def predict(args, config, scaled, offload: Offload | None = None, backend: str = "nccl") -> list:
+    """Per stage, for a run on ``backend`` (the GPU cluster's NCCL, or gloo where the benchmark measures)."""
     layout = Layout.from_args(args)
     offload = offload if offload is not None else Offload.from_args(args)
-    return [predict_stage(args, config, scaled, layout, r, offload) for r in range(layout.pp)]
+    return [predict_stage(args, config, scaled, layout, r, offload, backend) for r in range(layout.pp)]

@@ -47,7 +47,11 @@ class Tracer:
     def __init__(self):
         self.cache: dict = {}
 
-    def __call__(self, args, recompute: str) -> dict:
+    def __call__(self, args, recompute: str | None) -> dict:
+        """``recompute`` None: as the run has it (its own --recompute-modules)."""
+        same = recompute == tr.recompute_of(args) and (
+            recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
+        recompute = None if same else recompute
         key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute)
         if key not in self.cache:
             self.cache[key] = tr.trace(args, recompute)
@@ -172,7 +176,7 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
-         flag_prefix: str = "--", recomputes=RECOMPUTE) -> dict:
+         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None) -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
     Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets."""
     from megatron_ext.planner import target_config
@@ -182,8 +186,8 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     g = GPUS[gpu]
     budget = memory_gb * GIB if memory_gb else g["memory_gib"] * GIB * RESERVE
     link = host_link_gbps * 1e9 if host_link_gbps else g["host_link"]
-    tracer = Tracer()
-    given = tr.trace(args)  # the run as given (its own recompute modules)
+    tracer = tracer or Tracer()
+    given = tracer(args, None)  # the run as given
     layout = memory.Layout.from_args(args)
     scaled = tr.Scaled(given, tr.factors_for(args, given), ep=layout.ep)
     as_given = memory.predict(args, target_config(args), scaled)

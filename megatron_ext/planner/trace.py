@@ -226,8 +226,12 @@ class _Tagger:
             rec[1] = "shared"  # saved by two places: offloading one frees nothing
 
     def remove(self):
+        """Unhook, and drop what the hooks reach: a model keeps tensors of its last forward (the MoE
+        dispatcher's probabilities), whose graph holds the tensor hooks and, through them, this
+        object; the model and its process groups must not be reachable from there."""
         for h in self.handles:
             h.remove()
+        self.handles, self.layers, self.tracker = [], [], None
 
 
 def _trace_manager_class():
@@ -364,6 +368,7 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
                 end = tracker.ops
         finally:
             manager.detach()
+            manager.tagger = None
             tagger.remove()
         comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
         saved = {}  # alloc index -> (component, offload module or None)

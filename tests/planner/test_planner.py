@@ -19,14 +19,18 @@ def test_in_flight_passes_follow_megatrons_schedule(pp, vpp, m):
 
     for rank in range(pp):
         events = schedule.passes(pp, vpp, m, rank)
-        assert sorted(e for e in events if e[0] == "F") == sorted(("F", i, c) for i in range(m) for c in range(vpp or 1))
+        passes = [e[:3] for e in events]
+        assert sorted(e for e in passes if e[0] == "F") == sorted(("F", i, c) for i in range(m) for c in range(vpp or 1))
         # every backward follows its own forward
         seen = set()
-        for kind, mb, chunk in events:
+        for kind, mb, chunk in passes:
             assert kind == "F" or (mb, chunk) in seen
             seen.add((mb, chunk))
         # the warm-up arithmetic of megatron's schedules (stated independently in offload/theory.py)
         assert schedule.max_in_flight(pp, vpp, m, rank) == theory.inflight_passes(pp, vpp, rank, m)
+        # the interleaved schedule overlaps its messages with compute: it holds receive buffers posted
+        # ahead and sends in flight while passes run; plain 1F1B waits for each at once
+        assert (max(e[3] for e in events) >= 1) == bool(vpp)
 
 
 def _check_within(results, bound=0.05):
@@ -80,20 +84,8 @@ def test_plan_json_components_and_candidates():
 def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
     """Mixtral-8x7B on H100 with a budget its recipe cannot meet without offload: the planner's
     choice, scaled down to this machine, fits the scaled budget; the recipe without it does not."""
-    results = run_distributed(2, "megatron_ext.bench.plan:validate_choice", timeout=120)
-    r = results[0]
-    assert any(f == "--activation-offload-modules" for f in r["chosen_flags"])
+    r = run_distributed(2, "megatron_ext.bench.plan:validate_choice", timeout=120)[0]
+    assert "--activation-offload-modules" in r["chosen_flags"]
     assert max(r["chosen_peaks"]) <= r["budget_bytes"] < max(r["plain_peaks"])
-    stages = {}
-    for x in results:
-        for key in ("with_choice", "without"):
-            m = x[key]
-            if m["report"]:
-                s = stages.setdefault(m["pp_rank"], {})
-                s[key] = sum(m["measured"].values())
-                if key == "with_choice":
-                    s["predicted"] = m["predicted"]["peak_bytes"]
-    worst = max(stages.values(), key=lambda s: s["predicted"])
-    scaled_budget = r["budget_bytes"] * worst["predicted"] / max(r["chosen_peaks"])
-    assert max(s["with_choice"] for s in stages.values()) <= scaled_budget
-    assert max(s["without"] for s in stages.values()) > scaled_budget
+    assert 0 < r["phi"] < 1
+    assert r["measured_with_choice"] <= r["scaled_budget_bytes"] < r["measured_without"], r
