@@ -102,6 +102,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--validate", action="store_true",
+                        help="also validate the planner's choice for recipes/cluster/mixtral_8x7b.yaml scaled down "
+                        "(megatron_ext.bench.plan.validate_choice); JSON key \"validation\"")
     opts = parser.parse_args(argv)
     os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
     from megatron_ext import platform
@@ -114,8 +117,21 @@ def main(argv=None) -> int:
     print(table(rows), file=sys.stderr)
     worst = max(abs(r["error"]) for r in rows)
     print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
+    out = {"cases": rows}
+    if opts.validate:
+        from megatron_ext.bench.launch import run_world
+        from megatron_ext.bench.plan import validate_choice
+
+        v = run_world(2, validate_choice)[0]
+        out["validation"] = v
+        mib, gib = 2**20, 2**30
+        print(f"\nMixtral-8x7B on H100, budget {v['budget_bytes'] / gib:.1f} GiB (predicted peak without offload "
+              f"{max(v['plain_peaks']) / gib:.1f} GiB): chosen {' '.join(v['chosen_flags'])}, predicted "
+              f"{max(v['chosen_peaks']) / gib:.1f} GiB. Scaled down: budget {v['scaled_budget_bytes'] / mib:.2f} MiB; "
+              f"measured {v['measured_with_choice'] / mib:.2f} MiB with the choice, "
+              f"{v['measured_without'] / mib:.2f} MiB without offload", file=sys.stderr)
     if opts.json:
-        print(json.dumps({"cases": rows}, indent=1))
+        print(json.dumps(out, indent=1))
     return 0
 
 

@@ -38,8 +38,6 @@ def _own_parser(prefix: str) -> argparse.ArgumentParser:
 
 def parse(argv: list, prefix: str = "--"):
     """(planner options, the run's parsed arguments validated for a CUDA cluster)."""
-    import arguments
-
     from megatron_ext.errors import ConfigError
 
     opts, rest = _own_parser(prefix).parse_known_args(argv)
@@ -55,9 +53,17 @@ def parse(argv: list, prefix: str = "--"):
     target = [] if any(a.startswith(("--platform", "--assume")) for a in rest) else ["--platform", "cuda", "--assume-te"]
     if not any(a.startswith("--target-gpu") for a in rest) and opts.gpu in ("a100", "h100", "h200", "b200", "gb200"):
         target += ["--target-gpu", opts.gpu]
-    with contextlib.redirect_stdout(io.StringIO()):
-        args = arguments.parse([*rest, "--dry-run", *target], exit_on_dry_run=False)
+    args = parse_run([*rest, *target])
+    args.plan_argv = [*rest, *target]  # a layout of the search is these flags and its own, validated again
     return opts, args
+
+
+def parse_run(argv: list):
+    """The run's arguments, validated as --dry-run does (megatron's derived values included)."""
+    import arguments
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return arguments.parse([*argv, "--dry-run"], exit_on_dry_run=False)
 
 
 def stage_table(stages: list) -> str:

@@ -9,9 +9,9 @@ within the budget; fitting candidates are ranked by predicted step time, the oth
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
+import sys
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, steptime
@@ -102,11 +102,32 @@ def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_
     return flags, notes
 
 
+def _reparse(args, flags: list, drop_uneven: bool):
+    """The run's flags with a layout's, validated again (megatron derives values from the sizes);
+    None when refused (the reason on stderr)."""
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner.cli import parse_run
+
+    argv = list(getattr(args, "plan_argv", None) or [])
+    if drop_uneven:  # first/last stage layer counts belong to the recipe's pipeline size
+        flags = [*flags, "--decoder-first-pipeline-num-layers", "0", "--decoder-last-pipeline-num-layers", "0"] \
+            if getattr(args, "decoder_first_pipeline_num_layers", None) else flags
+    try:
+        a = parse_run([*argv, *flags])
+    except (ConfigError, ValueError, AssertionError) as e:
+        print(f"planner: {' '.join(flags)} refused: {str(e).splitlines()[-1][:200]}", file=sys.stderr)
+        return None
+    a.plan_argv = argv
+    return a
+
+
 def layouts(args) -> list:
-    """Parallel splits of the run's world size that megatron accepts (same global batch)."""
+    """Parallel splits of the run's world size that megatron accepts (same global batch), each
+    validated as --dry-run does."""
     out = []
     world, layers = args.world_size, args.num_layers
-    heads, groups = args.num_attention_heads, getattr(args, "num_query_groups", None) or args.num_attention_heads
+    heads = args.num_attention_heads
+    groups = (args.num_query_groups or heads) if getattr(args, "group_query_attention", False) else heads
     experts = args.num_experts or 0
     for tp in (1, 2, 4, 8):
         if heads % tp or groups % tp or world % tp or (args.ffn_hidden_size or 0) % tp:
@@ -127,15 +148,17 @@ def layouts(args) -> list:
                         m = args.global_batch_size // (mbs * dp)
                         if vpp and m % pp:
                             continue
-                        a = copy.copy(args)
-                        a.tensor_model_parallel_size, a.pipeline_model_parallel_size = tp, pp
-                        a.virtual_pipeline_model_parallel_size = vpp
-                        a.num_layers_per_virtual_pipeline_stage = layers // (pp * vpp) if vpp else None
-                        a.expert_model_parallel_size, a.expert_tensor_parallel_size = ep, (1 if experts else tp)
-                        a.micro_batch_size, a.data_parallel_size = mbs, dp
-                        a.sequence_parallel = tp > 1
-                        if pp != args.pipeline_model_parallel_size:
-                            a.decoder_first_pipeline_num_layers = a.decoder_last_pipeline_num_layers = None
+                        flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                                 "--micro-batch-size", str(mbs), "--world-size", str(world)]
+                        if vpp:
+                            flags += ["--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vpp))]
+                        if experts:
+                            flags += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1"]
+                        if tp > 1:
+                            flags.append("--sequence-parallel")
+                        a = _reparse(args, flags, pp != args.pipeline_model_parallel_size)
+                        if a is None:
+                            continue
                         out.append(a)
     return out
 
@@ -195,7 +218,9 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     for a in (layouts(args) if search_parallelism else [args]):
         try:
             candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
-        except (ValueError, AssertionError, RuntimeError):  # a split megatron refuses
+        except (ValueError, AssertionError, RuntimeError) as e:  # a split megatron refuses
+            print(f"planner: {memory.Layout.from_args(a).describe()} skipped: {str(e).splitlines()[-1][:200]}",
+                  file=sys.stderr)
             continue
     candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage), len(c.flags)))
     seen, unique = set(), []
