@@ -22,8 +22,8 @@ import yaml
 from megatron.training.arguments import add_megatron_arguments, validate_args
 
 import argument_rules as rules
-from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext import planner
+from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
 from megatron_ext.training import features
 

@@ -10,7 +10,6 @@ search); ``main(argv)`` is the command line of both.
 """
 from __future__ import annotations
 
-
 __all__ = ["add_arguments", "predict_memory", "plan", "main"]
 
 
