@@ -424,9 +424,11 @@ def _storage_exponents(base: dict, reseeded: dict, doubled: dict) -> list:
         seen = set(matched.values())
         a_sum += sum(a[2] for k, a in enumerate(mine) if k not in matched)
         b_sum += sum(a[2] for j, a in enumerate(other) if j not in seen)
-        rest = _exp(a_sum, b_sum) if a_sum and b_sum else 1.0
+        # no tensor grows faster than the square of a factor (attention scores in sequence): a ratio
+        # beyond that is another path taken (experts that got tokens in one trace and none in the other)
+        rest = min(2.0, max(0.0, _exp(a_sum, b_sum))) if a_sum and b_sum else 1.0
         for k in range(len(mine)):
-            out[k][f] = exact.get(k, rest)
+            out[k][f] = min(2.0, max(0.0, exact.get(k, rest)))
     return out
 
 
