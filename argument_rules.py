@@ -214,7 +214,7 @@ FAMILIES = (
         inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout
         inprocess_hard_timeout inprocess_heartbeat_timeout inprocess_barrier_timeout
         inprocess_completion_timeout fault_injector_fault_delay fault_injector_mtti_seconds
-        activation_offload_pool_mb activation_offload_chunk_mb
+        activation_offload_pool_mb activation_offload_chunk_mb plan_memory_gb plan_host_link_gbps
     """),
     _family("non-negative", Domain(float, 0), "a rate, coefficient or amount where 0 means none", """
         lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init weight_decay start_weight_decay

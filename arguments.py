@@ -22,6 +22,7 @@ import yaml
 from megatron.training.arguments import add_megatron_arguments, validate_args
 
 import argument_rules as rules
+from megatron_ext import planner
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
 from megatron_ext.training import features
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_arguments(group)
     features.add_arguments(parser)
+    planner.add_arguments(parser)  # --plan: train.py prints the plan instead of training
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 PROGRAM_START = time.time()  # --exit-duration-in-mins counts from here, as pretrain_gpt.py's
@@ -14,6 +15,10 @@ from megatron_ext import platform  # noqa: E402
 
 def main(argv: list[str] | None = None) -> list[dict]:
     platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
+    if "--plan" in (sys.argv[1:] if argv is None else argv):  # predict memory and step time instead
+        from megatron_ext import planner
+
+        return planner.main(argv, prefix="--plan-")
     import arguments
 
     args = arguments.parse(argv)  # every check happens here; --dry-run exits here

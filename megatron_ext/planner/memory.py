@@ -1,0 +1,224 @@
+"""Peak device memory of each pipeline stage, from the scaled trace and megatron's schedule.
+
+Buffers: megatron's global memory buffer (reused by sequence-parallel all-gathers), as traced.
+
+Model state per stage: parameters (the trace's, scaled; expert parameters / EP; with tied embeddings
+the last stage holds the word embeddings too), gradients (fp32 when megatron accumulates in fp32,
+else the parameter dtype) and Adam state (an fp32 main copy when parameters are 16-bit, two fp32
+moments), sharded over data-parallel ranks by the distributed optimizer (expert parameters over the
+expert-data-parallel ranks); Megatron-FSDP shards parameters and gradients too.
+
+Activations: the pass order of megatron's schedule on this rank (``schedule.passes``) is replayed;
+every pass holds what its components save (embedding on the first chunk, its layers, head on the
+last). At a forward inside component i of a pass the live bytes are the other passes' saved bytes,
+this pass's saved bytes of components before i and i's forward working set; in the backward of
+component i they are the other passes', this pass's still held (components up to i) and i's
+backward working set; receive buffers the schedule has posted and no pass consumed yet, and sent
+tensors whose send was not waited for, add one boundary tensor each. The peak is the largest over the step.
+
+Offload (``megatron_ext.offload``): what the chosen modules save in a layer (storages of at least
+``--activation-offload-min-tensor-kb``) leaves the device one layer late in forward (the previous
+layer's group is resident while a layer runs) and comes back in backward with the prefetch window
+(the layer being back-propagated and ``depth`` earlier ones); other passes' groups are on the host,
+the last layer of a pass whose backward follows its forward is never copied, and is resident anyway
+when that backward starts. The host pool bounds what can be off the device at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_ext.planner import schedule
+from megatron_ext.planner.trace import layer_kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    modules: tuple = ()
+    prefetch_depth: int = 1
+    min_tensor_bytes: int = 64 << 10
+    pool_bytes: float = math.inf
+
+    @classmethod
+    def from_args(cls, args) -> "Offload":
+        mods = tuple(getattr(args, "activation_offload_modules", None) or ())
+        if not mods:
+            return cls()
+        from megatron_ext.offload.manager import canonical_modules
+
+        return cls(canonical_modules(mods), args.activation_offload_prefetch_depth,
+                   int(args.activation_offload_min_tensor_kb * 1024), args.activation_offload_pool_mb * 2**20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int | None
+    ep: int
+    etp: int
+    cp: int
+    dp: int
+    edp: int
+    mbs: int
+    microbatches: int
+    world: int
+
+    @classmethod
+    def from_args(cls, args) -> "Layout":
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+        ep = args.expert_model_parallel_size
+        etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+        world = args.world_size
+        dp = world // (tp * pp * cp)
+        return cls(tp, pp, args.virtual_pipeline_model_parallel_size, ep, etp, cp, dp,
+                   max(1, world // (ep * etp * pp)), args.micro_batch_size,
+                   args.global_batch_size // (args.micro_batch_size * dp), world)
+
+    def describe(self) -> str:
+        return (f"TP{self.tp} PP{self.pp}" + (f" VPP{self.vpp}" if self.vpp else "")
+                + (f" EP{self.ep}" if self.ep > 1 else "") + f" DP{self.dp} mbs{self.mbs} x{self.microbatches}")
+
+
+def chunk_layers(args, config, pp_rank: int, vp_stage: int | None) -> list:
+    """The layer kinds megatron builds in this model chunk (its own layer-count and offset rules)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return layer_kinds(args)[offset: offset + n]
+
+
+def chunk_components(args, config, layout: Layout, pp_rank: int, v: int) -> list:
+    vpp = layout.vpp or 1
+    first = pp_rank == 0 and v == 0
+    last = pp_rank == layout.pp - 1 and v == vpp - 1
+    comps = ["embedding"] if first else []
+    comps += [("layer", k) for k in chunk_layers(args, config, pp_rank, v if layout.vpp else None)]
+    if last:
+        comps.append("head")
+        for _ in range(getattr(args, "mtp_num_layers", None) or 0):  # MTP: one more layer and head each
+            comps += [("layer", layer_kinds(args)[-1]), "head"]
+    return comps
+
+
+def _name(scaled, comp) -> str:
+    return scaled.kind(comp[1]) if isinstance(comp, tuple) else comp
+
+
+def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: int) -> dict:
+    """Bytes of parameters, gradients and optimizer state on one rank of this stage."""
+    dense = expert = 0.0
+    seen_head = False
+    for comps in comps_per_chunk:
+        for comp in comps:
+            name = _name(scaled, comp)
+            if comp == "head" and seen_head:
+                continue  # MTP heads share the output layer
+            seen_head |= comp == "head"
+            dense += scaled.params_dense[name]
+            expert += scaled.params_expert[name]
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if tied and layout.pp > 1 and pp_rank == layout.pp - 1:
+        dense += scaled.params_dense["embedding"]  # the last stage's copy of the word embeddings
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    count = (dense + expert) / elem
+    grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) or elem == 4 else elem
+    opt_per_param = (4 if elem == 2 else 0) + 8  # fp32 main copy for 16-bit parameters, Adam moments
+    fsdp = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
+    sharded = getattr(args, "use_distributed_optimizer", False) or fsdp
+    opt = opt_per_param * (dense / elem / (layout.dp if sharded else 1) + expert / elem / (layout.edp if sharded else 1))
+    params = dense + expert
+    grads = count * grad_elem
+    if fsdp:
+        params = dense / layout.dp + expert / layout.edp
+        grads = grad_elem * (dense / elem / layout.dp + expert / elem / layout.edp)
+    return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count)
+
+
+def boundary_bytes(args, layout: Layout) -> float:
+    """One tensor megatron sends between pipeline stages: (sequence / TP under sequence parallelism,
+    micro-batch, hidden) in the pipeline dtype."""
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    seq = args.seq_length // (layout.tp if getattr(args, "sequence_parallel", False) else 1)
+    return float(seq * args.micro_batch_size * args.hidden_size * elem)
+
+
+def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,
+                    boundary: float = 0.0) -> dict:
+    """Replay the rank's pass order; the most live activation bytes and what they were at that moment
+    (boundary tensors the schedule holds, receives posted ahead and sends in flight, count as
+    ``boundary`` bytes each)."""
+    names = [[_name(scaled, c) for c in comps] for comps in comps_per_chunk]
+    saved = [[scaled.saved[n] for n in ns] for ns in names]
+    mods = set(offload.modules)
+    off = [[sum(v for m, v in scaled.offloadable_at(n, offload.min_tensor_bytes).items() if m in mods)
+            if isinstance(c, tuple) else 0.0 for n, c in zip(ns, comps)]
+           for ns, comps in zip(names, comps_per_chunk)]
+    total = [sum(s) for s in saved]
+    total_off = [sum(o) for o in off]
+    alive: list = []
+    best = dict(peak=-1.0)
+    events = schedule.passes(layout.pp, layout.vpp, layout.microbatches, pp_rank)
+
+    def consider(value, saved_now, working, removed, where):
+        if value > best["peak"]:
+            best.update(peak=value, saved=saved_now, working=working, offload_removed=removed, where=where)
+
+    for kind, mb, v, posted in events:
+        others = sum(total[c] for _m, c in alive) + posted * boundary
+        others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
+        ns, ss, oo = names[v], saved[v], off[v]
+        if kind == "F":
+            prefix = prefix_off = 0.0
+            for j, n in enumerate(ns):
+                held_off = sum(oo[:max(0, j - 1)])  # one group late: the previous layer is still resident
+                removed = min(others_off + held_off, offload.pool_bytes)
+                consider(others + prefix + scaled.fwd[n] - removed, others + prefix + ss[j], scaled.fwd[n] - ss[j],
+                         removed, f"forward {n} of micro-batch {mb} chunk {v}")
+                prefix += ss[j]
+            alive.append((mb, v))
+        else:
+            alive.remove((mb, v))
+            others = sum(total[c] for _m, c in alive) + posted * boundary
+            others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
+            # the layer being back-propagated and the prefetch window are on the device, earlier
+            # layers still on the host
+            for j in range(len(ns) - 1, -1, -1):
+                n = ns[j]
+                held = sum(ss[: j + 1])
+                held_off = sum(oo[: max(0, j - offload.prefetch_depth)])
+                removed = min(others_off + held_off, offload.pool_bytes)
+                consider(others + held + scaled.bwd[n] - removed, others + held, scaled.bwd[n], removed,
+                         f"backward {n} of micro-batch {mb} chunk {v}")
+    in_flight = schedule.max_in_flight(layout.pp, layout.vpp, layout.microbatches, pp_rank)
+    return dict(best, in_flight=in_flight)
+
+
+def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: Offload, backend: str = "nccl") -> dict:
+    vpp = layout.vpp or 1
+    comps_per_chunk = [chunk_components(args, config, layout, pp_rank, v) for v in range(vpp)]
+    state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
+    act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout))
+    if backend == "gloo" and getattr(args, "use_distributed_optimizer", False):
+        # the distributed optimizer reduce-scatters the gradient buckets under torch's coalescing
+        # manager, which on gloo (no coalesced collectives) gathers them into one flat copy at the
+        # end of the backward; NCCL reduces them in place
+        copy = state["gradients"]
+        if copy > act["peak"]:
+            act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0,
+                       where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
+    components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
+                      buffers=scaled.buffers, activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
+    return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],
+                components=components, at=act["where"], in_flight=act["in_flight"],
+                layers=[[(c[1] if isinstance(c, tuple) else c) for c in comps] for comps in comps_per_chunk],
+                param_count=state["param_count"])
+
+
+def predict(args, config, scaled, offload: Offload | None = None, backend: str = "nccl") -> list:
+    """Per stage, for a run on ``backend`` (the GPU cluster's NCCL, or gloo where the benchmark measures)."""
+    layout = Layout.from_args(args)
+    offload = offload if offload is not None else Offload.from_args(args)
+    return [predict_stage(args, config, scaled, layout, r, offload, backend) for r in range(layout.pp)]

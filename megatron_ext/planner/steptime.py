@@ -1,0 +1,91 @@
+"""Predicted step time of one rank: compute from FLOPs, communication on the link models of
+``megatron_ext.schedules.costmodel``, and the host-link time of offload that compute does not hide.
+
+- compute: megatron's model FLOPs of the global batch (``megatron.training.training.
+  num_floating_point_operations``) / world size / (GPU peak x efficiency), times the pipeline bubble
+  (1 + (PP - 1) / (VPP x micro-batches)); recompute adds one forward of what it re-runs (full: the
+  layers' forward, a third of the step; selective: the attention-score part, s / (s + 6h) of it);
+- tensor parallel: per layer and micro-batch, two all-reduce-sized collectives forward and two backward
+  of the layer's activations (all-gather + reduce-scatter under sequence parallelism carry the same
+  bus bytes), on NVLink inside a node;
+- expert parallel: per MoE layer and micro-batch, dispatch and combine all-to-alls forward and
+  backward of top-k routed tokens, on NVLink while EP x TP fits a node, else InfiniBand;
+- data parallel: gradient reduce-scatter (or all-reduce) and, with the distributed optimizer, the
+  parameter all-gather; overlapped with backward when --overlap-grad-reduce (only what exceeds the
+  compute is exposed);
+- pipeline: one send forward and one backward per micro-batch per model chunk;
+- offload: each layer's group is copied to the host during the next layer's forward and back during
+  backward (a layer's backward takes about twice its forward): the copy time beyond that compute is
+  exposed. So the host link bounds what can be offloaded per forward without slowing the step.
+"""
+from __future__ import annotations
+
+from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, _factor
+
+GPUS_PER_NODE = 8
+
+
+def _coll(link, op: str, n: int, nbytes: float, count: float) -> float:
+    if n <= 1 or count <= 0:
+        return 0.0
+    return count * (link.latency + _factor(op, n) * nbytes / link.bus_bandwidth)
+
+
+def model_flops(args) -> float:
+    import contextlib
+    import io
+
+    from megatron.training.training import num_floating_point_operations
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return float(num_floating_point_operations(args, args.global_batch_size))
+
+
+def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gpu: dict, efficiency: float,
+              host_link: float, recompute: str) -> dict:
+    """Seconds per step of the slowest part, by term. ``offload_bytes_per_layer``: per stage, the
+    bytes one layer's offloaded group copies (per micro-batch)."""
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    rate = gpu["peak_flops"] * efficiency
+    flops = base = model_flops(args)
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    if recompute == "full":
+        flops *= 4 / 3
+    elif recompute == "selective":
+        flops *= 1 + (s / (s + 6 * h)) / 3
+    vpp = layout.vpp or 1
+    m = layout.microbatches
+    compute = flops / layout.world / rate * (1 + (layout.pp - 1) / (vpp * m))
+    layers = args.num_layers / layout.pp
+    moe_layers = layers * (sum(1 for k in _kinds(args) if k == "moe") / max(1, args.num_layers))
+    act = s * b * h * elem
+    tp = _coll(NVLINK, "all_reduce", layout.tp, act, 4 * layers * m)
+    topk = getattr(args, "moe_router_topk", 0) or 0
+    ep_link = NVLINK if layout.ep * layout.tp <= GPUS_PER_NODE else INFINIBAND
+    ep = _coll(ep_link, "all_to_all", layout.ep, act * topk / layout.tp, 4 * moe_layers * m)
+    param_bytes = max(p["components"]["parameters"] for p in stage_preds)
+    dp_link = NVLINK if layout.tp * layout.pp * layout.dp <= GPUS_PER_NODE else INFINIBAND
+    grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else elem
+    dp = _coll(dp_link, "reduce_scatter", layout.dp, param_bytes / elem * grad_elem, 1)
+    if getattr(args, "use_distributed_optimizer", False):
+        dp += _coll(dp_link, "all_gather", layout.dp, param_bytes, 1)
+    if getattr(args, "overlap_grad_reduce", False):
+        dp = max(0.0, dp - compute)
+    pp_link = NVLINK if layout.tp * layout.pp <= GPUS_PER_NODE else INFINIBAND
+    pp = 2 * vpp * m * (pp_link.latency + act / layout.tp / pp_link.bus_bandwidth) if layout.pp > 1 else 0.0
+    # one layer's forward on this rank, per micro-batch (model FLOPs are 3 forwards)
+    layer_fwd = base / 3 / (layout.dp * m) / max(1, args.num_layers) / layout.tp / rate
+    offload = 0.0
+    for group in offload_bytes_per_layer:
+        copy = group / host_link if group else 0.0
+        exposed = max(0.0, copy - layer_fwd) + max(0.0, copy - 2 * layer_fwd)
+        offload = max(offload, exposed * layers * m)
+    total = compute + tp + ep + dp + pp + offload
+    return dict(step_time_s=total, compute_s=compute, tp_s=tp, ep_s=ep, dp_exposed_s=dp, pp_s=pp,
+                offload_exposed_s=offload, layer_forward_s=layer_fwd, model_flops=flops)
+
+
+def _kinds(args):
+    from megatron_ext.planner.trace import layer_kinds
+
+    return layer_kinds(args)

@@ -1,0 +1,139 @@
+"""The planner's predicted peak memory per pipeline stage against a measured training step, side by
+side with megatron's theoretical estimate.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_plan.py [--json] [--cases NAME ...]
+
+Each case is a recipe with flags, run through train.py's own builders on a local world (gloo on CPU):
+one warm step, one measured step (megatron_ext.bench.plan). Measured peak per rank = parameters +
+DDP gradient buffers + optimizer state (their storages) + the most live activation bytes of the step
+(the independent tracker; on CUDA max_memory_allocated); per stage the most loaded rank. Predicted:
+megatron_ext.planner, which traces a tiny copy of the model at a smaller shape (widths / 4, sequence
+16, vocabulary 64) and scales it to the case's. megatron's estimate (its first stage, its formula,
+scripts/estimate_memory.py) is given for the same arguments. The table goes to stderr; --json prints
+only {"cases": [...]} on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DENSE = ["--recipe", "recipes/tiny_dense.yaml"]
+MOE = ["--recipe", "recipes/tiny_moe.yaml"]
+# multi-latent attention (DeepSeek-V3's kind, scaled down) on the MoE recipe, local spec
+MLA = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm"]
+# offload at the tiny shapes: every saved tensor of 1 KiB or more, small chunks
+OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625"]
+ATTN = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", *OFFLOAD]
+EXPERTS = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act",
+           "router_fc2", *OFFLOAD]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
+EP2 = ["--expert-model-parallel-size", "2"]
+
+# name: (processes, argv)
+CASES = {
+    "dense PP1": (1, DENSE),
+    "dense PP1 offload": (1, [*DENSE, *ATTN]),
+    "dense PP2": (2, [*DENSE, *PP2]),
+    "dense PP2 offload": (2, [*DENSE, *PP2, *ATTN]),
+    "dense PP2xVPP2": (2, [*DENSE, *VPP2]),
+    "dense PP2xVPP2 offload": (2, [*DENSE, *VPP2, *ATTN]),
+    "moe PP1": (1, MOE),
+    "moe EP2": (2, [*MOE, *EP2]),
+    "moe EP2 offload": (2, [*MOE, *EP2, *EXPERTS]),
+    "moe PP2": (2, [*MOE, *PP2]),
+    "dense TP2 SP": (2, [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "mla-moe EP2": (2, [*MOE, *EP2, *MLA]),
+    "mla-moe EP2 offload": (2, [*MOE, *EP2, *MLA, *EXPERTS]),
+}
+
+
+def run_case(name: str) -> list:
+    """Rows (one per pipeline stage) for one case."""
+    from megatron_ext.bench.launch import run_world
+    from megatron_ext.bench.plan import measure
+
+    n, argv = CASES[name]
+    results = [r for r in run_world(n, measure, argv=argv) if r["report"]]
+    rows = []
+    for stage in sorted({r["pp_rank"] for r in results}):
+        mine = [r for r in results if r["pp_rank"] == stage]
+        worst = max(mine, key=lambda r: sum(r["measured"].values()))
+        m, p = worst["measured"], worst["predicted"]
+        measured = sum(m.values())
+        act_pred = p["activation_peak_bytes"]
+        rows.append(dict(
+            case=name, stage=stage, predicted_peak_bytes=round(p["peak_bytes"]), measured_peak_bytes=measured,
+            megatron_estimate_bytes=round(worst["megatron_estimate"]),
+            error=(p["peak_bytes"] - measured) / measured,
+            predicted_activation_bytes=round(act_pred), measured_activation_bytes=m["activations"],
+            activation_error=(act_pred - m["activations"]) / m["activations"],
+            model_state_bytes=m["parameters"] + m["gradients"] + m["optimizer"],
+            predicted_model_state_bytes=round(sum(p["components"][k] for k in ("parameters", "gradients", "optimizer"))),
+            offloaded_bytes=(worst["offload_stats"] or {}).get("offloaded_bytes", 0),
+            peak_at=p["at"],
+        ))
+    return rows
+
+
+def table(rows: list) -> str:
+    mib = 2**20
+    head = ("case", "stage", "predicted MiB", "measured MiB", "error", "act pred MiB", "act meas MiB", "act error",
+            "megatron est. MiB")
+    lines = [head]
+    for r in rows:
+        lines.append((r["case"], str(r["stage"]), f"{r['predicted_peak_bytes'] / mib:.2f}",
+                      f"{r['measured_peak_bytes'] / mib:.2f}", f"{100 * r['error']:+.1f}%",
+                      f"{r['predicted_activation_bytes'] / mib:.2f}", f"{r['measured_activation_bytes'] / mib:.2f}",
+                      f"{100 * r['activation_error']:+.1f}%", f"{r['megatron_estimate_bytes'] / mib:.2f}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    out.insert(1, "-|-".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--validate", action="store_true",
+                        help="also validate the planner's choice for recipes/cluster/mixtral_8x7b.yaml scaled down "
+                        "(megatron_ext.bench.plan.validate_choice); JSON key \"validation\"")
+    opts = parser.parse_args(argv)
+    os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
+    from megatron_ext import platform
+
+    platform.setup()
+    rows = []
+    for name in opts.cases:
+        rows += run_case(name)
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    print(table(rows), file=sys.stderr)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
+    out = {"cases": rows}
+    if opts.validate:
+        from megatron_ext.bench.launch import run_world
+        from megatron_ext.bench.plan import validate_choice
+
+        v = run_world(2, validate_choice)[0]
+        out["validation"] = v
+        mib, gib = 2**20, 2**30
+        print(f"\nMixtral-8x7B on H100, budget {v['budget_bytes'] / gib:.1f} GiB (predicted peak without offload "
+              f"{max(v['plain_peaks']) / gib:.1f} GiB): chosen {' '.join(v['chosen_flags'])}, predicted "
+              f"{max(v['chosen_peaks']) / gib:.1f} GiB. Scaled down: budget {v['scaled_budget_bytes'] / mib:.2f} MiB; "
+              f"measured {v['measured_with_choice'] / mib:.2f} MiB with the choice, "
+              f"{v['measured_without'] / mib:.2f} MiB without offload", file=sys.stderr)
+    if opts.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
