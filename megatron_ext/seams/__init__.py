@@ -13,6 +13,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
+    fsdp_fetch.py      Megatron-FSDP's fetch: parameter views of the unsharded bucket made once,
+                       not on every fetch
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
                        megatron.training's global args/timers/writer set for the length of a run
 
@@ -29,7 +31,9 @@ from __future__ import annotations
 from typing import Dict, List
 
 from megatron_ext.patching import Patch
-from megatron_ext.seams import architectures, checkpointing, moe, offload, schedules, sharded_params, training
+from megatron_ext.seams import (
+    architectures, checkpointing, fsdp_fetch, moe, offload, schedules, sharded_params, training,
+)
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
 )
@@ -39,7 +43,7 @@ from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
-_CAPABILITIES = (training, architectures, schedules, offload, moe, checkpointing, sharded_params)
+_CAPABILITIES = (training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp_fetch)
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
 
