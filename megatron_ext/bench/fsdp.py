@@ -130,6 +130,33 @@ def wrap(stack, config, wrapper: str):
     raise ValueError(wrapper)
 
 
+def release(model, wrapper: str) -> None:
+    """Lets a wrapped model, and the process groups it reaches, be freed once this process is done
+    with it (a benchmark or test worker builds many). Megatron-FSDP's post-accumulate-grad hooks
+    (megatron_fsdp.py:1110) are held by the parameters inside autograd, where the garbage collector
+    cannot see, and reach the wrapper; the parameters' own attributes (param_and_grad_buffer.py:3115)
+    and the backward nodes that hold modules close more such cycles. DTensor's sharding caches hold
+    the wrappers' device meshes."""
+    if wrapper == "megatron_fsdp":
+        inner = model.module
+        for handle in inner.grad_acc_hooks.values():
+            handle.remove()
+        for obj in list(inner.parameters()) + list(inner.modules()):
+            vars(obj).clear()
+        vars(model).clear()
+    else:
+        for obj in list(model.parameters()) + list(model.modules()):
+            vars(obj).clear()
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def step(model, x, g, wrapper: str | None) -> None:
     """One forward + backward, and the gradient sync the training loop runs after it."""
     if wrapper == "megatron_fsdp":
@@ -305,6 +332,7 @@ def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: 
     platform.setup()
     parallel.initialize(seed=c["seed"])
     device = platform.current().device
+    wrapped = None
     try:
         gen = torch.Generator().manual_seed(c["seed"] + torch.distributed.get_rank())
         x = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device)
@@ -320,6 +348,7 @@ def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: 
         stack, config = build_stack(experts, c)
         layers = list(stack.layers)
         model = wrap(stack, config, wrapper)
+        wrapped = (model, wrapper)
         fsdp_seams = contextlib.nullcontext()
         if ours:
             from megatron_ext.seams import fsdp_fetch
@@ -368,6 +397,8 @@ def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: 
             "release_records": recs,
         }
     finally:
+        if wrapped:
+            release(*wrapped)
         parallel.destroy()
 
 

@@ -1,0 +1,58 @@
+"""Distributed jobs for tests/seams/test_fsdp_fetch.py (2 ranks, DP2, EP1)."""
+from __future__ import annotations
+
+import torch
+
+
+def _run_steps(experts: int, ours: bool, steps: int = 2) -> dict:
+    """Megatron-FSDP (optim_grads_params) on a stack of MoE layers: `steps` forward + backward +
+    gradient syncs with an update of the sharded weights in between, so each fetch after the first
+    gathers new values into the bucket whose views the seam keeps. Returns every observable."""
+    from megatron_ext import platform
+    from megatron_ext.bench import fsdp as bench
+    from megatron_ext.seams import fsdp_fetch
+    from megatron_ext.training import parallel
+
+    c = dict(bench.DEFAULTS)
+    parallel.initialize(seed=c["seed"])
+    model = None
+    try:
+        stack, config = bench.build_stack(experts, c)
+        model = bench.wrap(stack, config, "megatron_fsdp")
+        gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
+        device = platform.current().device
+        out: dict = {"out": [], "dx": [], "grads": [], "weights": []}
+        groups = model.param_and_grad_buffer.parameter_groups
+        with fsdp_fetch.applied() if ours else fsdp_fetch.PERSISTENT_PARAM_VIEWS.without():
+            for _ in range(steps):
+                x = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device).requires_grad_(True)
+                g = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device)
+                model.zero_grad_buffer()
+                y = model(x)
+                y.backward(g)
+                model.finish_grad_sync()
+                out["out"].append(y.detach().clone())
+                out["dx"].append(x.grad.clone())
+                out["grads"].append([grp.main_grad_buffer.data.clone() for grp in groups])
+                with torch.no_grad():  # a plain SGD step on the shards the next fetch gathers
+                    for grp in groups:
+                        w, gr = grp.model_weight_buffer.data, grp.main_grad_buffer.data
+                        w.add_(gr[: w.numel()], alpha=-0.1) if gr.numel() >= w.numel() else w.mul_(0.9)
+                out["weights"].append([grp.model_weight_buffer.data.clone() for grp in groups])
+        return out
+    finally:
+        if model is not None:
+            bench.release(model, "megatron_fsdp")
+        parallel.destroy()
+
+
+def fsdp_fetch_bitwise_and_counts(experts=(4, 8)) -> dict:
+    from megatron_ext.bench.fsdp import measure
+
+    stock = _run_steps(experts[-1], ours=False)
+    ours = _run_steps(experts[-1], ours=True)
+    same = {k: all(torch.equal(a, b) if isinstance(a, torch.Tensor) else all(map(torch.equal, a, b))
+                   for a, b in zip(stock[k], ours[k])) for k in stock}
+    changed = not torch.equal(stock["out"][0], stock["out"][1])
+    counts = [measure(e, wrapper="megatron_fsdp", ours=o, timed=1) for e in experts for o in (False, True)]
+    return {"same": same, "outputs_differ_between_steps": changed, "counts": counts}

@@ -1,0 +1,65 @@
+"""Megatron-FSDP's fetch with the fsdp_fetch seam against stock (megatron_ext/seams/fsdp_fetch.py),
+and the per-layer figures scripts/bench_fsdp.py reports (megatron_ext/bench/fsdp.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.dist import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+import bench_fsdp  # noqa: E402
+
+EXPERTS = (4, 8)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(2, "tests.seams.jobs_fsdp:fsdp_fetch_bitwise_and_counts", experts=EXPERTS)
+
+
+def test_bit_identical_to_stock(results):
+    for r in results:
+        assert r["outputs_differ_between_steps"]  # the update reaches the next fetch
+        assert r["same"] == {"out": True, "dx": True, "grads": True, "weights": True}, r["same"]
+
+
+def _case(r, experts, ours):
+    (c,) = [c for c in r["counts"] if c["E"] == experts and (c["impl"] == "ours") == ours]
+    return c
+
+
+def test_per_layer_counts(results):
+    for r in results:
+        for ours in (False, True):
+            small, large = _case(r, EXPERTS[0], ours), _case(r, EXPERTS[1], ours)
+            assert large["param_tensors_per_layer"] > small["param_tensors_per_layer"]
+            # One coalesced all-gather / reduce-scatter per parameter group: flat in E.
+            assert small["collectives_per_layer"] == large["collectives_per_layer"] > 0
+            assert small["event_calls_per_layer"] == large["event_calls_per_layer"]
+            for c in (small, large):
+                assert c["post_gather_copies_per_layer"] == 0  # parameters view the gathered bucket
+                assert c["released_bytes_per_layer"] == c["bytes_after_fetch_per_layer"] > 0
+                assert c["bytes_after_release_per_layer"] == 0 and c["resident_after_step"] == 0
+        for e in EXPERTS:
+            stock, ours = _case(r, e, False), _case(r, e, True)
+            assert ours["collectives_per_layer"] == stock["collectives_per_layer"]
+            # No view made per parameter on either fetch (forward, backward): 2 ops each.
+            assert stock["host_ops_per_layer"] - ours["host_ops_per_layer"] == 4 * stock["param_tensors_per_layer"]
+
+
+def test_json_shape(results):
+    rows = [{k: c[k] for k in bench_fsdp.KEYS} for c in results[0]["counts"]]
+    out = json.loads(json.dumps({"device": bench_fsdp.DEVICE, "world_size": 2, "layers": 2, "cases": rows}))
+    for row in out["cases"]:
+        assert row["impl"] in ("stock", "ours") and row["E"] in EXPERTS
+        for key in ("collectives_per_layer", "host_ops_per_layer", "host_us_per_layer", "released_bytes_per_layer"):
+            assert isinstance(row[key], (int, float)), key
+    assert "megatron_fsdp" in bench_fsdp.table(out)
+    assert [(e, w, o) for e, w, o in bench_fsdp.case_list([8, 128], ["megatron_fsdp", "fsdp2"])] == [
+        (8, "megatron_fsdp", False), (8, "megatron_fsdp", True), (8, "fsdp2", False),
+        (128, "megatron_fsdp", False), (128, "megatron_fsdp", True), (128, "fsdp2", False)]
