@@ -13,7 +13,7 @@ expert local) on a 2-process data-parallel world (gloo on CPU, NCCL with CUDA), 
                          megatron.core.distributed.TorchFullyShardedDataParallel does)
 
 Per layer, forward + backward + the gradient sync (one counted step after a warm-up; host time = best
-of 3 uncounted steps), see megatron_ext/bench/fsdp.py:
+of 5 uncounted steps), see megatron_ext/bench/fsdp.py:
   coll          c10d collectives
   host_ops      aten ops the wrapper adds to the same model's unwrapped step
   slices        the part of host_ops that are slices and views
@@ -56,7 +56,7 @@ def case_list(experts, wrappers) -> list:
     return cases
 
 
-def run(experts, wrappers=WRAPPERS, world_size: int = 2, timed: int = 3) -> dict:
+def run(experts, wrappers=WRAPPERS, world_size: int = 2, timed: int = 5) -> dict:
     per_rank = run_world(world_size, measure_cases, timeout=900, cases=case_list(experts, wrappers), timed=timed)
     out = []
     for i, c in enumerate(per_rank[0]):
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=list(WRAPPERS))
-    p.add_argument("--timed", type=int, default=3, help="uncounted steps timed (best of)")
+    p.add_argument("--timed", type=int, default=5, help="uncounted steps timed (best of)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     out = run(a.experts, a.wrappers, timed=a.timed)  # workers log to stderr
