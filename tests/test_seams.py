@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.pipeline_parallel import schedules
@@ -35,6 +36,7 @@ TARGETS = {
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "fsdp.DataParallelBuffer": fsdp_buffer.DataParallelBuffer,
+    "fsdp.ParamAndGradBuffer": fsdp_buffer.ParamAndGradBuffer, "fsdp.MegatronFSDP": megatron_fsdp.MegatronFSDP,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,

@@ -323,6 +323,17 @@ def _timed(model, x, g, wrapper, n: int) -> tuple[float, float]:
     return min(cpu), min(wall)
 
 
+def _run_measured(model, layers, x, g, wrapper, timed):
+    with ReleaseProbe(layers) as probe:
+        step(model, x, g, wrapper)  # warm-up
+        probe.active = True
+        ops, tally, post = _count_step(model, x, g, wrapper)
+        probe.active = False
+        resident = probe.resident()
+        cpu, wall = _timed(model, x, g, wrapper, timed)
+    return ops, tally, post, probe, resident, cpu, wall
+
+
 def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: bool = False, **kw) -> dict:
     """Called on every rank of a DP world (EP1); returns this rank's figures for one case."""
     from megatron_ext import platform
@@ -347,20 +358,14 @@ def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: 
 
         stack, config = build_stack(experts, c)
         layers = list(stack.layers)
-        model = wrap(stack, config, wrapper)
-        wrapped = (model, wrapper)
-        fsdp_seams = contextlib.nullcontext()
-        if ours:
-            from megatron_ext.seams import fsdp_fetch
+        from megatron_ext.seams import fsdp_fetch
 
-            fsdp_seams = fsdp_fetch.applied()
-        with fsdp_seams, ReleaseProbe(layers) as probe:
-            step(model, x, g, wrapper)  # warm-up
-            probe.active = True
-            ops, tally, post = _count_step(model, x, g, wrapper)
-            probe.active = False
-            resident = probe.resident()
-            cpu, wall = _timed(model, x, g, wrapper, timed)
+        # ours: the seams installed before the wrapper is built (some act on its construction),
+        # as a run's build_model does; stock: megatron-core's code.
+        with (fsdp_fetch.applied() if ours else fsdp_fetch.removed()):
+            model = wrap(stack, config, wrapper)
+            wrapped = (model, wrapper)
+            ops, tally, post, probe, resident, cpu, wall = _run_measured(model, layers, x, g, wrapper, timed)
         L = c["layers"]
         extra = collections.Counter({k: n - bare_ops.get(k, 0) for k, n in ops.items() if n > bare_ops.get(k, 0)})
         fewer = sum(n - ops.get(k, 0) for k, n in bare_ops.items() if n > ops.get(k, 0))

@@ -13,8 +13,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
-    fsdp_fetch.py      Megatron-FSDP's fetch: parameter views of the unsharded bucket made once,
-                       not on every fetch
+    fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
+                       once, gradients handled per FSDP unit, not per parameter
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
                        megatron.training's global args/timers/writer set for the length of a run
 

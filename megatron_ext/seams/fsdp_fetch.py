@@ -1,4 +1,4 @@
-"""Seams of Megatron-FSDP's parameter fetch (optim_grads_params: ZeRO-3).
+"""Seams of Megatron-FSDP's fetch / release / gradient path (optim_grads_params: ZeRO-3).
 
 Measured per MoE layer (scripts/bench_fsdp.py, docs/fsdp.md "Fetch and release: measured"),
 megatron-core 0.19.2's Megatron-FSDP already does per FSDP unit what the ZeRO-3 lessons ask of the
@@ -14,17 +14,38 @@ experts. What does grow is host work per PARAMETER:
     fetch, 8 per expert per layer per step with SequentialMLP (2 weights, 2 fetches). With the
     default allocator the bucket is the same tensor every time, its storage only resized, so the
     views made at the first fetch are still views of it.
-Replaced (the lesson of the seeds: one unit per module, no per-parameter work per fetch):
-  fetch_bucket: when every parameter of the buffer already views the fetched bucket's storage
-    (checked by identity of the storage, no tensor op), the views are not made again. Any other
-    case (first fetch, a new bucket tensor from another allocator, a parameter whose data was
-    replaced, FP8 parameters) runs upstream's loop unchanged.
-Not replaced (measured, still per parameter; docs/fsdp.md): the gradient side, where every
-parameter's post-accumulate-grad hook copies its gradient into a view of a fresh gradient bucket
-(megatron_fsdp.py:658, param_and_grad_buffer.py:3090-3112) and finish_grad_sync makes one shard
-view per parameter for the optimizer (param_and_grad_buffer.py:3366).
+  megatron_fsdp.py:1110  a post-accumulate-grad hook on every parameter: each makes the
+    parameter's view of a freshly allocated gradient bucket (param_and_grad_buffer.py:3086-3112,
+    main_grad_getter: slice + view), copies the gradient into it (megatron_fsdp.py:658 _grad_acc)
+    and calls reduce_gradients for that one parameter (:704-777).
+  param_and_grad_buffer.py:3343-3400  update_main_grads (finish_grad_sync), every step: one shard
+    view (slice + view) per parameter for the optimizer, after zero_grad dropped them (:3181).
+Replaced (the lesson of the seeds: one unit per module, no per-parameter work per fetch, views
+made before and kept, not made again):
+  persistent_param_views  fetch_bucket: when every parameter of the buffer already views the
+    fetched bucket's storage (storage identity, no tensor op), the views are not made again. Any
+    other case (first fetch, a bucket tensor from another allocator, a parameter whose data was
+    replaced, FP8) runs upstream's loop.
+  unit_gradients  MegatronFSDP._register_fsdp_hooks (megatron_fsdp.py:513), after upstream's:
+    for every FSDP unit, its parameters' per-parameter hooks are replaced by one multi-grad hook
+    on the unit's inputs (it fires once the unit's backward is done; autograd accumulates every
+    parameter gradient of the unit before that, AccumulateGrad running first when ready). It
+    copies the unit's gradients into their views of the gradient buckets with one foreach copy per
+    bucket and calls reduce_gradients once for the unit. The gradient buckets get the
+    storage-resizing allocator the weight buckets already use, so those views are made once.
+    Parameters without a gradient by then (an expert no token reached) are left to upstream's
+    root post-backward callback (megatron_fsdp.py:853), as with upstream's hooks. Only for the
+    plain configuration (optim_grads_params, no fine-grained hooks, no FP8 / DTensor parameters,
+    no hybrid FSDP, no double buffer, no NaN reporting); any other keeps upstream's hooks.
+  bound_main_grads  update_main_grads: from the second call, while the sharded gradient buffers are
+    the same tensors and the gradients are views of them (no cast to the main weights' dtype, no
+    decoupled gradient), each optimizer parameter gets back the DTensor over the view made the
+    first time, with no tensor op.
+Same values bit for bit, same collectives in the same order (tests/seams/test_fsdp_fetch.py).
 """
 from __future__ import annotations
+
+import torch
 
 from megatron_ext.patching import Patch, set_attr
 
@@ -60,6 +81,154 @@ def _install_persistent_param_views():
     return set_attr(cls, "fetch_bucket", fetch_bucket)
 
 
+def _unit_gradient_handler(fsdp, unit_params):
+    """After a unit's backward: its gradients copied into their (persistent) views of the gradient
+    buckets with one foreach copy per bucket, and one reduce_gradients call for the unit. What
+    upstream's per-parameter hook does (megatron_fsdp.py:633-666 _grad_acc, :704-777
+    _process_post_backward_gradients), for the parameters whose gradient is there; the others are
+    left to upstream's root post-backward callback (megatron_fsdp.py:853), as before."""
+    buffer = fsdp.param_and_grad_buffer
+    cache = fsdp._ext_main_grad_views  # param -> (bucket tensor, view)
+
+    def handler(_grads):
+        pending = fsdp._params_require_handle_grad
+        by_bucket: dict = {}
+        for p in unit_params:
+            if p.grad is None or p.grad_added_to_main_grad or p not in pending:
+                continue
+            by_bucket.setdefault(buffer.param_to_param_group[p], []).append(p)
+        done = []
+        for bucket_id, params in sorted(by_bucket.items()):
+            gbuf = buffer.parameter_groups[bucket_id].main_grad_buffer
+            bucket = gbuf.fetch_bucket(dtype=buffer.mp_policy.grad_comm_dtype)
+            views = []
+            for p in params:
+                hit = cache.get(p)
+                if hit is None or hit[0] is not bucket.data:
+                    hit = cache[p] = (bucket.data, gbuf.get_item_from_bucket(bucket, p._item_id).view(p.shape))
+                views.append(hit[1])
+            torch._foreach_copy_(views, [p.grad for p in params])
+            for p, view in zip(params, views):
+                p.main_grad = view
+                p.grad = None
+                p.grad_added_to_main_grad = False
+            done.extend(params)
+        if done:
+            fsdp.grad_reduce_pipeline.reduce_gradients(
+                done, suggested_queue_capacity=fsdp.suggested_RS_queue_capacity, outer_fsdp_group_grad_reduce=False
+            )
+            pending.difference_update(done)
+
+    return handler
+
+
+def _unit_gradients_apply(fsdp, root_module) -> bool:
+    """Per-unit instead of per-parameter gradient handling on one MegatronFSDP, where the
+    configuration is the plain one this is written for; False (upstream's hooks kept) otherwise."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    buffer = fsdp.param_and_grad_buffer
+    if (
+        fsdp.data_parallel_sharding_strategy != "optim_grads_params"
+        or fsdp.enable_fine_grained_param_gather_hook
+        or fsdp.report_nan_in_param_grad
+        or fsdp.dist_index.use_hybrid_fsdp
+        or fsdp.ddp_config.fsdp_double_buffer
+        or any(pgb.is_float8tensor(p) or isinstance(p, torch.distributed.tensor.DTensor)
+               for p in root_module.parameters())
+    ):
+        return False
+    groups = buffer.parameter_groups
+    for group in groups:
+        gbuf = group.main_grad_buffer
+        if gbuf is None or group.hfsdp_helper_gbuf is not None or not gbuf.is_data_distributed:
+            return False
+    units = [m for m in root_module.modules() if isinstance(m, tuple(fsdp.fsdp_unit_modules))]
+    top = [u for u in units if not any(u is not o and any(u is m for m in o.modules()) for o in units)]
+    fsdp._ext_main_grad_views = {}
+    # The gradient buckets keep one tensor whose storage is resized (as the weight buckets do,
+    # param_and_grad_buffer.py:526), so the per-parameter views of it are made once.
+    for group in groups:
+        alloc = group.main_grad_buffer.temporary_bucket_allocator
+        if type(alloc) is pgb.TemporaryBucketAllocator and not alloc.buckets:
+            group.main_grad_buffer.temporary_bucket_allocator = pgb.StorageResizeBasedBucketAllocator()
+    name_of = fsdp.param_to_name
+    for unit in top:
+        params = [p for p in unit.parameters() if p.requires_grad]
+        for p in params:  # upstream's per-parameter hook (megatron_fsdp.py:1110)
+            handle = fsdp.grad_acc_hooks.pop(f"grad_acc and reduce for {name_of[p]}", None)
+            if handle is not None:
+                handle.remove()
+        handler = _unit_gradient_handler(fsdp, params)
+
+        def pre_forward(module, args, kwargs, __handler=handler):
+            if torch.is_grad_enabled():
+                inputs = [t for t in list(args) + list(kwargs.values()) if torch.is_tensor(t) and t.requires_grad]
+                if inputs:
+                    torch.autograd.graph.register_multi_grad_hook(inputs, __handler, mode="all")
+
+        fsdp.forward_pre_hooks[f"megatron_ext unit gradients {id(unit)}"] = unit.register_forward_pre_hook(
+            pre_forward, with_kwargs=True
+        )
+    return True
+
+
+def _install_unit_gradients():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    cls = megatron_fsdp.MegatronFSDP
+    original = cls._register_fsdp_hooks
+
+    def _register_fsdp_hooks(self, root_module):
+        original(self, root_module)
+        self._ext_unit_gradients = _unit_gradients_apply(self, root_module)
+
+    _register_fsdp_hooks.__wrapped__ = original
+    return set_attr(cls, "_register_fsdp_hooks", _register_fsdp_hooks)
+
+
+def _install_bound_main_grads():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    cls = pgb.ParamAndGradBuffer
+    original = cls.update_main_grads
+
+    def update_main_grads(self):
+        bound = getattr(self, "_ext_bound_main_grads", None)
+        if bound is not None and all(g.main_grad_buffer.data is d for g, d in bound[0]):
+            # Upstream's result again, without making the views again: each optimizer
+            # parameter's gradient is the DTensor over its view of the sharded gradient buffer.
+            for param, dist_grad, local in bound[1]:
+                if dist_grad is not None:
+                    dist_grad._local_tensor = local
+                param.grad = dist_grad
+            return
+        original(self)
+        self._ext_bound_main_grads = None
+        # Bound only where upstream's gradient is a view of the persistent sharded gradient
+        # buffer: no cast to the main weights' dtype, no decoupled gradient.
+        if self.use_decoupled_grad or any(
+            g.main_grad_buffer is not None and g.main_weight_buffer is not None
+            and g.main_grad_buffer.data.dtype != g.main_weight_buffer.data.dtype
+            for g in self.parameter_groups
+        ):
+            return
+        entries = []
+        for name, param in self.optimizer_named_parameters:
+            dist_grad = self.dist_main_grad.get(name)
+            if param.grad is not dist_grad and param.grad is not None:
+                return
+            grad = param.grad
+            entries.append((param, grad, None if grad is None else grad._local_tensor))
+        self._ext_bound_main_grads = (
+            [(g, g.main_grad_buffer.data) for g in self.parameter_groups if g.main_grad_buffer is not None],
+            entries,
+        )
+
+    update_main_grads.__wrapped__ = original
+    return set_attr(cls, "update_main_grads", update_main_grads)
+
+
 PERSISTENT_PARAM_VIEWS = Patch(
     "fsdp_fetch.persistent_param_views",
     ["megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:1291"],
@@ -67,7 +236,22 @@ PERSISTENT_PARAM_VIEWS = Patch(
     "made once, while the bucket is the same storage",
     _install_persistent_param_views,
 )
-SEAMS = [PERSISTENT_PARAM_VIEWS]
+UNIT_GRADIENTS = Patch(
+    "fsdp_fetch.unit_gradients",
+    ["megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:513",
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1110"],
+    "a post-accumulate-grad hook per parameter, each making a view of the gradient bucket, copying "
+    "into it and calling reduce_gradients: once per FSDP unit, one foreach copy per bucket",
+    _install_unit_gradients,
+)
+BOUND_MAIN_GRADS = Patch(
+    "fsdp_fetch.bound_main_grads",
+    ["megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3343"],
+    "finish_grad_sync made every optimizer parameter's view of its gradient shard again each step "
+    "(2 ops per parameter): kept while the sharded gradient buffer is the same tensor",
+    _install_bound_main_grads,
+)
+SEAMS = [PERSISTENT_PARAM_VIEWS, UNIT_GRADIENTS, BOUND_MAIN_GRADS]
 
 
 def for_run(args) -> list:
@@ -75,10 +259,20 @@ def for_run(args) -> list:
 
 
 def applied():
-    """The seams active inside the block (benchmarks, tests)."""
+    """The seams active inside the block (benchmarks, tests); install before the wrapper is built."""
     import contextlib
 
     stack = contextlib.ExitStack()
     for record in SEAMS:
         stack.enter_context(record.applied())
+    return stack
+
+
+def removed():
+    """megatron-core's own code inside the block (side-by-side measurements, tests)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for record in SEAMS:
+        stack.enter_context(record.without())
     return stack

@@ -18,22 +18,29 @@ def _run_steps(experts: int, ours: bool, steps: int = 2) -> dict:
     model = None
     try:
         stack, config = bench.build_stack(experts, c)
-        model = bench.wrap(stack, config, "megatron_fsdp")
         gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
         device = platform.current().device
-        out: dict = {"out": [], "dx": [], "grads": [], "weights": []}
-        groups = model.param_and_grad_buffer.parameter_groups
-        with fsdp_fetch.applied() if ours else fsdp_fetch.PERSISTENT_PARAM_VIEWS.without():
+        out: dict = {"out": [], "dx": [], "grads": [], "optimizer_grads": [], "weights": []}
+        with fsdp_fetch.applied() if ours else fsdp_fetch.removed():
+            model = bench.wrap(stack, config, "megatron_fsdp")
+            out["unit_gradients"] = getattr(model.module, "_ext_unit_gradients", False)
+            groups = model.param_and_grad_buffer.parameter_groups
             for _ in range(steps):
-                x = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device).requires_grad_(True)
-                g = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device)
                 model.zero_grad_buffer()
-                y = model(x)
-                y.backward(g)
+                for _ in range(2):  # two micro-batches: gradients accumulate in the shards
+                    x = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device).requires_grad_(True)
+                    g = torch.randn(c["seq"], c["mbs"], c["hidden"], generator=gen).to(device)
+                    y = model(x)
+                    y.backward(g)
+                    out["out"].append(y.detach().clone())
+                    out["dx"].append(x.grad.clone())
                 model.finish_grad_sync()
-                out["out"].append(y.detach().clone())
-                out["dx"].append(x.grad.clone())
                 out["grads"].append([grp.main_grad_buffer.data.clone() for grp in groups])
+                # What the optimizer sees: each parameter's .grad (a DTensor over its shard).
+                out["optimizer_grads"].append([
+                    p.grad.to_local().clone() if p.grad is not None else torch.empty(0)
+                    for _, p in model.param_and_grad_buffer.optimizer_named_parameters
+                ])
                 with torch.no_grad():  # a plain SGD step on the shards the next fetch gathers
                     for grp in groups:
                         w, gr = grp.model_weight_buffer.data, grp.main_grad_buffer.data
@@ -52,7 +59,8 @@ def fsdp_fetch_bitwise_and_counts(experts=(4, 8)) -> dict:
     stock = _run_steps(experts[-1], ours=False)
     ours = _run_steps(experts[-1], ours=True)
     same = {k: all(torch.equal(a, b) if isinstance(a, torch.Tensor) else all(map(torch.equal, a, b))
-                   for a, b in zip(stock[k], ours[k])) for k in stock}
-    changed = not torch.equal(stock["out"][0], stock["out"][1])
+                   for a, b in zip(stock[k], ours[k])) for k in stock if k != "unit_gradients"}
+    changed = not torch.equal(stock["out"][0], stock["out"][2])  # step 1 vs step 2, first micro-batch
     counts = [measure(e, wrapper="megatron_fsdp", ours=o, timed=1) for e in experts for o in (False, True)]
-    return {"same": same, "outputs_differ_between_steps": changed, "counts": counts}
+    return {"same": same, "outputs_differ_between_steps": changed, "counts": counts,
+            "unit_gradients": (stock["unit_gradients"], ours["unit_gradients"])}
