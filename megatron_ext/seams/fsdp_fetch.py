@@ -195,10 +195,17 @@ def _install_bound_main_grads():
 
     def update_main_grads(self):
         bound = getattr(self, "_ext_bound_main_grads", None)
-        if bound is not None and all(g.main_grad_buffer.data is d for g, d in bound[0]):
+        named = self.optimizer_named_parameters
+        if (
+            bound is not None
+            and all(g.main_grad_buffer.data is d for g, d in bound[0])
+            # the same optimizer parameters and gradient DTensors (a checkpoint load may replace them)
+            and len(named) == len(bound[1])
+            and all(p is e[0] and self.dist_main_grad.get(n) is e[3] for (n, p), e in zip(named, bound[1]))
+        ):
             # Upstream's result again, without making the views again: each optimizer
             # parameter's gradient is the DTensor over its view of the sharded gradient buffer.
-            for param, dist_grad, local in bound[1]:
+            for param, dist_grad, local, _ in bound[1]:
                 if dist_grad is not None:
                     dist_grad._local_tensor = local
                 param.grad = dist_grad
@@ -219,7 +226,7 @@ def _install_bound_main_grads():
             if param.grad is not dist_grad and param.grad is not None:
                 return
             grad = param.grad
-            entries.append((param, grad, None if grad is None else grad._local_tensor))
+            entries.append((param, grad, None if grad is None else grad._local_tensor, dist_grad))
         self._ext_bound_main_grads = (
             [(g, g.main_grad_buffer.data) for g in self.parameter_groups if g.main_grad_buffer is not None],
             entries,
