@@ -45,6 +45,8 @@ Same values bit for bit, same collectives in the same order (tests/seams/test_fs
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_ext.patching import Patch, set_attr
@@ -122,7 +124,7 @@ def _unit_gradient_handler(fsdp, unit_params):
     return handler
 
 
-def _unit_gradients_apply(fsdp, root_module) -> bool:
+def _unit_hooks_apply(fsdp, root_module) -> bool:
     """Per-unit instead of per-parameter gradient handling on one MegatronFSDP, where the
     configuration is the plain one this is written for; False (upstream's hooks kept) otherwise."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
@@ -153,6 +155,7 @@ def _unit_gradients_apply(fsdp, root_module) -> bool:
         if type(alloc) is pgb.TemporaryBucketAllocator and not alloc.buckets:
             group.main_grad_buffer.temporary_bucket_allocator = pgb.StorageResizeBasedBucketAllocator()
     name_of = fsdp.param_to_name
+    fsdp._ext_units_released_per_bucket = 0
     for unit in top:
         params = [p for p in unit.parameters() if p.requires_grad]
         for p in params:  # upstream's per-parameter hook (megatron_fsdp.py:1110)
@@ -170,18 +173,80 @@ def _unit_gradients_apply(fsdp, root_module) -> bool:
         fsdp.forward_pre_hooks[f"megatron_ext unit gradients {id(unit)}"] = unit.register_forward_pre_hook(
             pre_forward, with_kwargs=True
         )
+        fsdp._ext_units_released_per_bucket += _unit_fetch_release(fsdp, unit)
     return True
 
 
-def _install_unit_gradients():
+def _hook_id(hooks: dict, name: str):
+    """The id of the one hook in a module's hook dict whose function (or partial's function) is
+    upstream's `name`; None when there is not exactly one."""
+    found = [k for k, fn in hooks.items() if getattr(getattr(fn, "func", fn), "__name__", None) == name]
+    return found[0] if len(found) == 1 else None
+
+
+def _unit_fetch_release(fsdp, unit) -> bool:
+    """The unit's fetch and release hooks made per bucket: upstream's (megatron_fsdp.py:779
+    _pre_forward_param_unshard, :955 _post_forward, :682 _post_backward_release_module via :801)
+    list the unit's parameters by walking its modules on every call and release per parameter
+    (:600 release_module_parameters, the same bucket once per parameter). Here the unit's
+    parameters, its distinct buckets (in upstream's order) and its modules are listed once, at
+    wrap time, and each bucket is released once. Replaced in place in the module's hook dicts, so
+    the hooks keep their order."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import TrainingState
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import PrefetchOrder
+
+    pre_id = _hook_id(unit._forward_pre_hooks, "_pre_forward_param_unshard")
+    post_id = _hook_id(unit._forward_hooks, "_post_forward")
+    bwd_id = _hook_id(unit._forward_pre_hooks, "_register_post_backward_hook")
+    if None in (pre_id, post_id, bwd_id):
+        return False
+    ag = fsdp.all_gather_pipeline
+    params = list(unit.parameters())
+    buckets = list(dict.fromkeys(fsdp.param_and_grad_buffer.param_to_param_group[p] for p in params))
+    modules = list(unit.modules())
+
+    def pre_forward(module, *unused):
+        prefetch = True
+        if module._training_state == TrainingState.PRE_BACKWARD:
+            prefetch = False  # recompute inside the backward: no forward prefetch
+        else:
+            module._training_state = TrainingState.FORWARD
+        fsdp.all_gather_and_wait_parameters_ready(
+            params=params, prefetch=prefetch, prefetch_order=PrefetchOrder.FORWARD_PASS_ORDER
+        )
+
+    def post_forward(module, inputs, output):
+        lazy = module._training_state == TrainingState.PRE_BACKWARD
+        if not lazy:
+            module._training_state = TrainingState.IDLE
+        for bucket_id in buckets:
+            ag.release_bucket(bucket_id, False, lazy=lazy)
+        return output
+
+    def post_backward(module, *unused):
+        for bwd in (True, False):
+            for bucket_id in buckets:
+                ag.release_bucket(bucket_id, bwd)
+        for m in modules:
+            m._training_state = TrainingState.IDLE
+
+    unit._forward_pre_hooks[pre_id] = pre_forward
+    unit._forward_hooks[post_id] = post_forward
+    unit._forward_pre_hooks[bwd_id] = functools.partial(unit._forward_pre_hooks[bwd_id].func, post_backward)
+    return True
+
+
+def _install_unit_hooks():
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
     cls = megatron_fsdp.MegatronFSDP
     original = cls._register_fsdp_hooks
 
     def _register_fsdp_hooks(self, root_module):
         original(self, root_module)
-        self._ext_unit_gradients = _unit_gradients_apply(self, root_module)
+        self._ext_fp8 = any(pgb.is_float8tensor(p) for p in root_module.parameters())
+        self._ext_unit_hooks = _unit_hooks_apply(self, root_module)
 
     _register_fsdp_hooks.__wrapped__ = original
     return set_attr(cls, "_register_fsdp_hooks", _register_fsdp_hooks)
@@ -236,6 +301,32 @@ def _install_bound_main_grads():
     return set_attr(cls, "update_main_grads", update_main_grads)
 
 
+def _install_bucket_waits():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    cls = megatron_fsdp.MegatronFSDP
+    original = cls.all_gather_and_wait_parameters_ready
+
+    def all_gather_and_wait_parameters_ready(self, params, prefetch=True, prefetch_order=None, wait_bucket_ready=True,
+                                             bwd=False):
+        if prefetch_order is None:
+            prefetch_order = megatron_fsdp.PrefetchOrder.FORWARD_PASS_ORDER
+        # FP8 parameters get a transpose cache made after each wait (upstream :494): not here.
+        if not wait_bucket_ready or self.data_parallel_sharding_strategy == "no_shard" or getattr(
+            self, "_ext_fp8", True
+        ):
+            return original(self, params, prefetch, prefetch_order, wait_bucket_ready, bwd)
+        # Upstream (megatron_fsdp.py:458-511) waits once per parameter; the same buckets once
+        # each, in the same (first-seen) order.
+        original(self, params, prefetch, prefetch_order, wait_bucket_ready=False, bwd=bwd)
+        to_group = self.param_and_grad_buffer.param_to_param_group
+        for bucket_id in dict.fromkeys(to_group[p] for p in params):
+            self.all_gather_pipeline.wait_bucket_ready(bucket_id, bwd)
+
+    all_gather_and_wait_parameters_ready.__wrapped__ = original
+    return set_attr(cls, "all_gather_and_wait_parameters_ready", all_gather_and_wait_parameters_ready)
+
+
 PERSISTENT_PARAM_VIEWS = Patch(
     "fsdp_fetch.persistent_param_views",
     ["megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:1291"],
@@ -243,13 +334,20 @@ PERSISTENT_PARAM_VIEWS = Patch(
     "made once, while the bucket is the same storage",
     _install_persistent_param_views,
 )
-UNIT_GRADIENTS = Patch(
-    "fsdp_fetch.unit_gradients",
+UNIT_HOOKS = Patch(
+    "fsdp_fetch.unit_hooks",
     ["megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:513",
-     "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1110"],
-    "a post-accumulate-grad hook per parameter, each making a view of the gradient bucket, copying "
-    "into it and calling reduce_gradients: once per FSDP unit, one foreach copy per bucket",
-    _install_unit_gradients,
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1110",
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:600"],
+    "a post-accumulate-grad hook per parameter (a view of the gradient bucket, a copy, a "
+    "reduce_gradients call each) and a release per parameter: per FSDP unit, per bucket",
+    _install_unit_hooks,
+)
+BUCKET_WAITS = Patch(
+    "fsdp_fetch.bucket_waits",
+    ["megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:458"],
+    "a wait for the gathered bucket once per parameter: once per bucket",
+    _install_bucket_waits,
 )
 BOUND_MAIN_GRADS = Patch(
     "fsdp_fetch.bound_main_grads",
@@ -258,7 +356,7 @@ BOUND_MAIN_GRADS = Patch(
     "(2 ops per parameter): kept while the sharded gradient buffer is the same tensor",
     _install_bound_main_grads,
 )
-SEAMS = [PERSISTENT_PARAM_VIEWS, UNIT_GRADIENTS, BOUND_MAIN_GRADS]
+SEAMS = [PERSISTENT_PARAM_VIEWS, UNIT_HOOKS, BUCKET_WAITS, BOUND_MAIN_GRADS]
 
 
 def for_run(args) -> list:

@@ -23,7 +23,8 @@ def _run_steps(experts: int, ours: bool, steps: int = 2) -> dict:
         out: dict = {"out": [], "dx": [], "grads": [], "optimizer_grads": [], "weights": []}
         with fsdp_fetch.applied() if ours else fsdp_fetch.removed():
             model = bench.wrap(stack, config, "megatron_fsdp")
-            out["unit_gradients"] = getattr(model.module, "_ext_unit_gradients", False)
+            out["unit_hooks"] = (getattr(model.module, "_ext_unit_hooks", False),
+                                 getattr(model.module, "_ext_units_released_per_bucket", 0))
             groups = model.param_and_grad_buffer.parameter_groups
             for _ in range(steps):
                 model.zero_grad_buffer()
@@ -59,8 +60,8 @@ def fsdp_fetch_bitwise_and_counts(experts=(4, 8)) -> dict:
     stock = _run_steps(experts[-1], ours=False)
     ours = _run_steps(experts[-1], ours=True)
     same = {k: all(torch.equal(a, b) if isinstance(a, torch.Tensor) else all(map(torch.equal, a, b))
-                   for a, b in zip(stock[k], ours[k])) for k in stock if k != "unit_gradients"}
+                   for a, b in zip(stock[k], ours[k])) for k in stock if k != "unit_hooks"}
     changed = not torch.equal(stock["out"][0], stock["out"][2])  # step 1 vs step 2, first micro-batch
     counts = [measure(e, wrapper="megatron_fsdp", ours=o, timed=1) for e in experts for o in (False, True)]
     return {"same": same, "outputs_differ_between_steps": changed, "counts": counts,
-            "unit_gradients": (stock["unit_gradients"], ours["unit_gradients"])}
+            "unit_hooks": (stock["unit_hooks"], ours["unit_hooks"])}
