@@ -26,17 +26,23 @@ made before and kept, not made again):
     fetched bucket's storage (storage identity, no tensor op), the views are not made again. Any
     other case (first fetch, a bucket tensor from another allocator, a parameter whose data was
     replaced, FP8) runs upstream's loop.
-  unit_gradients  MegatronFSDP._register_fsdp_hooks (megatron_fsdp.py:513), after upstream's:
-    for every FSDP unit, its parameters' per-parameter hooks are replaced by one multi-grad hook
-    on the unit's inputs (it fires once the unit's backward is done; autograd accumulates every
-    parameter gradient of the unit before that, AccumulateGrad running first when ready). It
-    copies the unit's gradients into their views of the gradient buckets with one foreach copy per
-    bucket and calls reduce_gradients once for the unit. The gradient buckets get the
-    storage-resizing allocator the weight buckets already use, so those views are made once.
-    Parameters without a gradient by then (an expert no token reached) are left to upstream's
-    root post-backward callback (megatron_fsdp.py:853), as with upstream's hooks. Only for the
-    plain configuration (optim_grads_params, no fine-grained hooks, no FP8 / DTensor parameters,
-    no hybrid FSDP, no double buffer, no NaN reporting); any other keeps upstream's hooks.
+  unit_hooks  MegatronFSDP._register_fsdp_hooks (megatron_fsdp.py:513), after upstream's, for
+    every FSDP unit: (a) its parameters' per-parameter gradient hooks are replaced by one
+    multi-grad hook on the unit's inputs (it fires once the unit's backward is done; autograd
+    runs a parameter's AccumulateGrad first once it is ready, so the unit's gradients are there).
+    It copies them into their views of the gradient buckets with one foreach copy per bucket and
+    calls reduce_gradients once for the unit. The gradient buckets get the storage-resizing
+    allocator the weight buckets already use, so those views are made once; their storage is
+    still freed after each reduce-scatter. Parameters without a gradient by then (an expert no
+    token reached) are left to upstream's root post-backward callback (megatron_fsdp.py:853), as
+    with upstream's hooks. (b) Its pre-forward fetch, post-forward release and post-backward
+    release hooks (megatron_fsdp.py:779, :955, :682) work on its parameters, distinct buckets and
+    modules listed once, releasing each bucket once instead of once per parameter
+    (release_module_parameters :600), with upstream's training-state logic. Only for the plain
+    configuration (optim_grads_params, no fine-grained hooks, no FP8 / DTensor parameters, no
+    hybrid FSDP, no double buffer, no NaN reporting); any other keeps upstream's hooks.
+  bucket_waits  all_gather_and_wait_parameters_ready (megatron_fsdp.py:458): waits once per
+    bucket in first-seen order, not once per parameter (not with FP8 parameters).
   bound_main_grads  update_main_grads: from the second call, while the sharded gradient buffers are
     the same tensors and the gradients are views of them (no cast to the main weights' dtype, no
     decoupled gradient), each optimizer parameter gets back the DTensor over the view made the
