@@ -332,6 +332,29 @@ def _install_no_device_arch():
     return undo
 
 
+# --------------------------------------------------------------------------------------------
+# 13. Megatron-FSDP divides the gradients inside the reduce-scatter with NCCL's PREMUL_SUM
+#     (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:4746-4748,
+#     gradient_reduce_div_fusion, on by default); gloo has no PREMUL_SUM. PREMUL_SUM multiplies
+#     each rank's input by the factor before summing, which is the branch it falls back to for bf16
+#     (:4751-4752): scale in place, then SUM. Same products, same sum order.
+# --------------------------------------------------------------------------------------------
+def _install_fsdp_premul_sum_as_scale():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    original = buffers.gradient_reduce_preprocessing
+
+    @torch.no_grad()
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if (scaling_factor is not None and not ddp_config.average_in_collective
+                and ddp_config.gradient_reduce_div_fusion and grad_data.dtype != torch.bfloat16):
+            grad_data.mul_(scaling_factor)
+            return dist.ReduceOp.SUM
+        return original(grad_data, scaling_factor, ddp_config)
+
+    return _patch(buffers, "gradient_reduce_preprocessing", gradient_reduce_preprocessing)
+
+
 SHIMS: Dict[str, Shim] = {
     s.name: s
     for s in [
@@ -436,6 +459,12 @@ SHIMS: Dict[str, Shim] = {
             ],
             "validate_args reads the GPU compute capability when TP or CP > 1",
             _install_no_device_arch,
+        ),
+        Shim(
+            "fsdp_premul_sum_as_scale",
+            ["megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:4748"],
+            "Megatron-FSDP reduce-scatters gradients with NCCL's PREMUL_SUM, which gloo lacks",
+            _install_fsdp_premul_sum_as_scale,
         ),
     ]
 }

@@ -171,12 +171,17 @@ def device_answers(target: Target, env: dict | None = None):
     torch.cuda.get_device_properties and get_device_arch_version (megatron/training/utils/
     common_utils.py:504, read at megatron/training/arguments.py:1414, 1444, 1484), and
     CUDA_DEVICE_MAX_CONNECTIONS (asserted at megatron/training/arguments.py:1437) as `env` (the
-    target's launch_env) sets it. Elsewhere: nothing."""
-    import os
+    target's launch_env) sets it. On this CPU: only the launch environment. Elsewhere: nothing."""
     import types
 
-    if not (target.declared and target.cuda) or _cuda_here():
+    if _cuda_here():
         yield
+        return
+    if not (target.declared and target.cuda):
+        # this CPU: only the launch environment (the CPU shims set CUDA_DEVICE_MAX_CONNECTIONS=1 for
+        # megatron's TP check; FSDP asserts it unset, arguments.py:1143), for validation's duration
+        with _environment(env or {}):
+            yield
         return
     import torch
     from megatron.training import arguments
@@ -186,25 +191,37 @@ def device_answers(target: Target, env: dict | None = None):
     (major, minor), gib = GPUS[target.gpu]
     props = types.SimpleNamespace(name=f"{target.gpu} (declared target)", major=major, minor=minor,
                                   total_memory=gib << 30, multi_processor_count=132)
-    env_before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     undo = undo_all([
         set_attr(torch.cuda, "get_device_capability", lambda device=None: (major, minor)),
         set_attr(torch.cuda, "get_device_properties", lambda device=None: props),
         set_attr(arguments, "get_device_arch_version", lambda: major),
     ])
     try:
-        for key, value in (env or {}).items():
+        with _environment(env or {}):
+            yield
+    finally:
+        undo()
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """`env` (value None = unset) in os.environ for the duration, then the previous values."""
+    import os
+
+    before = {key: os.environ.get(key) for key in env}
+    try:
+        for key, value in env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         yield
     finally:
-        undo()
-        if env_before is None:
-            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-        else:
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = env_before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,11 +315,11 @@ def fit_defaults(args, target: Target | None = None) -> Target:
             "the final norm as apex's FusedLayerNorm, which only does LayerNorm; use the "
             "transformer_engine spec"
         )
+    fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False))
     args.launch_env = launch_env(
-        tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1),
-        fsdp=bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)),
+        tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1), fsdp=fsdp,
         arch=target.arch,
-    ) if target.cuda else {}
+    ) if target.cuda else launch_env(tp=1, cp=1, fsdp=fsdp)  # on CPU only FSDP's "unset" matters
     sources["launch_env"] = "derived (launch environment megatron needs on the target)"
     return target
 

@@ -105,7 +105,13 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         chunks.append(chunk)
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    if wrap_with_ddp:
+    if wrap_with_ddp and args.use_megatron_fsdp:
+        if args.layout_invariant_init:  # before sharding: FSDP's parameters are DTensor shards
+            from megatron_ext.training.init import layout_invariant_init
+
+            layout_invariant_init(chunks, args.init_method_std, args.seed)
+        chunks = wrap_fsdp(args, config, chunks)
+    elif wrap_with_ddp:
         chunks = wrap_ddp(args, config, chunks)
     features.after_model(args, chunks)
     _BUILT.extend(chunks)
@@ -124,7 +130,30 @@ def release_models() -> None:
     for chunk in _BUILT:
         if hasattr(chunk, "grad_accs"):
             vars(chunk).clear()
+        elif hasattr(chunk, "megatron_fsdp_dist_index"):  # Megatron-FSDP: the same cycle through
+            inner = chunk.module  # its post-accumulate-grad hooks (megatron_fsdp.py:1110) and
+            for handle in getattr(inner, "grad_acc_hooks", {}).values():  # the buffer closures it
+                handle.remove()  # sets on every parameter (param_and_grad_buffer.py:3115)
+            params, modules = list(inner.parameters()), list(inner.modules())
+            for obj in params + modules:  # FSDP's backward nodes hold the modules themselves, so a
+                vars(obj).clear()  # graph a module keeps (MoE dispatcher's probs) is a cycle too
+            vars(chunk).clear()
+            _forget_dtensor_caches()
     _BUILT.clear()
+
+
+def _forget_dtensor_caches() -> None:
+    """torch's DTensor dispatch caches the sharding of every op it has seen (in Python and in its
+    native fast path), keyed by specs that hold the run's device meshes and through them its
+    process groups: emptied after the run."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:
@@ -145,6 +174,29 @@ def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:
     )
 
 
+def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
+    """Megatron-FSDP as megatron.training.get_model wraps it (training.py:1837-1895): the same DDP
+    config and bucket rule, the model-parallel process groups handed over as a pg_collection."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ddp_config = get_megatron_ddp_config(args)
+    ddp_config.bucket_size = resolve_ddp_bucket_size(
+        ddp_config,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        ddp_config.overlap_grad_reduce,
+        num_parameters(chunks),
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    disable = [i > 0 or args.overlap_param_gather_with_optimizer_step for i in range(len(chunks))]
+    sizes = [None if (d or pp_rank > 0) else ddp_config.bucket_size for d in disable]
+    return wrap_model_chunks_with_ddp(
+        chunks, config, ddp_config, DP=FullyShardedDataParallel,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        bucket_sizes=sizes, disable_bucketing_per_chunk=disable,
+    )
+
+
 def num_parameters(model: list) -> int:
     return sum(p.numel() for c in model for p in c.parameters())
 
@@ -153,10 +205,14 @@ def before_validate(args) -> None:
     """Refused before megatron's validate_args, whose assertions for these would name something else."""
     from megatron_ext.errors import ConfigError
 
-    for flag, on in (("--use-megatron-fsdp", args.use_megatron_fsdp), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
-        if on:
-            raise ConfigError(
-                f"{flag}: not supported by this loop: the model is wrapped in megatron-core DDP (with "
-                "--use-distributed-optimizer for sharded optimizer state), and checkpoints are written in "
-                "torch_dist format, not the fsdp_dtensor format megatron requires for FSDP"
-            )
+    if args.use_torch_fsdp2:
+        raise ConfigError(
+            "--use-torch-fsdp2: not supported by this loop: the model is wrapped in megatron-core DDP "
+            "or Megatron-FSDP (--use-megatron-fsdp); see docs/fsdp.md"
+        )
+    if args.use_megatron_fsdp and args.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}, --use-megatron-fsdp=True: "
+            "megatron-core's Megatron-FSDP lays its device mesh over the whole world as data x expert x "
+            "tensor parallel ranks (distributed/fsdp/mcore_fsdp_adapter.py:561), with no pipeline dimension; use 1"
+        )

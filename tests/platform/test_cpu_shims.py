@@ -181,3 +181,13 @@ def test_backward_runs_with_the_device_rewrite_active():
     y = torch.ones(3, requires_grad=True)
     torch.autograd.backward(AllocatesOnCuda.apply(y), grad_tensors=torch.full((3,), 2.0))
     assert y.grad.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_fsdp_premul_sum_as_scale():
+    """Megatron-FSDP's averaged gradient reduce-scatter: PREMUL_SUM(1/world) on NCCL, scale then SUM
+    here; either way each element is the mean over ranks, bit for bit."""
+    with_shim = run_distributed(2, "tests.platform.jobs_fsdp:premul_reduce_scatter", without_shim=False)
+    expected = [(torch.arange(8.0) * 0.5 + (torch.arange(8.0) + 10) * 0.5)[4 * r:4 * r + 4].tolist() for r in (0, 1)]
+    assert with_shim == expected
+    without = run_distributed(2, "tests.platform.jobs_fsdp:premul_reduce_scatter", without_shim=True)
+    assert all(isinstance(r, str) and "PREMUL_SUM" in r for r in without), without
