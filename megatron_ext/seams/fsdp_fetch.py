@@ -95,10 +95,12 @@ def _unit_gradient_handler(fsdp, unit_params):
     upstream's per-parameter hook does (megatron_fsdp.py:633-666 _grad_acc, :704-777
     _process_post_backward_gradients), for the parameters whose gradient is there; the others are
     left to upstream's root post-backward callback (megatron_fsdp.py:853), as before."""
-    buffer = fsdp.param_and_grad_buffer
-    cache = fsdp._ext_main_grad_views  # param -> (bucket tensor, view)
+    # Everything is looked up through `fsdp` at call time: a hook the autograd graph still holds
+    # after the run must not keep the buffers (and through them the process groups) alive.
 
-    def handler(_grads):
+    def handler():
+        buffer = fsdp.param_and_grad_buffer
+        cache = fsdp._ext_main_grad_views  # param -> (bucket tensor, view)
         pending = fsdp._params_require_handle_grad
         by_bucket: dict = {}
         for p in unit_params:
@@ -164,22 +166,13 @@ def _unit_hooks_apply(fsdp, root_module) -> bool:
     fsdp._ext_units_released_per_bucket = 0
     for unit in top:
         params = [p for p in unit.parameters() if p.requires_grad]
+        if not _unit_fetch_release(fsdp, unit, _unit_gradient_handler(fsdp, params)):
+            continue  # upstream's hooks for this unit
+        fsdp._ext_units_released_per_bucket += 1
         for p in params:  # upstream's per-parameter hook (megatron_fsdp.py:1110)
             handle = fsdp.grad_acc_hooks.pop(f"grad_acc and reduce for {name_of[p]}", None)
             if handle is not None:
                 handle.remove()
-        handler = _unit_gradient_handler(fsdp, params)
-
-        def pre_forward(module, args, kwargs, __handler=handler):
-            if torch.is_grad_enabled():
-                inputs = [t for t in list(args) + list(kwargs.values()) if torch.is_tensor(t) and t.requires_grad]
-                if inputs:
-                    torch.autograd.graph.register_multi_grad_hook(inputs, __handler, mode="all")
-
-        fsdp.forward_pre_hooks[f"megatron_ext unit gradients {id(unit)}"] = unit.register_forward_pre_hook(
-            pre_forward, with_kwargs=True
-        )
-        fsdp._ext_units_released_per_bucket += _unit_fetch_release(fsdp, unit)
     return True
 
 
@@ -190,7 +183,7 @@ def _hook_id(hooks: dict, name: str):
     return found[0] if len(found) == 1 else None
 
 
-def _unit_fetch_release(fsdp, unit) -> bool:
+def _unit_fetch_release(fsdp, unit, gradients) -> bool:
     """The unit's fetch and release hooks made per bucket: upstream's (megatron_fsdp.py:779
     _pre_forward_param_unshard, :955 _post_forward, :682 _post_backward_release_module via :801)
     list the unit's parameters by walking its modules on every call and release per parameter
@@ -206,7 +199,6 @@ def _unit_fetch_release(fsdp, unit) -> bool:
     bwd_id = _hook_id(unit._forward_pre_hooks, "_register_post_backward_hook")
     if None in (pre_id, post_id, bwd_id):
         return False
-    ag = fsdp.all_gather_pipeline
     params = list(unit.parameters())
     buckets = list(dict.fromkeys(fsdp.param_and_grad_buffer.param_to_param_group[p] for p in params))
     modules = list(unit.modules())
@@ -226,13 +218,14 @@ def _unit_fetch_release(fsdp, unit) -> bool:
         if not lazy:
             module._training_state = TrainingState.IDLE
         for bucket_id in buckets:
-            ag.release_bucket(bucket_id, False, lazy=lazy)
+            fsdp.all_gather_pipeline.release_bucket(bucket_id, False, lazy=lazy)
         return output
 
     def post_backward(module, *unused):
+        gradients()
         for bwd in (True, False):
             for bucket_id in buckets:
-                ag.release_bucket(bucket_id, bwd)
+                fsdp.all_gather_pipeline.release_bucket(bucket_id, bwd)
         for m in modules:
             m._training_state = TrainingState.IDLE
 
