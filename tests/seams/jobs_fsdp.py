@@ -65,3 +65,22 @@ def fsdp_fetch_bitwise_and_counts(experts=(4, 8)) -> dict:
     counts = [measure(e, wrapper="megatron_fsdp", ours=o, timed=1) for e in experts for o in (False, True)]
     return {"same": same, "outputs_differ_between_steps": changed, "counts": counts,
             "unit_hooks": (stock["unit_hooks"], ours["unit_hooks"])}
+
+
+def train_with_and_without(argv: list[str]) -> dict:
+    """train.py's own run with --use-megatron-fsdp twice: megatron-core's code, then with the
+    fsdp_fetch seams the run installs (for_run). Per-iteration loss and grad norm of both."""
+    import train as entry
+
+    from megatron_ext.seams import fsdp_fetch
+
+    def history():
+        return [(r["lm loss"], r.get("grad norm")) for r in entry.main(list(argv))]
+
+    for_run = fsdp_fetch.for_run
+    fsdp_fetch.for_run = lambda args: []
+    try:
+        stock = history()
+    finally:
+        fsdp_fetch.for_run = for_run
+    return {"stock": stock, "ours": history()}

@@ -72,3 +72,14 @@ def test_json_shape(results):
     assert [(e, w, o) for e, w, o in bench_fsdp.case_list([8, 128], ["megatron_fsdp", "fsdp2"])] == [
         (8, "megatron_fsdp", False), (8, "megatron_fsdp", True), (8, "fsdp2", False),
         (128, "megatron_fsdp", False), (128, "megatron_fsdp", True), (128, "fsdp2", False)]
+
+
+def test_train_py_runs_bitwise_with_the_seams():
+    """What a --use-megatron-fsdp run installs: the same losses and grad norms, bit for bit, as
+    megatron-core's own code (MoE, 8 experts, DP2, optim_grads_params)."""
+    argv = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
+            "--log-interval", "100", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+            "--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"]
+    for r in run_distributed(2, "tests.seams.jobs_fsdp:train_with_and_without", argv=argv):
+        assert len(r["stock"]) == 3 and r["stock"][2][0] < r["stock"][0][0]
+        assert r["ours"] == r["stock"]
