@@ -47,7 +47,8 @@ made before and kept, not made again):
     the same tensors and the gradients are views of them (no cast to the main weights' dtype, no
     decoupled gradient), each optimizer parameter gets back the DTensor over the view made the
     first time, with no tensor op.
-Same values bit for bit, same collectives in the same order (tests/seams/test_fsdp_fetch.py).
+Same values bit for bit, the same collectives; a unit's reduce-scatters are issued together, in
+bucket order, once its backward is done (tests/seams/test_fsdp_fetch.py).
 """
 from __future__ import annotations
 
