@@ -77,10 +77,16 @@ def train_with_and_without(argv: list[str]) -> dict:
     def history():
         return [(r["lm loss"], r.get("grad norm")) for r in entry.main(list(argv))]
 
-    for_run = fsdp_fetch.for_run
+    for_run, apply = fsdp_fetch.for_run, fsdp_fetch._unit_hooks_apply
     fsdp_fetch.for_run = lambda args: []
     try:
         stock = history()
     finally:
         fsdp_fetch.for_run = for_run
-    return {"stock": stock, "ours": history()}
+    applied = []  # per model built: did the unit hooks take over (the plain configuration)?
+    fsdp_fetch._unit_hooks_apply = lambda *a: applied.append(apply(*a)) or applied[-1]
+    try:
+        ours = history()
+    finally:
+        fsdp_fetch._unit_hooks_apply = apply
+    return {"stock": stock, "ours": ours, "unit_hooks": applied}

@@ -74,12 +74,16 @@ def test_json_shape(results):
         (128, "megatron_fsdp", False), (128, "megatron_fsdp", True), (128, "fsdp2", False)]
 
 
-def test_train_py_runs_bitwise_with_the_seams():
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "1"]], ids=["plain", "full_recompute"])
+def test_train_py_runs_bitwise_with_the_seams(extra):
     """What a --use-megatron-fsdp run installs: the same losses and grad norms, bit for bit, as
-    megatron-core's own code (MoE, 8 experts, DP2, optim_grads_params)."""
+    megatron-core's own code (MoE, 8 experts, DP2, optim_grads_params); with full recompute the
+    units' hooks run inside the recomputed forward and its backward."""
     argv = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
             "--log-interval", "100", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
-            "--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"]
+            "--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"] + extra
     for r in run_distributed(2, "tests.seams.jobs_fsdp:train_with_and_without", argv=argv):
         assert len(r["stock"]) == 3 and r["stock"][2][0] < r["stock"][0][0]
+        assert r["unit_hooks"] == [True]
         assert r["ours"] == r["stock"]
