@@ -87,3 +87,18 @@ def test_train_py_runs_bitwise_with_the_seams(extra):
         assert len(r["stock"]) == 3 and r["stock"][2][0] < r["stock"][0][0]
         assert r["unit_hooks"] == [True]
         assert r["ours"] == r["stock"]
+
+
+def test_a_megatron_fsdp_run_installs_the_seams_and_teardown_removes_them():
+    import argparse
+
+    from megatron_ext import seams
+    from megatron_ext.seams import fsdp_fetch
+
+    assert not any(r.active for r in fsdp_fetch.SEAMS)
+    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    assert not any(r.active for r in fsdp_fetch.SEAMS)  # not without --use-megatron-fsdp
+    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False, use_megatron_fsdp=True))
+    assert all(r.active for r in fsdp_fetch.SEAMS)
+    seams.uninstall()
+    assert not any(r.active for r in fsdp_fetch.SEAMS)
