@@ -31,7 +31,9 @@ made before and kept, not made again):
     multi-grad hook on the unit's inputs (it fires once the unit's backward is done; autograd
     runs a parameter's AccumulateGrad first once it is ready, so the unit's gradients are there).
     It copies them into their views of the gradient buckets with one foreach copy per bucket and
-    calls reduce_gradients once for the unit. The gradient buckets get the storage-resizing
+    calls reduce_gradients once for the unit (an unsharded gradient buffer, as with expert
+    data-parallel size 1, is accumulated into in place with one foreach add, as upstream does per
+    parameter, megatron_fsdp.py:662-671). The sharded gradient buckets get the storage-resizing
     allocator the weight buckets already use, so those views are made once; their storage is
     still freed after each reduce-scatter. Parameters without a gradient by then (an expert no
     token reached) are left to upstream's root post-backward callback (megatron_fsdp.py:853), as
@@ -111,14 +113,27 @@ def _unit_gradient_handler(fsdp, unit_params):
         done = []
         for bucket_id, params in sorted(by_bucket.items()):
             gbuf = buffer.parameter_groups[bucket_id].main_grad_buffer
-            bucket = gbuf.fetch_bucket(dtype=buffer.mp_policy.grad_comm_dtype)
+            sharded = gbuf.is_data_distributed
+            # Sharded: a temporary unsharded bucket the gradients are copied into (reduce-scattered
+            # next). Unsharded (e.g. expert data-parallel size 1): the persistent buffer itself,
+            # gradients accumulated into it (megatron_fsdp.py:662-671).
+            bucket = gbuf.fetch_bucket(dtype=buffer.mp_policy.grad_comm_dtype) if sharded else None
+            key = bucket.data if sharded else gbuf.data
             views = []
             for p in params:
                 hit = cache.get(p)
-                if hit is None or hit[0] is not bucket.data:
-                    hit = cache[p] = (bucket.data, gbuf.get_item_from_bucket(bucket, p._item_id).view(p.shape))
+                if hit is None or hit[0] is not key:
+                    view = gbuf.get_item_from_bucket(bucket, p._item_id) if sharded else p.get_main_grad()
+                    hit = cache[p] = (key, view.view(p.shape))
                 views.append(hit[1])
-            torch._foreach_copy_(views, [p.grad for p in params])
+            grads = [p.grad for p in params]
+            if any(v.dtype != g.dtype for v, g in zip(views, grads)):  # casts: upstream's per-tensor ops
+                for v, g in zip(views, grads):
+                    v.copy_(g) if sharded else v.add_(g)
+            elif sharded:
+                torch._foreach_copy_(views, grads)
+            else:
+                torch._foreach_add_(views, grads)
             for p, view in zip(params, views):
                 p.main_grad = view
                 p.grad = None
@@ -151,8 +166,7 @@ def _unit_hooks_apply(fsdp, root_module) -> bool:
         return False
     groups = buffer.parameter_groups
     for group in groups:
-        gbuf = group.main_grad_buffer
-        if gbuf is None or group.hfsdp_helper_gbuf is not None or not gbuf.is_data_distributed:
+        if group.main_grad_buffer is None or group.hfsdp_helper_gbuf is not None:
             return False
     units = [m for m in root_module.modules() if isinstance(m, tuple(fsdp.fsdp_unit_modules))]
     top = [u for u in units if not any(u is not o and any(u is m for m in o.modules()) for o in units)]
@@ -161,7 +175,8 @@ def _unit_hooks_apply(fsdp, root_module) -> bool:
     # param_and_grad_buffer.py:526), so the per-parameter views of it are made once.
     for group in groups:
         alloc = group.main_grad_buffer.temporary_bucket_allocator
-        if type(alloc) is pgb.TemporaryBucketAllocator and not alloc.buckets:
+        if group.main_grad_buffer.is_data_distributed and type(alloc) is pgb.TemporaryBucketAllocator \
+                and not alloc.buckets:
             group.main_grad_buffer.temporary_bucket_allocator = pgb.StorageResizeBasedBucketAllocator()
     name_of = fsdp.param_to_name
     fsdp._ext_units_released_per_bucket = 0
