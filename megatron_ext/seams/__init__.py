@@ -13,6 +13,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
+    fsdp.py            Megatron-FSDP checkpoints (torch's dist-checkpoint writer): checksums taken as
+                       files are written
     fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
                        once, gradients handled per FSDP unit, not per parameter
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
@@ -32,18 +34,21 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, checkpointing, fsdp_fetch, moe, offload, schedules, sharded_params, training,
+    architectures, checkpointing, fsdp, fsdp_fetch, moe, offload, schedules, sharded_params, training,
 )
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
 )
+from megatron_ext.seams.fsdp import checksummed_dcp_writes, complete_fsdp_optimizer_state
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
-_CAPABILITIES = (training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp_fetch)
+_CAPABILITIES = (
+    training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp_fetch,
+)
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
 
@@ -99,7 +104,7 @@ def sharded_params_seams_installed() -> bool:
 __all__ = [
     "SEAMS", "TORCH_NORM_SEQUENCE_PARALLEL", "apply_for_run", "install", "uninstall", "without",
     "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "checksummed_writes",
-    "verified_reads", "replace_token_dispatcher",
+    "verified_reads", "checksummed_dcp_writes", "complete_fsdp_optimizer_state", "replace_token_dispatcher",
     "reset_moe_aux_loss_scale", "run_experts_grouped", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
     "install_schedules_seams", "label_plain_schedule_passes", "install_sharded_params_seams",
     "remove_sharded_params_seams", "sharded_params_seams_installed", "reset_megatron_globals",

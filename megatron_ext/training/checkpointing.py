@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
 from megatron_ext.training import ckpt_integrity as integrity
+from megatron_ext.training import fsdp_checkpoint
 from megatron_ext.training.ckpt_integrity import CONFIG
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -178,7 +179,9 @@ def _sharding_metadata(args) -> dict:
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
-    if args.use_distributed_optimizer:
+    if args.ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's optimizer: per-parameter DTensors
+        metadata["distrib_optim_sharding_type"] = "fsdp_dtensor"
+    elif args.use_distributed_optimizer:
         if args.dist_ckpt_optim_fully_reshardable:
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = getattr(
@@ -361,6 +364,9 @@ class Checkpointer:
 
     def _load(self, path: str, iteration: int, t0: float, verifier) -> str:
         args = self.args
+        if args.ckpt_format == "fsdp_dtensor":
+            common = fsdp_checkpoint.load(self, path, iteration, verifier)
+            return self._loaded(path, iteration, t0, verifier, common, common["layout"] == _layout(args))
         common = dist_checkpointing.load_common_state_dict(path)
         same_layout = common["layout"] == _layout(args)
         with_rng = same_layout and not args.no_load_rng and common.get("has_rng", False)
@@ -389,6 +395,10 @@ class Checkpointer:
                 seams.restore_optimizer_step(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._pending_rng = state["rng_state"] if with_rng else None
+        return self._loaded(path, iteration, t0, verifier, common, same_layout)
+
+    def _loaded(self, path: str, iteration: int, t0: float, verifier, common: dict, same_layout: bool) -> str:
+        args = self.args
         if not same_layout:
             self._print(
                 f"checkpoint layout {common['layout']} differs from this run's {_layout(args)}: "
@@ -431,8 +441,8 @@ class Checkpointer:
 
     def save(self, iteration: int) -> None:
         args = self.args
-        if args.ckpt_format != "torch_dist":
-            raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves torch_dist checkpoints only")
+        if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
+            raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves torch_dist or fsdp_dtensor only")
         t0 = time.perf_counter()
         final = checkpoint_dir(args.save, iteration)
         partial = final + PARTIAL
@@ -444,6 +454,13 @@ class Checkpointer:
         torch.distributed.barrier()
         if args.use_distributed_optimizer and args.overlap_param_gather:
             _gather_params(self.model, self.optimizer)
+        if args.ckpt_format == "fsdp_dtensor":
+            stall = [None]
+            with seams.checksummed_writes() if self.checksums else contextlib.nullcontext():
+                fsdp_checkpoint.save(self, partial, iteration)
+            self._commit(iteration, t0, stall)
+            self.last_saved = iteration
+            return
         state = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
             with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
@@ -552,8 +569,9 @@ def before_validate(args) -> None:
 def validate(args) -> None:
     if args.save_keep_last is not None and args.save_keep_last < 1:
         raise ConfigError(f"--save-keep-last={args.save_keep_last}: keep at least 1 checkpoint")
-    if (args.save or args.load) and args.ckpt_format != "torch_dist":
-        raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist only")
+    if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
+        raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist, and "
+                          "fsdp_dtensor with --use-megatron-fsdp")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless
@@ -570,3 +588,6 @@ def validate(args) -> None:
             "--use-persistent-ckpt-worker: not supported on CPU (the spawned worker re-imports megatron "
             "without megatron_ext's CPU shims and hangs); --async-save alone uses a forked writer per save"
         )
+    if args.ckpt_format == "fsdp_dtensor" and args.async_save:
+        raise ConfigError("--async-save, --ckpt-format=fsdp_dtensor: Megatron-FSDP checkpoints are saved synchronously "
+                          "here (torch.distributed.checkpoint's writer in this process)")

@@ -86,3 +86,27 @@ def test_refusals_name_the_flag():
         _parse(fsdp + ["--pipeline-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match=r"^--ckpt-format=torch_dist, --use-megatron-fsdp=True: .*fsdp_dtensor"):  # megatron's own rule
         _parse(DENSE + ["--use-megatron-fsdp", "--world-size", "2"])
+
+
+def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
+    """MoE EP2 under optim_grads_params (SwiGLU, experts, two optimizers: every preprocessing step of
+    the fsdp_dtensor format): saved at 2 and 3, resumed, bitwise the uninterrupted run; a flipped
+    tensor byte in the newest checkpoint is named, and the run falls back to iteration 2 exactly."""
+    from tests.training.jobs_fsdp import FSDP
+
+    argv = MOE + FSDP + ["--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params",
+                         "--world-size", "2"]
+    out = run_distributed(2, "tests.training.jobs_fsdp:resume", argv=_without_iters(argv),
+                          save_dir=str(tmp_path / "ckpt"))[-1]
+    straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["first"]] == straight[:3]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["resumed"]] == straight[3:]
+    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "rng_state.0.pt",
+                            "rng_state.1.pt"]
+    assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
+
+
+def _without_iters(argv: list[str]) -> list[str]:
+    i = argv.index("--train-iters")
+    return argv[:i] + argv[i + 2:]

@@ -1,0 +1,73 @@
+"""Seams of Megatron-FSDP (--use-megatron-fsdp).
+
+Megatron-FSDP checkpoints are saved as Megatron-LM saves them in the fsdp_dtensor format: the
+state dict of DTensors goes to torch.distributed.checkpoint with torch's own FileSystemWriter
+(megatron/training/checkpointing.py:888-891), not megatron-core's writer. Wrapped:
+  torch's filesystem._write_item, called by that writer by its module-global name once per item
+    of a shard file, while a save is written: each file's bytes pass through a CRC-32, as
+    checkpointing.CHECKSUMMED_WRITES does for megatron-core's writer
+The reads go through torch's FileSystemReader.read_data, which checkpointing.VERIFIED_READS
+already wraps. Reached into (complete_fsdp_optimizer_state): the torch optimizer's per-parameter
+state, so that every rank names the same optimizer keys.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint import filesystem
+
+from megatron_ext.patching import Patch, set_attr
+
+
+def _install_checksummed_dcp_writes():
+    from megatron_ext.training import ckpt_integrity
+
+    return set_attr(filesystem, "_write_item", ckpt_integrity.summing_write_item(filesystem._write_item))
+
+
+CHECKSUMMED_DCP_WRITES = Patch(
+    "fsdp.checksummed_dcp_writes",
+    ["megatron/training/checkpointing.py:888", "megatron/training/checkpointing.py:889"],
+    "the fsdp_dtensor format is written by torch's FileSystemWriter, which calls torch's _write_item "
+    "by its module-global name once per item: the wrapper folds every byte into the file's CRC-32 "
+    "(megatron_ext/training/ckpt_integrity.py) on its way to the file",
+    _install_checksummed_dcp_writes,
+)
+SEAMS = [CHECKSUMMED_DCP_WRITES]
+
+
+@contextlib.contextmanager
+def checksummed_dcp_writes():
+    """CHECKSUMMED_DCP_WRITES for one save (inside seams.checksummed_writes(), which starts the
+    recording of the sums)."""
+    with CHECKSUMMED_DCP_WRITES.applied():
+        yield
+
+
+def complete_fsdp_optimizer_state(optimizer) -> None:
+    """Give every parameter whose shard on this rank is empty an (empty) Adam state.
+
+    Megatron-FSDP shards flat buckets, so a small parameter (a norm's weight) can lie wholly on
+    another rank: here its shard is empty, its gradient None (param_and_grad_buffer.py:3393), and
+    the optimizer never creates its state (nor does the dummy step before a load,
+    distrib_optimizer.py:1430). The fsdp_dtensor state dict then names different optimizer keys on
+    different ranks (distrib_optimizer.py:1650), while megatron's preprocessing runs a collective per
+    DTensor key (uneven_dtensor.py:247-253, validate_uneven_dtensor): the ranks issue different
+    collectives and the save hangs. An empty state changes no update: such a parameter never has a
+    gradient here, so the optimizer skips it. Its `step` is kept equal to the others' at every save:
+    measured, a stale one (from an earlier save) made the iterations after a resume differ."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        empty = [p for p in params if (p._local_tensor if hasattr(p, "_local_tensor") else p).numel() == 0]
+        skip = {id(p) for p in empty}  # by identity: `in` would compare (D)Tensors elementwise
+        steps = [inner.state[p]["step"] for p in params if id(p) not in skip and "step" in inner.state.get(p, {})]
+        step = steps[0] if steps else torch.tensor(0.0)
+        for p in empty:  # the step kept current too: a load takes the step from the saved states
+            state = inner.state[p]
+            state.setdefault("exp_avg", torch.zeros_like(p))
+            state.setdefault("exp_avg_sq", torch.zeros_like(p))
+            state["step"] = step.clone()

@@ -1,0 +1,120 @@
+"""Megatron-FSDP checkpoints in megatron's fsdp_dtensor format, inside the Checkpointer's directory
+layout, atomic commit, retention and integrity (training/checkpointing.py, ckpt_integrity.py).
+
+As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's
+state dict of DTensors (each rank holds its shard of every parameter) and the optimizer's
+`fsdp_dtensor` sharded state dict, prepared by megatron's preprocess_fsdp_dtensor_state_dict
+(SwiGLU's fused fc1 split into its two halves, expert keys, uneven-shard metadata), written and read
+by torch.distributed.checkpoint. Beside them, in the same directory:
+
+    metadata.json       {"sharded_backend": "fsdp_dtensor", "megatron_ext": {iteration, consumed
+                        samples, parallel layout, LR scheduler, ...}}; at commit the checksums of
+                        every file are added to it, as for torch_dist checkpoints
+    rng_state.<r>.pt    rank r's RNG states (Python, NumPy, torch, the model-parallel tracker)
+
+Every file is checksummed as written (torch's writer through seams.fsdp, the rest at commit) and
+verified before a load reads it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+
+from megatron_ext import seams
+from megatron_ext.training.ckpt_integrity import CONFIG
+
+RNG = "rng_state.{rank}.pt"
+
+
+def _state(ckpt, *, loading: bool, with_optimizer: bool) -> dict:
+    from megatron_ext.training.checkpointing import _sharding_metadata
+
+    (chunk,) = ckpt.model  # Megatron-FSDP has no pipeline stages (model.before_validate)
+    state = {"model": chunk.state_dict_for_save_checkpoint()}
+    if with_optimizer:
+        seams.complete_fsdp_optimizer_state(ckpt.optimizer)  # loading: megatron materialises the optimizer's state with a zero step
+        state["optimizer"] = ckpt.optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata=_sharding_metadata(ckpt.args))
+    return state
+
+
+class _ParameterNames:
+    """The model as megatron's SwiGLU split looks parameters up (fsdp_dtensor_checkpoint.py:343 and
+    :375): model keys are named under the Megatron-FSDP module and looked up as `module.<key>`
+    from the adapter; optimizer keys are named from the adapter and looked up less their first
+    `module.`, i.e. from the Megatron-FSDP module. With Float16Module in between the two agree;
+    in fp32 they are one level apart. Each name is resolved from the adapter, else one level in."""
+
+    def __init__(self, adapter):
+        self.adapter, self.config = adapter, adapter.config
+
+    def named_modules(self, *args, **kwargs):
+        return self.adapter.named_modules(*args, **kwargs)
+
+    def get_parameter(self, name: str):
+        try:
+            return self.adapter.get_parameter(name)
+        except AttributeError:
+            return self.adapter.module.get_parameter(name)
+
+
+def _prepared(args, state: dict, chunk) -> dict:
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    return preprocess_fsdp_dtensor_state_dict(args, state, _ParameterNames(chunk))
+
+
+def save(ckpt, directory: str, iteration: int) -> None:
+    """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits)."""
+    from megatron_ext.training.checkpointing import _layout, _rng_state
+
+    args, rank = ckpt.args, torch.distributed.get_rank()
+    state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
+    with seams.checksummed_dcp_writes():
+        dcp.save(_prepared(args, state, ckpt.model[0]), storage_writer=FileSystemWriter(directory))
+    if not args.no_save_rng:
+        torch.save(_rng_state(), os.path.join(directory, RNG.format(rank=rank)))
+    if rank == 0:
+        common = {
+            "iteration": iteration,
+            "consumed_samples": iteration * args.global_batch_size,
+            "layout": _layout(args),
+            "scheduler": ckpt.scheduler.state_dict(),
+            "has_rng": not args.no_save_rng,
+            "has_optimizer": not args.no_save_optim,
+        }
+        with open(os.path.join(directory, CONFIG), "w") as f:
+            json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
+    torch.distributed.barrier()
+
+
+def load(ckpt, path: str, iteration: int, verifier) -> dict:
+    """Load `path` into the model, optimizer and scheduler (the files verified as they are read);
+    the RNG states wait in ckpt._pending_rng. Returns the checkpoint's common state."""
+    from megatron_ext.training.checkpointing import _layout
+
+    args, rank = ckpt.args, torch.distributed.get_rank()
+    with open(os.path.join(path, CONFIG)) as f:  # verified by the Verifier's inspect()
+        common = json.load(f)["megatron_ext"]
+    with_rng = common["layout"] == _layout(args) and not args.no_load_rng and common["has_rng"]
+    with_optimizer = not args.no_load_optim and common["has_optimizer"]
+    state = _state(ckpt, loading=True, with_optimizer=with_optimizer)
+    raw = dict(state)  # the preprocessing rewrites keys; the load fills the same tensors in place
+    prepared = _prepared(args, {k: dict(v) for k, v in state.items()}, ckpt.model[0])
+    dcp.load_state_dict(prepared, storage_reader=FileSystemReader(path),
+                        planner=DefaultLoadPlanner(allow_partial_load=False))
+    with torch.no_grad():
+        ckpt.model[0].load_state_dict(raw["model"], strict=True)
+        if with_optimizer:
+            ckpt.optimizer.load_state_dict(raw["optimizer"])
+    ckpt.scheduler.load_state_dict(common["scheduler"])
+    if with_rng:
+        name = RNG.format(rank=rank)
+        if verifier.files is not None:
+            verifier.verify_read({name})  # collective: each rank its own file
+        ckpt._pending_rng = torch.load(os.path.join(path, name), weights_only=False)
+    return common
