@@ -20,7 +20,8 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
-from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.transformer.moe import router, token_dispatcher
+from megatron.core.utils import GlobalMemoryBuffer
 
 from megatron_ext import seams
 from megatron_ext.moe.sync_detector import SyncDetector
@@ -29,13 +30,13 @@ MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 TARGETS = {
     "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
     "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
-    "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
+    "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher, "router": router,
     "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
-    "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
+    "LocalSpecProvider": LocalSpecProvider, "GlobalMemoryBuffer": GlobalMemoryBuffer, "QKNormConfigResolver": QKNormConfigResolver,
 }
 
 
