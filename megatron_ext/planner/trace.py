@@ -487,7 +487,9 @@ def _buffer_items(base: dict, doubled: dict) -> dict:
             other = doubled[f]["requests"]
             m = other[i][1] if i < len(other) and other[i][0] == key else n
             exps[f] = min(2.0, max(0.0, round(2 * _exp(n, m)) / 2))
-        out.setdefault(key, []).append(Item(n, exps, name=key))
+        items = out.setdefault(key, [])
+        if not any(it.nbytes == n and it.exps == exps for it in items):  # repeated per layer
+            items.append(Item(n, exps, name=key))
     return out
 
 
