@@ -10,6 +10,9 @@ from tests.dist import run_distributed
 DENSE = ["--recipe", "recipes/tiny_dense.yaml"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml"]
 OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625"]
+MANY_EXPERTS = ["--num-experts", "64", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "8",
+                "--moe-router-num-groups", "8", "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid",
+                "--moe-router-enable-expert-bias"]
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(1, None, 4), (2, None, 4), (2, 2, 4), (4, None, 8), (4, 2, 8)])
@@ -58,8 +61,20 @@ def test_predicted_peak_within_5_percent_pp2_with_offload():
     assert rows[0]["predicted"]["components"]["offload_removed"] < 0  # the first stage keeps two passes
 
 
-def test_predicted_peak_within_5_percent_moe_ep2():
-    _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, "--expert-model-parallel-size", "2"]))
+def test_predicted_peak_within_5_percent_many_experts_ep2():
+    """64 experts, DeepSeek-V3's routing (sigmoid, expert bias, top-8 within 4 of 8 groups), EP2: the
+    planner traces 16 and 32 experts with balanced routing and scales to 64 (expert parameters exact,
+    activations and the expert-parallel exchange's buffers within 5 %)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.planner.trace import traced_experts
+
+    routing = dict(moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4)
+    assert traced_experts(SimpleNamespace(num_experts=64, **routing)) == 16
+    assert traced_experts(SimpleNamespace(num_experts=256, **routing)) == 16
+    assert traced_experts(SimpleNamespace(num_experts=8, moe_router_topk=2)) == 8  # few: traced as they are
+    rows = _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, *MANY_EXPERTS, "--expert-model-parallel-size", "2"]))
+    assert rows[0]["predicted"]["components"]["moe_dispatch"] > 0  # the peak is in a MoE layer, EP2 exchanges
 
 
 def test_refusals_name_the_flag():
@@ -79,6 +94,19 @@ def test_plan_json_components_and_candidates():
     fitting = [c["step_time_s"] for c in cands if c["fits"]]
     assert fitting == sorted(fitting)
     assert all(max(c["peak_bytes_per_stage"]) <= r["budget_bytes"] for c in cands if c["fits"])
+    # per model chunk under PP2 x VPP2: megatron's layer placement, the stage's parameters split over
+    # its chunks, and what the chunks' passes hold at the peak is the stage's saved activations
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[
+        *DENSE, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--world-size", "2", "--memory-gb", "1"])[0]["report"]
+    assert [[ch["layers"] for ch in st["chunks"]] for st in r["stages"]] == [
+        [["embedding", "dense"], ["dense"]], [["dense"], ["dense", "head"]]]
+    for st in r["stages"]:
+        c = st["components"]
+        assert sum(ch["parameters"] for ch in st["chunks"]) == pytest.approx(c["parameters"], abs=4)
+        assert all(ch["activations_per_microbatch"] > 0 for ch in st["chunks"])
+        assert sum(ch["activations_at_peak"] for ch in st["chunks"]) <= c["activations"] + 4
+        assert c["moe_dispatch"] == 0  # dense
 
 
 def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
@@ -89,3 +117,24 @@ def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
     assert max(r["chosen_peaks"]) <= r["budget_bytes"] < max(r["plain_peaks"])
     assert 0 < r["phi"] < 1
     assert r["measured_with_choice"] <= r["scaled_budget_bytes"] < r["measured_without"], r
+
+
+def test_trace_routing_is_balanced_and_shape_stable():
+    """While the planner traces, megatron's router still computes its scores and top-k but every
+    expert gets tokens x top-k / experts tokens, whatever the logits (grouped top-k included)."""
+    import torch
+    from megatron.core.transformer.moe import router
+
+    from megatron_ext.seams.planner import balanced_routing
+
+    logits = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    logits[:, :4] += 10.0  # a router that prefers four experts
+    kw = dict(num_groups=8, group_topk=4, score_function="sigmoid", expert_bias=torch.zeros(32))
+    probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() != [16] * 32
+    with balanced_routing():
+        probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() == [16] * 32 and routing_map.sum(1).tolist() == [8] * 64
+    assert bool((probs[routing_map] > 0).all()) and bool((probs[~routing_map] == 0).all())
+    probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() != [16] * 32  # removed after the block
