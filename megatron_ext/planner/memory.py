@@ -151,24 +151,34 @@ def dispatch_rows(args, layout: Layout) -> tuple:
     exchanges nothing, and its send buffer holds the tokens x top-k routed rows. Per rank, tokens =
     sequence x micro-batch / TP (megatron requires sequence parallelism for MoE under TP).
     Dropless: the expectation, tokens x top-k; with a capacity factor c, padded to capacity:
-    tokens x top-k x c; the fixed-budget buffers of --moe-zero-sync-dropless
-    (``megatron_ext.moe.fixed_dispatch.budget_rows``): EP x the budget per destination, sent and
-    received."""
+    tokens x top-k x c; the fixed-budget buffers of --moe-zero-sync-dropless: EP x the budget per
+    destination (``fixed_budget_rows``; the trace sized its own buffers so, per token)."""
     if not args.num_experts or layout.ep * layout.etp == 1:
         return 0.0, 0.0
     tokens = args.seq_length * args.micro_batch_size // layout.tp
     k = args.moe_router_topk or 1
     routed = tokens * k
-    if getattr(args, "moe_zero_sync_dropless", False) and getattr(args, "moe_sync_free_dispatcher", False):
-        from megatron_ext.moe.fixed_dispatch import budget_rows
-
-        rows = layout.ep * budget_rows(tokens, k, args.num_experts, args.num_experts // layout.ep,
-                                       getattr(args, "moe_dropless_budget_factor", None))[0]
-        return float(rows * layout.etp), float(max(0, rows - routed))
+    rows = fixed_budget_rows(args, layout.ep, layout.tp)
+    if rows is not None:  # the trace ran its experts on as many rows per token (see trace_args)
+        return float(rows * layout.etp), 0.0
     factor = getattr(args, "moe_expert_capacity_factor", None)
     if factor is not None and getattr(args, "moe_pad_expert_input_to_capacity", False):
         routed = args.num_experts * math.ceil(routed / args.num_experts * factor)
     return float(routed * layout.etp), 0.0
+
+
+def fixed_budget_rows(args, ep: int, tp: int):
+    """Rows a rank's experts compute on per MoE layer under --moe-zero-sync-dropless over all-to-all:
+    EP x the fixed budget per destination (``megatron_ext.moe.fixed_dispatch.budget_rows``; padding
+    rows included). None for other dispatchers."""
+    if not (getattr(args, "moe_zero_sync_dropless", False) and getattr(args, "moe_sync_free_dispatcher", False)
+            and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
+        return None
+    from megatron_ext.moe.fixed_dispatch import budget_rows
+
+    tokens = args.seq_length * args.micro_batch_size // tp
+    return ep * budget_rows(tokens, args.moe_router_topk or 1, args.num_experts, args.num_experts // ep,
+                            getattr(args, "moe_dropless_budget_factor", None))[0]
 
 
 def dispatch_bytes(args, layout: Layout) -> float:

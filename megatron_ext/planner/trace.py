@@ -111,6 +111,13 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a = copy.deepcopy(args)
     if args.num_experts:
         a.num_experts = experts
+        from megatron_ext.planner.memory import fixed_budget_rows
+
+        rows = fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size)
+        # the fixed-budget dispatcher's experts run on every row of its buffers, padding included: the
+        # trace (one rank, no expert parallelism) sizes them as the run does, per token
+        a.planner_budget_rows_per_token = rows / (args.seq_length * args.micro_batch_size
+                                                  // args.tensor_model_parallel_size) if rows else None
     for f in _WIDTH_FIELDS:
         v = getattr(a, f, None)
         if v:
@@ -343,11 +350,30 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
                         expert_tensor=getattr(args, "expert_tensor_parallel_size", None), seed=seed)
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
     try:
-        with routing:
+        with routing, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
             return _run_built(args, kinds, seed)
     finally:
         models.release_models()
         parallel.destroy()
+
+
+@contextlib.contextmanager
+def _budget_as_the_run(rows_per_token):
+    """The fixed-budget dispatcher's buffer rows per token as the run's (None: unchanged)."""
+    if rows_per_token is None:
+        yield
+        return
+    from megatron_ext.moe import fixed_dispatch
+    from megatron_ext.patching import set_attr
+
+    def budget_rows(tokens, topk, num_experts, num_local, factor):
+        return max(1, math.ceil(rows_per_token * tokens)), tokens * topk * num_local / num_experts
+
+    undo = set_attr(fixed_dispatch, "budget_rows", budget_rows)
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _run_built(args, kinds, seed: int) -> dict:
