@@ -5,8 +5,10 @@ norms, activation, router and dispatcher, its tensor and sequence parallelism) w
 kind the run has (dense / MoE; the second stands for every layer of its kind), no pipeline, expert or
 context parallelism (every expert local: a rank's experts receive top-k x its tokens under any EP, in
 expectation), and every width divided by a power of two ``W``: hidden, head dimensions, FFN sizes, the
-latent ranks of multi-latent attention. Heads, query groups, experts and top-k are the target's. The
-tensor-parallel ranks run it on a local world (gloo on CPU), the process's own when it has room.
+latent ranks of multi-latent attention. Heads, query groups and top-k are the target's; experts too,
+or for many of them fewer (``traced_experts``). The router routes balanced while traced
+(``megatron_ext.seams.planner``): every expert gets tokens x top-k / experts tokens at every shape.
+The tensor-parallel ranks run it on a local world (gloo on CPU), the process's own when it has room.
 
 After one untracked step (what persists across steps, e.g. megatron's global buffer for
 sequence-parallel gathers, then exists and is counted once, as buffers), one micro-batch runs forward
@@ -20,12 +22,12 @@ that keeps every storage's life (allocated at op i, found dead at op j, n bytes)
   start, and during its backward above the saved bytes still held (its own and those before it);
 - parameters by component.
 
-The trace runs at a base shape, again with another seed, and with each of four factors doubled:
-width, vocabulary, sequence length, micro-batch size. Storages are matched across traces by the op
-that allocated them; each one's size is a monomial ``bytes = b0 * prod(factor ** e)`` (e = 1 for tokens
-x hidden, 2 in sequence for attention scores, ...). Storages whose size depends on the values (the
-tokens routed to one expert: they differ between the two seeds) are scaled together, by the ratio of
-their sums. The timeline is then replayed with every storage re-sized to the target shape
+The trace runs at a base shape and with each factor doubled: width, vocabulary, sequence length,
+micro-batch size, and the expert count when fewer are traced. Storages are matched across traces by
+the op that allocated them; each one's size is a monomial ``bytes = b0 * prod(factor ** e)`` (e = 1 for
+tokens x hidden, 2 in sequence for attention scores, -1 in experts for one expert's tokens, ...).
+Storages that another path allocates are scaled together, by the ratio of their sums. Requests to
+megatron's global buffer are scaled one by one (the buffer is the largest). The timeline is then replayed with every storage re-sized to the target shape
 (``Scaled``). Nothing here knows an architecture: the tensors and their exponents are what megatron's
 modules do.
 """
@@ -460,14 +462,12 @@ def _match(mine: list, other: list) -> dict:
     return {i + d: j + d for i, j, n in matcher.get_matching_blocks() for d in range(n)}
 
 
-def _storage_exponents(base: dict, reseeded: dict, doubled: dict) -> list:
+def _storage_exponents(base: dict, doubled: dict) -> list:
     """Per storage, its exponent per factor. A size is a product of the factors, so an exponent is a
-    multiple of 1/2. Storages whose size depends on the values (tokens routed to one expert: they
-    differ between two seeds at the same shape), or that one trace has and the other not, are scaled
-    together, by the ratio of their sums."""
+    multiple of 1/2. Storages that one trace has and the other not, or whose ratio is no such
+    multiple (another path taken), are scaled together, by the ratio of their sums. (Sizes do not
+    depend on the values: the trace's MoE routing is balanced.)"""
     mine = base["allocs"]
-    same = _match(mine, reseeded["allocs"])
-    varying = {k for k in range(len(mine)) if k not in same or reseeded["allocs"][same[k]][2] != mine[k][2]}
     out = [dict() for _ in mine]
     for f in FACTORS:
         other = doubled[f]["allocs"]
@@ -478,7 +478,7 @@ def _storage_exponents(base: dict, reseeded: dict, doubled: dict) -> list:
         exact, a_sum, b_sum = {}, 0, 0
         for k, j in matched.items():
             e = _exp(mine[k][2], other[j][2])
-            if k not in varying and abs(e - round(2 * e) / 2) < 0.05:
+            if abs(e - round(2 * e) / 2) < 0.05:
                 exact[k] = round(2 * e) / 2
             else:
                 a_sum += mine[k][2]
@@ -604,7 +604,7 @@ def trace(args, recompute=None, base=None) -> dict:
         while (b["seq"] * b["mbs"] * k) % need and b["seq"] < 4096:
             b["seq"] *= 2
     shapes = {}
-    for f in (None, "reseeded", *FACTORS):
+    for f in (None, *FACTORS):
         if (f == "width" and w == 1) or (f == "experts" and experts == (args.num_experts or 0)):
             continue  # already the target's: nothing to scale
         shapes[f] = (w // 2 if f == "width" else w, b["vocab"] * (2 if f == "vocab" else 1),
@@ -617,7 +617,7 @@ def trace(args, recompute=None, base=None) -> dict:
         runs.setdefault(f, runs[None])
     doubled = {f: runs[f] for f in FACTORS}
     buffers = _buffer_items(runs[None], doubled)
-    return dict(raw=runs[None], exps=_storage_exponents(runs[None], runs["reseeded"], doubled), buffers=buffers,
+    return dict(raw=runs[None], exps=_storage_exponents(runs[None], doubled), buffers=buffers,
                 params=_param_items(runs[None], doubled), kinds=kinds, divisor=w, experts=experts,
                 base=dict(width=1, **b), recompute=recompute or recompute_of(args))
 
@@ -625,8 +625,7 @@ def trace(args, recompute=None, base=None) -> dict:
 def run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
     """Job (every rank of a world of TP ranks, or more): the traces of ``shapes``, this rank's."""
     seed = getattr(args, "seed", 1234)
-    return {f: run_once(trace_args(args, *shape, kinds, recompute), kinds, seed=seed + 1 if f == "reseeded" else seed)
-            for f, shape in shapes.items()}
+    return {f: run_once(trace_args(args, *shape, kinds, recompute), kinds, seed=seed) for f, shape in shapes.items()}
 
 
 def _run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
