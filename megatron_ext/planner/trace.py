@@ -599,10 +599,10 @@ def trace(args, recompute=None, base=None) -> dict:
     experts = traced_experts(args)
     if args.num_experts:  # balanced routing: the same whole number of tokens for every expert, at
         # every traced shape and with twice the experts (tokens per rank: / TP under sequence parallelism)
-        k = args.moe_router_topk or 1
-        need = 2 * experts * args.tensor_model_parallel_size
-        while (b["seq"] * b["mbs"] * k) % need and b["seq"] < 4096:
-            b["seq"] *= 2
+        k, tp = args.moe_router_topk or 1, args.tensor_model_parallel_size
+        need = 2 * experts * tp
+        step = math.lcm(need // math.gcd(need, b["mbs"] * k), tp)  # seq x mbs x k a multiple of need
+        b["seq"] = step * math.ceil(b["seq"] / step)
     shapes = {}
     for f in (None, *FACTORS):
         if (f == "width" and w == 1) or (f == "experts" and experts == (args.num_experts or 0)):
