@@ -587,6 +587,20 @@ class Scaled:
         return f"layer{2 * self.kinds.index(kind) + 1}"
 
 
+def base_shape(args, experts: int, base: dict | None = None) -> dict:
+    """The trace's base vocabulary, sequence and micro-batch size. With experts, the sequence is the
+    smallest (from BASE's) that gives every traced expert the same whole number of tokens under
+    balanced routing, at every traced shape and with twice the experts (tokens per rank: sequence x
+    micro-batch / TP under sequence parallelism)."""
+    b = dict(BASE, **(base or {}))
+    if args.num_experts:
+        k, tp = args.moe_router_topk or 1, args.tensor_model_parallel_size
+        need = 2 * experts * tp
+        step = math.lcm(need // math.gcd(need, b["mbs"] * k), tp)  # seq x mbs x k a multiple of need
+        b["seq"] = step * math.ceil(b["seq"] / step)
+    return b
+
+
 def trace(args, recompute=None, base=None) -> dict:
     """Trace the run's model (``args``: the target's parsed arguments) at the base shape and with
     each factor doubled. Needs an initialised default process group; runs on this process alone."""
@@ -595,14 +609,8 @@ def trace(args, recompute=None, base=None) -> dict:
         if k not in kinds:
             kinds.append(k)
     w = width_divisor(args)
-    b = dict(BASE, **(base or {}))
     experts = traced_experts(args)
-    if args.num_experts:  # balanced routing: the same whole number of tokens for every expert, at
-        # every traced shape and with twice the experts (tokens per rank: / TP under sequence parallelism)
-        k, tp = args.moe_router_topk or 1, args.tensor_model_parallel_size
-        need = 2 * experts * tp
-        step = math.lcm(need // math.gcd(need, b["mbs"] * k), tp)  # seq x mbs x k a multiple of need
-        b["seq"] = step * math.ceil(b["seq"] / step)
+    b = base_shape(args, experts, base)
     shapes = {}
     for f in (None, *FACTORS):
         if (f == "width" and w == 1) or (f == "experts" and experts == (args.num_experts or 0)):
