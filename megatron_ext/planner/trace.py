@@ -91,17 +91,18 @@ def width_divisor(args) -> int:
 
 
 def traced_experts(args) -> int:
-    """Routed experts of the trace: the run's, or for many, the fewest (a divisor of the run's, at
-    least MIN_EXPERTS, twice it still a divisor) that the router's top-k and expert groups allow.
-    Experts are identical, so what the run's count changes (expert parameters, the router's
-    [tokens, experts] tensors, fewer tokens per expert) is measured by a trace at twice the traced
-    count and scaled (the ``experts`` factor)."""
+    """Routed experts of the trace: the fewest (a divisor of the run's count, twice it still a
+    divisor, at least MIN_EXPERTS or half the run's count) that the router's top-k and expert groups
+    allow; the run's when none does. Experts are identical, so what the run's count changes (expert
+    parameters, the router's [tokens, experts] tensors, fewer tokens per expert, copies of the local
+    experts' weights) is measured by a trace at twice the traced count and scaled (the ``experts``
+    factor)."""
     n = args.num_experts or 0
     k = args.moe_router_topk or 1
     groups = getattr(args, "moe_router_num_groups", None) or 1
     group_topk = getattr(args, "moe_router_group_topk", None) or groups
-    for e in range(MIN_EXPERTS, n // 2 + 1):
-        if n % (2 * e) == 0 and e % groups == 0 and e * group_topk // groups >= k:
+    for e in range(min(MIN_EXPERTS, n // 2), n // 2 + 1):
+        if e and n % (2 * e) == 0 and e % groups == 0 and e * group_topk // groups >= k:
             return e
     return n
 
@@ -498,9 +499,19 @@ def _storage_exponents(base: dict, doubled: dict) -> list:
 def storage_scale(exps: dict, factors: dict) -> float:
     """A traced storage's size at the target over its traced size. A storage of one expert's
     tokens (exponent -1 in experts) stands for target / traced experts like it, each that much
-    smaller: together the same bytes (an upper bound where they do not coexist)."""
-    return math.prod(factors[f] ** max(0.0, exps.get(f, 0.0)) if f == "experts" else factors[f] ** exps.get(f, 0.0)
-                     for f in FACTORS)
+    smaller: together the same bytes (an upper bound where they do not coexist). A storage that
+    grows with the experts but not with the tokens is one per local expert (a copy of the experts'
+    weights, their gradients): the run's rank has experts / EP of them (``local``); one that grows
+    with both (the router's [tokens, experts]) sees every expert."""
+    out = 1.0
+    for f in FACTORS:
+        e = exps.get(f, 0.0)
+        if f == "experts":
+            tokens = exps.get("seq", 0.0) or exps.get("mbs", 0.0)
+            out *= (factors[f] if tokens else factors.get("local", factors[f])) ** max(0.0, e)
+        else:
+            out *= factors[f] ** e
+    return out
 
 
 def _buffer_items(base: dict, doubled: dict) -> dict:
@@ -663,4 +674,5 @@ def factors_for(args, tr: dict) -> dict:
     """The factors from the trace's base shape to the target's (per rank)."""
     return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tr["base"]["vocab"],
                 seq=args.seq_length / tr["base"]["seq"], mbs=args.micro_batch_size / tr["base"]["mbs"],
-                experts=(args.num_experts or 1) / (tr.get("experts") or args.num_experts or 1))
+                experts=(args.num_experts or 1) / (tr.get("experts") or args.num_experts or 1),
+                local=(args.num_experts or 1) / args.expert_model_parallel_size / (tr.get("experts") or args.num_experts or 1))

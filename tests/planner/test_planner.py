@@ -72,7 +72,8 @@ def test_predicted_peak_within_5_percent_many_experts_ep2():
     routing = dict(moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4)
     assert traced_experts(SimpleNamespace(num_experts=64, **routing)) == 16
     assert traced_experts(SimpleNamespace(num_experts=256, **routing)) == 16
-    assert traced_experts(SimpleNamespace(num_experts=8, moe_router_topk=2)) == 8  # few: traced as they are
+    assert traced_experts(SimpleNamespace(num_experts=8, moe_router_topk=2)) == 4  # few: half
+    assert traced_experts(SimpleNamespace(num_experts=6, moe_router_topk=4)) == 6  # 3 < top-k: as they are
     # the base sequence gives every traced expert the same whole number of tokens per rank
     for e, k, tp in ((256, 8, 2), (60, 4, 1), (40, 6, 4), (160, 6, 8)):
         a = SimpleNamespace(num_experts=e, moe_router_topk=k, tensor_model_parallel_size=tp)
@@ -81,6 +82,14 @@ def test_predicted_peak_within_5_percent_many_experts_ep2():
         assert seq % tp == 0 and (seq // tp * mbs * k) % (2 * traced) == 0 and seq < 128, (e, k, tp, traced, seq)
     rows = _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, *MANY_EXPERTS, "--expert-model-parallel-size", "2"]))
     assert rows[0]["predicted"]["components"]["moe_dispatch"] > 0  # the peak is in a MoE layer, EP2 exchanges
+
+
+def test_predicted_peak_within_5_percent_zero_sync_dropless_ep2():
+    """Fixed-budget dispatch (worst-case budget: twice the routed rows here) with the experts as grouped
+    GEMMs over the whole buffer and a copy of the local experts' weights: the trace sizes the buffers
+    as the run's per token, and counts weight copies per local expert (experts / EP)."""
+    _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[
+        *MOE, "--expert-model-parallel-size", "2", "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]))
 
 
 def test_refusals_name_the_flag():
