@@ -82,8 +82,7 @@ def chunk_table(stages: list) -> str:
     rows = [("stage", "chunk", "layers", "parameters", "activations per micro-batch", "held at the peak")]
     for s in stages:
         for ch in s["chunks"]:
-            kinds = [k for k in ch["layers"]]
-            layers = " ".join(f"{k}x{n}" for k, n in _runs(kinds))
+            layers = " ".join(f"{k}x{n}" for k, n in _runs(ch["layers"]))
             rows.append((str(s["stage"]), str(ch["chunk"]), layers, f"{ch['parameters'] / GIB:.2f}",
                          f"{ch['activations_per_microbatch'] / GIB:.2f}", f"{ch['activations_at_peak'] / GIB:.2f}"))
     return _grid(rows)

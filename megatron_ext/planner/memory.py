@@ -15,6 +15,9 @@ this pass's saved bytes of components before i and i's forward working set; in t
 component i they are the other passes', this pass's still held (components up to i) and i's
 backward working set; receive buffers the schedule has posted and no pass consumed yet, and sent
 tensors whose send was not waited for, add one boundary tensor each. The peak is the largest over the step.
+Under expert parallelism a MoE layer's forward and backward also hold the exchange's receive buffer,
+which the trace (no expert parallelism) lacks: ``moe_dispatch`` (``dispatch_rows``). Per model chunk:
+its layers, parameters, what one micro-batch saves in it and what its passes hold at the peak.
 
 Offload (``megatron_ext.offload``): what the chosen modules save in a layer (storages of at least
 ``--activation-offload-min-tensor-kb``) leaves the device one layer late in forward (the previous
@@ -145,26 +148,25 @@ def boundary_bytes(args, layout: Layout) -> float:
     return float(seq * args.micro_batch_size * args.hidden_size * elem)
 
 
-def dispatch_rows(args, layout: Layout) -> tuple:
-    """(rows a rank receives from the expert-parallel exchange of one MoE layer, rows its send buffer
-    has beyond the traced top-k routed tokens). The trace has no expert parallelism: its dispatch
-    exchanges nothing, and its send buffer holds the tokens x top-k routed rows. Per rank, tokens =
+def dispatch_rows(args, layout: Layout) -> float:
+    """Rows a rank receives from the expert-parallel exchange of one MoE layer: the buffer the trace
+    lacks (it has no expert parallelism, its dispatch exchanges nothing). Per rank, tokens =
     sequence x micro-batch / TP (megatron requires sequence parallelism for MoE under TP).
     Dropless: the expectation, tokens x top-k; with a capacity factor c, padded to capacity:
     tokens x top-k x c; the fixed-budget buffers of --moe-zero-sync-dropless: EP x the budget per
     destination (``fixed_budget_rows``; the trace sized its own buffers so, per token)."""
     if not args.num_experts or layout.ep * layout.etp == 1:
-        return 0.0, 0.0
+        return 0.0
     tokens = args.seq_length * args.micro_batch_size // layout.tp
     k = args.moe_router_topk or 1
     routed = tokens * k
     rows = fixed_budget_rows(args, layout.ep, layout.tp)
     if rows is not None:  # the trace ran its experts on as many rows per token (see trace_args)
-        return float(rows * layout.etp), 0.0
+        return float(rows * layout.etp)
     factor = getattr(args, "moe_expert_capacity_factor", None)
     if factor is not None and getattr(args, "moe_pad_expert_input_to_capacity", False):
         routed = args.num_experts * math.ceil(routed / args.num_experts * factor)
-    return float(routed * layout.etp), 0.0
+    return float(routed * layout.etp)
 
 
 def fixed_budget_rows(args, ep: int, tp: int):
@@ -184,9 +186,8 @@ def fixed_budget_rows(args, ep: int, tp: int):
 def dispatch_bytes(args, layout: Layout) -> float:
     """Bytes of the expert-parallel exchange's buffers the trace does not have, live while a MoE
     layer dispatches or combines (forward) and while their gradients are exchanged (backward)."""
-    recv, extra_send = dispatch_rows(args, layout)
     elem = 2 if (args.bf16 or args.fp16) else 4
-    return (recv + extra_send) * args.hidden_size * elem
+    return dispatch_rows(args, layout) * args.hidden_size * elem
 
 
 def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,

@@ -27,9 +27,9 @@ micro-batch size, and the expert count when fewer are traced. Storages are match
 the op that allocated them; each one's size is a monomial ``bytes = b0 * prod(factor ** e)`` (e = 1 for
 tokens x hidden, 2 in sequence for attention scores, -1 in experts for one expert's tokens, ...).
 Storages that another path allocates are scaled together, by the ratio of their sums. Requests to
-megatron's global buffer are scaled one by one (the buffer is the largest). The timeline is then replayed with every storage re-sized to the target shape
-(``Scaled``). Nothing here knows an architecture: the tensors and their exponents are what megatron's
-modules do.
+megatron's global buffer are scaled one by one (the buffer is the largest). The timeline is then
+replayed with every storage re-sized to the target shape (``Scaled``). Nothing here knows an
+architecture: the tensors and their exponents are what megatron's modules do.
 """
 from __future__ import annotations
 

@@ -168,14 +168,14 @@ def test_dispatch_rows_follow_the_dispatchers_rules():
     layout = Layout(tp=2, pp=16, vpp=None, ep=64, etp=1, cp=1, dp=32, edp=1, mbs=1, microbatches=128, world=1024)
     a = SimpleNamespace(num_experts=256, moe_router_topk=8, seq_length=4096, micro_batch_size=1, hidden_size=7168,
                         bf16=True, fp16=False, moe_token_dispatcher_type="alltoall")
-    assert dispatch_rows(a, layout) == (2048 * 8, 0.0)
+    assert dispatch_rows(a, layout) == 2048 * 8
     assert dispatch_bytes(a, layout) == 2048 * 8 * 7168 * 2
     capped = SimpleNamespace(**vars(a), moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
-    assert dispatch_rows(capped, layout)[0] == 256 * 96  # 64 tokens per expert x 1.5
+    assert dispatch_rows(capped, layout) == 256 * 96  # 64 tokens per expert x 1.5
     fixed = SimpleNamespace(**vars(a), moe_sync_free_dispatcher=True, moe_zero_sync_dropless=True,
                             moe_dropless_budget_factor=None)
     worst = budget_rows(2048, 8, 256, 4, None)[0]
-    assert worst == 2048 * 4 and dispatch_rows(fixed, layout)[0] == 64 * worst
+    assert worst == 2048 * 4 and dispatch_rows(fixed, layout) == 64 * worst
     fixed.moe_dropless_budget_factor = 1.25
-    assert dispatch_rows(fixed, layout)[0] == 64 * budget_rows(2048, 8, 256, 4, 1.25)[0] == 64 * 320
-    assert dispatch_rows(a, Layout(2, 16, None, 1, 1, 1, 32, 32, 1, 128, 1024)) == (0.0, 0.0)
+    assert dispatch_rows(fixed, layout) == 64 * budget_rows(2048, 8, 256, 4, 1.25)[0] == 64 * 320
+    assert dispatch_rows(a, Layout(2, 16, None, 1, 1, 1, 32, 32, 1, 128, 1024)) == 0
