@@ -246,7 +246,8 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
                 held_off = sum(oo[: max(0, j - offload.prefetch_depth)])
                 removed = min(others_off + held_off, offload.pool_bytes)
                 consider(others + held + scaled.bwd[n] - removed, others + held, scaled.bwd[n], removed,
-                         f"backward {n} of micro-batch {mb} chunk {v}", v, held, comps_per_chunk[v][j] == ("layer", "moe"))
+                         f"backward {n} of micro-batch {mb} chunk {v}", v, held,
+                         comps_per_chunk[v][j] == ("layer", "moe"))
     in_flight = schedule.max_in_flight(layout.pp, layout.vpp, layout.microbatches, pp_rank)
     return dict(best, in_flight=in_flight)
 
@@ -264,7 +265,8 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
         copy = state["gradients"]
         if copy > act["peak"]:
             act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0, dispatch=0.0,
-                       chunk_held=[0.0] * vpp, where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
+                       chunk_held=[0.0] * vpp,
+                       where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
                       buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
                       moe_dispatch=act["dispatch"], offload_removed=-act["offload_removed"] or 0.0)

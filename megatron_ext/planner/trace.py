@@ -541,7 +541,8 @@ def _param_items(base: dict, doubled: dict) -> dict:
         routed_more = sum(n for _, n, r in doubled["experts"]["params"].get(c, []) if r)
         for j, (name, n, routed) in enumerate(plist):
             exps = {f: round(2 * _exp(n, doubled[f]["params"][c][j][1])) / 2 for f in FACTORS if f != "experts"}
-            exps["experts"] = round(2 * _exp(routed_base, routed_more) if routed else 2 * _exp(n, more.get(name, n))) / 2
+            ratio = _exp(routed_base, routed_more) if routed else _exp(n, more.get(name, n))
+            exps["experts"] = round(2 * ratio) / 2
             items.append(Item(n, exps, None, routed, name))
         out[c] = items
     return out
@@ -672,7 +673,7 @@ def _run_pickled(payload: bytes) -> dict:
 
 def factors_for(args, tr: dict) -> dict:
     """The factors from the trace's base shape to the target's (per rank)."""
+    experts, traced = args.num_experts or 1, tr.get("experts") or args.num_experts or 1
     return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tr["base"]["vocab"],
                 seq=args.seq_length / tr["base"]["seq"], mbs=args.micro_batch_size / tr["base"]["mbs"],
-                experts=(args.num_experts or 1) / (tr.get("experts") or args.num_experts or 1),
-                local=(args.num_experts or 1) / args.expert_model_parallel_size / (tr.get("experts") or args.num_experts or 1))
+                experts=experts / traced, local=experts / args.expert_model_parallel_size / traced)
