@@ -30,13 +30,14 @@ MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 TARGETS = {
     "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
     "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
-    "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher, "router": router,
+    "router": router, "GlobalMemoryBuffer": GlobalMemoryBuffer,
+    "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
     "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
-    "LocalSpecProvider": LocalSpecProvider, "GlobalMemoryBuffer": GlobalMemoryBuffer, "QKNormConfigResolver": QKNormConfigResolver,
+    "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
 }
 
 

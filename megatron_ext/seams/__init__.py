@@ -10,7 +10,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
-    planner.py         balanced routing while the planner traces a tiny copy of a MoE model
+    planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,
+                       megatron's global buffer requests recorded
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
