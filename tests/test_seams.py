@@ -23,7 +23,8 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
-from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.transformer.moe import router, token_dispatcher
+from megatron.core.utils import GlobalMemoryBuffer
 
 from megatron_ext import seams
 from megatron_ext.moe.sync_detector import SyncDetector
@@ -32,6 +33,7 @@ MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 TARGETS = {
     "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
     "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
+    "router": router, "GlobalMemoryBuffer": GlobalMemoryBuffer,
     "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
     "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
