@@ -147,14 +147,9 @@ def release(model, wrapper: str) -> None:
     else:
         for obj in list(model.parameters()) + list(model.modules()):
             vars(obj).clear()
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
+    from megatron_ext.training.model import forget_dtensor_caches
 
-    debug._clear_sharding_prop_cache()
-    debug._clear_fast_path_sharding_prop_cache()
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    forget_dtensor_caches()
 
 
 def step(model, x, g, wrapper: str | None) -> None:

@@ -138,11 +138,11 @@ def release_models() -> None:
             for obj in params + modules:  # FSDP's backward nodes hold the modules themselves, so a
                 vars(obj).clear()  # graph a module keeps (MoE dispatcher's probs) is a cycle too
             vars(chunk).clear()
-            _forget_dtensor_caches()
+            forget_dtensor_caches()
     _BUILT.clear()
 
 
-def _forget_dtensor_caches() -> None:
+def forget_dtensor_caches() -> None:
     """torch's DTensor dispatch caches the sharding of every op it has seen (in Python and in its
     native fast path), keyed by specs that hold the run's device meshes and through them its
     process groups: emptied after the run."""
