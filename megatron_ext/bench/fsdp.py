@@ -137,18 +137,13 @@ def release(model, wrapper: str) -> None:
     cannot see, and reach the wrapper; the parameters' own attributes (param_and_grad_buffer.py:3115)
     and the backward nodes that hold modules close more such cycles. DTensor's sharding caches hold
     the wrappers' device meshes."""
-    if wrapper == "megatron_fsdp":
-        inner = model.module
-        for handle in inner.grad_acc_hooks.values():
-            handle.remove()
-        for obj in list(inner.parameters()) + list(inner.modules()):
-            vars(obj).clear()
-        vars(model).clear()
-    else:
-        for obj in list(model.parameters()) + list(model.modules()):
-            vars(obj).clear()
-    from megatron_ext.training.model import forget_dtensor_caches
+    from megatron_ext.training.model import forget_dtensor_caches, release_fsdp
 
+    if wrapper == "megatron_fsdp":
+        release_fsdp(model)
+        return
+    for obj in list(model.parameters()) + list(model.modules()):
+        vars(obj).clear()
     forget_dtensor_caches()
 
 
