@@ -12,8 +12,8 @@ megatron.training.checkpointing, which needs megatron's global args). Replaced o
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
+import pickle
 import queue
 
 import torch
@@ -74,7 +74,34 @@ def restore_optimizer_step(optimizer, loaded_state) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def set_write_results_queue(async_save: bool) -> None:
+class _FileResultsQueue:
+    """The forked writer's results, handed over through a file in the checkpoint directory.
+
+    A multiprocessing queue cannot carry them: its feeder thread must flush into a pipe before the
+    writer process may exit, and that pipe is read only in the finalize step, which waits until
+    the writer has exited (async_utils.py:305 is_alive, then filesystem_async.py:462 get_nowait).
+    Past the pipe's 64 KiB the writer never exits: measured with an fsdp_dtensor save, whose write
+    results name every DTensor item. A file has no such limit."""
+
+    def __init__(self, directory: str, rank: int):
+        self.path = os.path.join(directory, f".write_results.{rank}.pkl")
+
+    def put(self, results) -> None:  # in the writer process
+        with open(self.path + ".tmp", "wb") as f:
+            pickle.dump(results, f)
+        os.replace(self.path + ".tmp", self.path)
+
+    def get_nowait(self):  # in the training process, once the writer has exited
+        try:
+            with open(self.path, "rb") as f:
+                results = pickle.load(f)
+        except FileNotFoundError:
+            raise queue.Empty from None
+        os.remove(self.path)
+        return results
+
+
+def set_write_results_queue(async_save: bool, directory: str, rank: int) -> None:
     """Choose the queue megatron-core's checkpoint writer reports its results through.
 
     megatron/core/dist_checkpointing/strategies/filesystem_async.py:53-66 (get_write_results_queue,
@@ -82,9 +109,10 @@ def set_write_results_queue(async_save: bool) -> None:
     the spawned persistent writer. That starts a server process on the first save (which re-imports
     the launching script, and which a daemonic process may not start at all). Without the persistent
     worker we set the module global `_results_queue` before each save: a plain queue.Queue for a
-    synchronous save (the write runs in this process), a fork-context multiprocessing queue for the
-    forked async writer. A writer already in flight keeps the queue it was planned with."""
-    filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
+    synchronous save (the write runs in this process), a file in the save's directory for the
+    forked async writer (_FileResultsQueue). A writer already in flight keeps the queue it was
+    planned with."""
+    filesystem_async._results_queue = _FileResultsQueue(directory, rank) if async_save else queue.Queue()
 
 
 def _install_checksummed_writes():

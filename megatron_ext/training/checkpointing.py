@@ -460,28 +460,24 @@ class Checkpointer:
         torch.distributed.barrier()
         if args.use_distributed_optimizer and args.overlap_param_gather:
             _gather_params(self.model, self.optimizer)
-        if args.ckpt_format == "fsdp_dtensor":
-            stall = [None]
-            with seams.checksummed_writes() if self.checksums else contextlib.nullcontext():
-                fsdp_checkpoint.save(self, partial, iteration)
-            self._commit(iteration, t0, stall)
-            self.last_saved = iteration
-            return
-        state = sharded_state_dict(
-            args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
-            with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
-        )
         if not args.use_persistent_ckpt_worker:
-            seams.set_write_results_queue(args.async_save)
+            seams.set_write_results_queue(args.async_save, partial, self.rank)
         # the writer (this process, or the one forked for --async-save) sums every file's bytes as
         # it writes them; a persistent worker cannot be reached, its files are summed at commit
         stall = [None]  # seconds the loop waits in this call (for --async-save: until the writer is forked)
         summing = seams.checksummed_writes() if self.checksums else contextlib.nullcontext()
         with summing:
-            request = dist_checkpointing.save(
-                state, partial, self._save_strategy(), async_sharded_save=args.async_save,
-                async_strategy="mcore",
-            )
+            if args.ckpt_format == "fsdp_dtensor":
+                request = fsdp_checkpoint.save(self, partial, iteration)
+            else:
+                state = sharded_state_dict(
+                    args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
+                    with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
+                )
+                request = dist_checkpointing.save(
+                    state, partial, self._save_strategy(), async_sharded_save=args.async_save,
+                    async_strategy="mcore",
+                )
             if args.async_save:
                 if request.async_fn is not None and not args.use_persistent_ckpt_worker and self.checksums:
                     request = request._replace(
@@ -594,6 +590,3 @@ def validate(args) -> None:
             "--use-persistent-ckpt-worker: not supported on CPU (the spawned worker re-imports megatron "
             "without megatron_ext's CPU shims and hangs); --async-save alone uses a forked writer per save"
         )
-    if args.ckpt_format == "fsdp_dtensor" and args.async_save:
-        raise ConfigError("--async-save, --ckpt-format=fsdp_dtensor: Megatron-FSDP checkpoints are saved synchronously "
-                          "here (torch.distributed.checkpoint's writer in this process)")

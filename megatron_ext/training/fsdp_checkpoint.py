@@ -22,7 +22,7 @@ import os
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
 from megatron_ext import seams
 from megatron_ext.training.ckpt_integrity import CONFIG
@@ -68,14 +68,22 @@ def _prepared(args, state: dict, chunk) -> dict:
     return preprocess_fsdp_dtensor_state_dict(args, state, _ParameterNames(chunk))
 
 
-def save(ckpt, directory: str, iteration: int) -> None:
-    """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits)."""
+def save(ckpt, directory: str, iteration: int):
+    """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits). With
+    --async-save the tensors are planned here and written by the returned megatron-core
+    AsyncRequest (as Megatron-LM does, checkpointing.py:918-957, with megatron-core's writer, whose
+    writes seams.checksummed_writes() sums); without it they are written now and None is returned."""
     from megatron_ext.training.checkpointing import _rng_state, common_state
 
     args, rank = ckpt.args, torch.distributed.get_rank()
     state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
-    with seams.checksummed_dcp_writes():
-        dcp.save(_prepared(args, state, ckpt.model[0]), storage_writer=FileSystemWriter(directory))
+    prepared = _prepared(args, state, ckpt.model[0])
+    request = None
+    if args.async_save:
+        request = _async_request(prepared, directory)
+    else:
+        with seams.checksummed_dcp_writes():
+            dcp.save(prepared, storage_writer=FileSystemWriter(directory))
     if not args.no_save_rng:
         torch.save(_rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
@@ -84,6 +92,22 @@ def save(ckpt, directory: str, iteration: int) -> None:
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
     torch.distributed.barrier()
+    return request
+
+
+def _async_request(prepared: dict, directory: str):
+    """Plan the save now (a collective); the returned request writes the files in a forked process
+    and, on every rank once all have written, writes torch's .metadata."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+        save_state_dict_async_finalize, save_state_dict_async_plan)
+
+    writer = FileSystemWriterAsync(directory)
+    planned = save_state_dict_async_plan(prepared, writer, None, 0, planner=DefaultSavePlanner())[0]
+    write_fn, preload_fn, write_args = writer.get_save_function_and_args()
+    return AsyncRequest(write_fn, write_args, [lambda: save_state_dict_async_finalize(*planned)],
+                        preload_fn=preload_fn)
 
 
 def load(ckpt, path: str, iteration: int, verifier) -> dict:

@@ -20,19 +20,22 @@ def against_ddp(argv: list[str], strategies: list[str]) -> dict:
     return out
 
 
-def resume(argv: list[str], save_dir: str) -> dict:
-    """6 iterations straight; 3 (saved at 2 and 3), then resumed to 6 in a fresh model; then the
-    newest checkpoint damaged in the middle of a tensor and the run resumed again, once with
-    --no-ckpt-fallback (refused, naming the file) and once falling back to iteration 2."""
+def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: bool = True) -> dict:
+    """6 iterations straight; 3 (saved at 2 and 3, with `save_flags`), then resumed to 6 in a fresh
+    model; then the newest checkpoint damaged in the middle of a tensor and the run resumed again,
+    once with --no-ckpt-fallback (refused, naming the file) and, if `fallback`, once falling back to
+    iteration 2."""
     import os
 
     import torch
 
     from megatron_ext.training.checkpointing import DamagedCheckpoint
-    from tests.training.jobs_ckpt import _flip, _largest_tensor_item
+    from tests.training.jobs_ckpt import _flip, _largest_tensor_item, _may_start_processes
 
     straight = _losses(argv + ["--train-iters", "6"])
-    first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir, "--save-interval", "2"])
+    with _may_start_processes():  # --async-save forks a writer per save
+        first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir,
+                                "--save-interval", "2", *save_flags])
     resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir])
     newest = os.path.join(save_dir, "iter_0000003")
     files = sorted(os.listdir(newest))
@@ -45,6 +48,7 @@ def resume(argv: list[str], save_dir: str) -> dict:
         refused = None
     except DamagedCheckpoint as e:
         refused = str(e)
-    fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
+    if fallback:
+        fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
             "fallback": fallback}
