@@ -41,16 +41,14 @@ def assert_same_as_off(results: list[dict], features) -> None:
 
 def test_moe_ep2_optim_grads_params_offload_and_dispatchers():
     """MoE EP2 (8 experts; expert weights unsharded, dense ones sharded over DP2) under ZeRO-3:
-    activation offload, the sync-free dispatcher, zero-sync dropless, and offload with zero-sync."""
-    features = {"offload": MOE_OFFLOAD, "sync-free": SYNC_FREE, "zero-sync": ZERO_SYNC,
-                "zero-sync + offload": ZERO_SYNC + MOE_OFFLOAD}
+    activation offload, the sync-free dispatcher, zero-sync dropless (with offload: the next test)."""
+    features = {"offload": MOE_OFFLOAD, "sync-free": SYNC_FREE, "zero-sync": ZERO_SYNC}
     argv = MOE + ["--expert-model-parallel-size", "2", *_strategy("optim_grads_params"), "--world-size", "2"]
     results = run_distributed(2, JOB, argv=argv, features=features)
     assert_same_as_off(results, features)
     for runs in results:
-        assert [runs[n]["dispatchers"] for n in features] == [0, 4, 4, 4]  # every MoE layer's dispatcher
-        for name in ("offload", "zero-sync + offload"):
-            assert runs[name]["offloaded"] > 0 and runs[name]["reloaded"] == runs[name]["offloaded"]
+        assert [runs[n]["dispatchers"] for n in features] == [0, 4, 4]  # every MoE layer's dispatcher
+        assert runs["offload"]["offloaded"] > 0 and runs["offload"]["reloaded"] == runs["offload"]["offloaded"]
 
 
 def test_moe_ep2_dp2_sharded_experts_zero_sync_with_offload():
@@ -79,17 +77,33 @@ def test_dense_dp2_offload_under_zero3():
         assert runs["offload"]["offloaded"] == runs["ddp offload"]["offloaded"]
 
 
-def test_dense_dp2_tp2_sp_overlap_tp_comm_1f1b():
+OVERLAP = ["--overlap-tp-comm-1f1b"]
+
+
+def test_dense_dp2_tp2_sp_overlap_tp_comm_1f1b_optim():
     """DP2 x TP2 + SP, --overlap-tp-comm-1f1b (no pipeline: consecutive micro-batches paired) under
-    optim (one reduce-scatter per step) and optim_grads (a reduce-scatter per micro-batch, issued
-    from the paired backward): bitwise, and the paired schedule ran every iteration."""
-    for strategy in ("optim", "optim_grads"):
-        argv = DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--world-size", "4",
-                        *_strategy(strategy)]
-        results = run_distributed(4, JOB, argv=argv, features={"overlap": ["--overlap-tp-comm-1f1b"]})
-        assert_same_as_off(results, ["overlap"])
-        assert [r["overlap"]["overlap_calls"] for r in results] == [3] * 4, strategy
-        assert [r["off"]["overlap_calls"] for r in results] == [0] * 4
+    optim (one gradient reduce-scatter per step, as DDP): bitwise, the paired schedule ran every
+    iteration."""
+    argv = DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--world-size", "4",
+                    *_strategy("optim")]
+    results = run_distributed(4, JOB, argv=argv, features={"overlap": OVERLAP})
+    assert_same_as_off(results, ["overlap"])
+    assert [(r["off"]["overlap_calls"], r["overlap"]["overlap_calls"]) for r in results] == [(0, 3)] * 4
+
+
+def test_moe_tp2_ep2_sp_overlap_tp_comm_1f1b_optim_grads_with_dispatcher_and_offload():
+    """MoE TP2 x EP2 + SP under optim_grads (a gradient reduce-scatter per micro-batch, issued from
+    the paired backward): the overlap (handing off TP collectives and EP all-to-alls) alone, and
+    with the sync-free dispatcher and activation offload on as well: bitwise."""
+    features = {"overlap": OVERLAP, "overlap + sync-free + offload": OVERLAP + SYNC_FREE + MOE_OFFLOAD}
+    argv = MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--world-size", "4", *_strategy("optim_grads")]
+    results = run_distributed(4, JOB, argv=argv, features=features)
+    assert_same_as_off(results, features)
+    for runs in results:
+        assert [runs[n]["overlap_calls"] for n in ("off", *features)] == [0, 3, 3]
+        both = runs["overlap + sync-free + offload"]
+        assert both["dispatchers"] == 4 and both["offloaded"] > 0 and both["reloaded"] == both["offloaded"]
 
 
 def _parse(argv: list[str]):
