@@ -176,6 +176,14 @@ class _WrappedCall:
             delattr(self.obj, self.name)
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's StorageImpl: unchanged when the storage is resized (freed and
+    reallocated in place), unlike its data pointer."""
+    if isinstance(t, torch.distributed.tensor.DTensor):
+        t = t.to_local()
+    return t.untyped_storage()._cdata
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -197,7 +205,13 @@ class OffloadManager:
         self.h2d = streams.Stream(deferred=deferred)
         self._timed = not streams.cuda()  # on CUDA a compute-stream wait does not block the host
         self._handles = []
-        self._param_ptrs: set = set()
+        # Storages of parameters (and their main grads), by StorageImpl identity: their bytes are
+        # never offloaded. A sharded wrapper (Megatron-FSDP) points a layer's parameters at a bucket
+        # whose storage it frees and reallocates around every use, so a layer's own keys are read
+        # again when its forward starts (its pre-forward unshard hook ran before ours).
+        self._static_keys: set = set()
+        self._param_keys: set = set()
+        self._layer_params: dict = {}  # id(layer) -> its parameters
         self._pass: _Pass | None = None
         # backward order, observed: passes waiting for backward (forward order); for each pass that
         # started backward in this "epoch" (until none waits), its index among those not started yet.
@@ -232,9 +246,9 @@ class OffloadManager:
         modules = self.options.modules
         for chunk_idx, chunk in enumerate(chunks):
             for p in chunk.parameters():
-                self._param_ptrs.add(p.untyped_storage().data_ptr())
+                self._static_keys.add(_storage_key(p))
                 if getattr(p, "main_grad", None) is not None:
-                    self._param_ptrs.add(p.main_grad.untyped_storage().data_ptr())
+                    self._static_keys.add(_storage_key(p.main_grad))
             root = seams.offload_unwrap(chunk)
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
@@ -249,6 +263,7 @@ class OffloadManager:
                 targets = seams.offload_targets(layer, modules)
                 if not targets:
                     continue
+                self._layer_params[id(layer)] = list(layer.parameters())
                 path = {id(m): n for n, m in layer.named_modules()}
                 for _, _, mods in targets:  # modules run in place of registered ones (grouped experts)
                     for m in mods:
@@ -309,6 +324,7 @@ class OffloadManager:
             self._pending = None
         if self._pass is None or self._pass.chunk != chunk_idx:
             self._begin_pass(chunk_idx, None, None)
+        self._param_keys = self._static_keys | {_storage_key(p) for p in self._layer_params.get(id(layer), ())}
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
         self._pass.groups.append(group)
         self._group = group
@@ -358,9 +374,9 @@ class OffloadManager:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return t
-        ptr = storage.data_ptr()
-        if ptr in self._param_ptrs or ptr == 0:
+        if storage.nbytes() == 0 or storage._cdata in self._param_keys:
             return t
+        ptr = storage.data_ptr()
         rec = group.records.get(ptr)
         if rec is None:
             if storage.nbytes() < self.options.min_tensor_bytes:

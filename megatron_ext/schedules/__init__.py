@@ -67,6 +67,15 @@ def validate(args) -> None:
         value = getattr(args, dest, None)
         if value not in (None, False, 0):
             raise ConfigError(f"{on} cannot be combined with {flag}={value}: {why}")
+    strategy = getattr(args, "data_parallel_sharding_strategy", None)
+    if getattr(args, "use_megatron_fsdp", False) and strategy == "optim_grads_params":
+        raise ConfigError(
+            f"{on} cannot be combined with --data-parallel-sharding-strategy={strategy} "
+            "(--use-megatron-fsdp): each FSDP unit's weights are gathered into one bucket that its "
+            "post-forward and post-backward hooks free, and the paired forward frees a layer's "
+            "bucket while the other micro-batch's backward still reads it (docs/fsdp.md); use "
+            "optim or optim_grads"
+        )
     impl = getattr(args, "transformer_impl", "local")
     if impl == "transformer_engine":
         raise ConfigError(

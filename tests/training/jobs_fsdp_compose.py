@@ -1,0 +1,76 @@
+"""Megatron-FSDP composed with megatron_ext's features: the same Megatron-FSDP run with and
+without each feature, in one job (one model layout, one pool round trip), so a comparison is of
+the feature alone (same sharding strategy, same layout, same weights and batches)."""
+from __future__ import annotations
+
+import hashlib
+
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+
+
+def _digest(t) -> str:
+    import torch
+
+    t = t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+    # a copy: numpy over a parameter's own storage would pin it (FSDP resizes bucket storage)
+    return hashlib.sha1(t.detach().clone().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _run(argv: list[str]) -> dict:
+    """train.main(argv) on this rank: its losses and grad norms, a hash of this rank's parameter
+    shards after the last optimizer step (read before the run's teardown empties the wrapper), and
+    what each feature says it did."""
+    import train as entry
+
+    from megatron_ext import moe, offload
+    from megatron_ext.schedules import overlap_1f1b
+    from megatron_ext.training import step
+
+    finals, original = {}, step.train_step
+
+    def train_step(args, model, optimizer, *rest, **kw):
+        result = original(args, model, optimizer, *rest, **kw)
+        # The optimizer's parameters: this rank's shards of the updated weights. (The modules'
+        # unsharded views are not read: they may be a bucket freed, or being gathered, right now.)
+        finals.clear()
+        for i, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                finals[f"{i}.{j}"] = _digest(p)
+        return result
+
+    installed, calls = moe.installed, overlap_1f1b.STATS["calls"]
+    step.train_step = train_step
+    try:
+        history = entry.main(list(argv))
+        manager = offload.current()
+        stats = dict(manager.stats) if manager is not None else {}
+    finally:
+        step.train_step = original
+        offload.detach()
+    return {
+        "history": [(h["lm loss"], h["grad norm"]) for h in history],
+        "params": finals,
+        "offloaded": stats.get("offloaded_bytes", 0),
+        "reloaded": stats.get("reloaded_bytes", 0),
+        "dispatchers": moe.installed - installed,
+        "overlap_calls": overlap_1f1b.STATS["calls"] - calls,
+    }
+
+
+def compose(argv: list[str], features: dict, ddp: dict | None = None) -> dict:
+    """{'off': run, name: run, ...}: the Megatron-FSDP run of `argv`, then the same run with each
+    feature's flags added; and {'ddp ' + name: run} for each of `ddp`'s flags under megatron-core
+    DDP + the distributed optimizer instead."""
+    from megatron_ext import seams
+
+    runs = {name: argv + FSDP + list(extra) for name, extra in {"off": [], **features}.items()}
+    runs.update({f"ddp {name}": argv + ["--use-distributed-optimizer"] + list(extra)
+                 for name, extra in (ddp or {}).items()})
+    out = {}
+    for name, run_argv in runs.items():
+        seams.reset_moe_aux_loss_scale()
+        try:
+            out[name] = _run(run_argv)
+        finally:
+            seams.reset_moe_aux_loss_scale()
+    return out
