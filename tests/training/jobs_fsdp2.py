@@ -41,5 +41,9 @@ def resume(argv: list[str], save_dir: str) -> dict:
             per_file = written.setdefault(index.fqn, {})
             per_file[item.relative_path] = per_file.get(item.relative_path, 0) + item.length
     out["written"] = written
+    # bf16: megatron's mixed-precision optimizer (fp32 main params beside the optimizer state)
+    bf16 = argv + FSDP2 + ["--bf16", "--train-iters", "4"]
+    out["bf16_straight"] = _losses(bf16 + ["--save", save_dir + "_bf16", "--save-interval", "2"])
+    out["bf16_resumed"] = _losses(bf16 + ["--load", save_dir + "_bf16", "--ckpt-step", "2"])
     torch.distributed.barrier()
     return out
