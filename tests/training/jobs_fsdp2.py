@@ -20,7 +20,8 @@ def resume(argv: list[str], save_dir: str) -> dict:
     """jobs_fsdp.resume on an FSDP2 run (straight, saved at 2 and 3 and resumed, the newest damaged
     and refused or fallen back from); then what the checkpoint holds: the backend megatron-core
     recorded, and how many bytes of each model tensor each rank's file holds (FSDP2 shards every
-    parameter over the data-parallel ranks; each rank writes its DTensors' local shards)."""
+    parameter over the data-parallel ranks; each rank writes its DTensors' local shards); a DDP run
+    resumed from it; a bf16 run saved and resumed."""
     import json
     import os
     import pickle
@@ -41,6 +42,8 @@ def resume(argv: list[str], save_dir: str) -> dict:
             per_file = written.setdefault(index.fqn, {})
             per_file[item.relative_path] = per_file.get(item.relative_path, 0) + item.length
     out["written"] = written
+    # the same format as a DDP run's (global keys and offsets): DDP resumes the FSDP2 checkpoint
+    out["ddp_resumed"] = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--ckpt-step", "2"])
     # bf16: megatron's mixed-precision optimizer (fp32 main params beside the optimizer state)
     bf16 = argv + FSDP2 + ["--bf16", "--train-iters", "4"]
     out["bf16_straight"] = _losses(bf16 + ["--save", save_dir + "_bf16", "--save-interval", "2"])

@@ -70,7 +70,8 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     """MoE DP2 (SwiGLU, experts: megatron's sharded-state-dict factories on DTensor shards), saved
     as torch_dist at 2 and 3: resumed, bitwise the uninterrupted run; a flipped tensor byte in the
     newest checkpoint is named, and the run falls back to iteration 2 exactly. Every parameter is
-    written half by each data-parallel rank (its FSDP2 shard), the expert weights included. In bf16
+    written half by each data-parallel rank (its FSDP2 shard), the expert weights included; a
+    megatron-core DDP run resumes it (Megatron-LM's torch_dist format, global keys). In bf16
     (megatron's mixed-precision optimizer) a resume from iteration 2 is bitwise too."""
     argv = _without_iters(MOE) + ["--world-size", "2"]
     out = run_distributed(2, "tests.training.jobs_fsdp2:resume", argv=argv, save_dir=str(tmp_path / "ckpt"))[-1]
@@ -85,5 +86,8 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     ), {k: v for k, v in written.items() if len(set(v.values())) != 1 or len(v) != 2}
     assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
     assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
+    ddp = out["ddp_resumed"]  # megatron-core DDP from the FSDP2 checkpoint: the same run, up to summation order
+    assert len(ddp) == 4 and all(math.isclose(r["lm loss"], s[0], rel_tol=RTOL) and math.isclose(r["grad norm"], s[1], rel_tol=RTOL)
+                                 for r, s in zip(ddp, straight[2:])), (ddp, straight[2:])
     bf16 = [(r["lm loss"], r["grad norm"]) for r in out["bf16_straight"]]  # saved at 2 (and 4)
     assert len(bf16) == 4 and [(r["lm loss"], r["grad norm"]) for r in out["bf16_resumed"]] == bf16[2:]
