@@ -84,13 +84,13 @@ def restore_fsdp2_optimizer_step(optimizer, loaded_state) -> None:
     the load writes the model's and the optimizer's tensors in place (their ShardedTensors hold the
     DTensors' local shards) and neither load_state_dict runs: torch's Optimizer.load_state_dict
     would replace each DTensor state by the loaded local tensor. The step is not one of those
-    tensors: optimizer.py:1362-1377 and :1138-1189 (sharded_state_dict, fp32 and mixed-precision
-    optimizers; the fp32 main params of the latter load in place too) save it once as `common_step`, and a fresh
-    optimizer's init_state_fn (optimizer/__init__.py:588) makes no per-param step to load it into."""
-    parts = [opt for opt, _ in _torch_optimizers(optimizer)]
-    loaded = [loaded_state] if len(parts) == 1 else [loaded_state[i] for i in range(len(parts))]
-    for (opt, inner), state in zip(_torch_optimizers(optimizer), loaded):
-        if "state" not in state:  # a mixed-precision optimizer's: beside its fp32 main params (optimizer.py:1158-1189)
+    tensors: sharded_state_dict saves it once as `common_step` (optimizer.py:1362-1377 fp32;
+    :1138-1189 mixed precision, whose fp32 main params load in place too), and a fresh optimizer's
+    init_state_fn (optimizer/__init__.py:588) makes no per-param step to load it into."""
+    pairs = list(_torch_optimizers(optimizer))
+    loaded = [loaded_state] if len(pairs) == 1 else [loaded_state[i] for i in range(len(pairs))]
+    for (_, inner), state in zip(pairs, loaded):
+        if "state" not in state:  # mixed precision: {"optimizer": ..., "fp32_from_fp16_params": ...}
             state = state["optimizer"]
         step = state["state"].get("common_step")
         if step is None:

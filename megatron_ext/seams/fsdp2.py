@@ -47,6 +47,8 @@ OPTIMIZER_PARAM_IDS = Patch(
     "_local_tensor is the tensor the model's ShardedTensor holds",
     _install_optimizer_param_ids,
 )
+
+
 def _fsdp2_expert_replicas(original):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state = original(self, prefix, sharded_offsets, metadata)

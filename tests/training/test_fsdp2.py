@@ -5,11 +5,11 @@ megatron/training/arguments.py:997-1015).
 
 Tolerance: grad norm within relative 1e-6 of the DDP run (observed: at most 4e-7); the losses of
 these 3 iterations are bitwise DDP's (Adam's first steps hardly see the last bits of a gradient).
-Not bitwise in general, for summation order, not math: FSDP2 reduce-scatters the gradients after every micro-batch's backward
-(megatron's no_sync is a no-op for it), so a rank's micro-batches are summed after the
-data-parallel sum, not before; it divides each gradient by the data-parallel size before the sum
-(gloo has no AVG), DDP scales once; and the grad norm sums the squares of per-parameter shards,
-not of DDP's bucket ranges.
+Not bitwise in general, for summation order, not math: FSDP2 reduce-scatters the gradients after
+every micro-batch's backward (megatron's no_sync is a no-op for it), so a rank's micro-batches are
+summed after the data-parallel sum, not before; it averages inside the reduce-scatter
+(ReduceOp.AVG), where megatron's DDP scales by 1/DP and sums; and the grad norm sums the squares of
+per-parameter shards, not of DDP's bucket ranges.
 """
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def test_refusals_are_megatrons_by_name(tmp_path):
     from megatron_ext.errors import ConfigError
 
     fsdp2 = DENSE + ["--use-torch-fsdp2", "--world-size", "4"]
-    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size=2, --use-torch-fsdp2=True: .*expert parallelism"):
+    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size=2, --use-torch-fsdp2=True: .*expert paral"):
         _parse(MOE + ["--use-torch-fsdp2", "--world-size", "2", "--expert-model-parallel-size", "2"])
     for flags, match in [
-        (["--pipeline-model-parallel-size", "2"], r"^--pipeline-model-parallel-size=2, --use-torch-fsdp2=True: .*pipeline parallelism"),
-        (["--use-distributed-optimizer"], r"^--use-distributed-optimizer=True, --use-torch-fsdp2=True: .*distributed optimizer"),
-        (["--ckpt-format", "fsdp_dtensor"], r"^--ckpt-format=fsdp_dtensor, --use-torch-fsdp2=True: .*torch_dist or torch_dcp"),
-        (["--ckpt-format", "torch_dcp", "--save", str(tmp_path), "--save-interval", "1"], r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
+        (["--pipeline-model-parallel-size", "2"],
+         r"^--pipeline-model-parallel-size=2, --use-torch-fsdp2=True: .*pipeline parallelism"),
+        (["--use-distributed-optimizer"],
+         r"^--use-distributed-optimizer=True, --use-torch-fsdp2=True: .*distributed optimizer"),
+        (["--ckpt-format", "fsdp_dtensor"],
+         r"^--ckpt-format=fsdp_dtensor, --use-torch-fsdp2=True: .*torch_dist or torch_dcp"),
+        (["--ckpt-format", "torch_dcp", "--save", str(tmp_path), "--save-interval", "1"],
+         r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
     ]:
         with pytest.raises(ConfigError, match=match):
             _parse(fsdp2 + flags)
@@ -82,12 +86,16 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(out["files"])
     written = out["written"]  # half of every parameter in each rank's file, none replicated
     assert len(written) >= 10 and all(
-        set(w) == {"__0_0.distcp", "__1_0.distcp"} and w["__0_0.distcp"] == w["__1_0.distcp"] for w in written.values()
-    ), {k: v for k, v in written.items() if len(set(v.values())) != 1 or len(v) != 2}
-    assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
+        set(w) == {"__0_0.distcp", "__1_0.distcp"} and w["__0_0.distcp"] == w["__1_0.distcp"]
+        for w in written.values()
+    ), written
+    assert out["refused"].startswith("damaged checkpoint ")
+    assert "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
     assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
     ddp = out["ddp_resumed"]  # megatron-core DDP from the FSDP2 checkpoint: the same run, up to summation order
-    assert len(ddp) == 4 and all(math.isclose(r["lm loss"], s[0], rel_tol=RTOL) and math.isclose(r["grad norm"], s[1], rel_tol=RTOL)
-                                 for r, s in zip(ddp, straight[2:])), (ddp, straight[2:])
+    assert len(ddp) == 4 and all(
+        math.isclose(r["lm loss"], loss, rel_tol=RTOL) and math.isclose(r["grad norm"], norm, rel_tol=RTOL)
+        for r, (loss, norm) in zip(ddp, straight[2:])
+    ), (ddp, straight[2:])
     bf16 = [(r["lm loss"], r["grad norm"]) for r in out["bf16_straight"]]  # saved at 2 (and 4)
     assert len(bf16) == 4 and [(r["lm loss"], r["grad norm"]) for r in out["bf16_resumed"]] == bf16[2:]
