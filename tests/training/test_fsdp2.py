@@ -63,6 +63,10 @@ def test_refusals_are_megatrons_by_name(tmp_path):
          r"^--ckpt-format=fsdp_dtensor, --use-torch-fsdp2=True: .*torch_dist or torch_dcp"),
         (["--ckpt-format", "torch_dcp", "--save", str(tmp_path), "--save-interval", "1"],
          r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
+        (["--activation-offload-modules", "core_attn"],
+         r"^--activation-offload-modules=core_attn, --use-torch-fsdp2=True: not supported together"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-tp-comm-1f1b"],
+         r"^--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together"),
     ]:
         with pytest.raises(ConfigError, match=match):
             _parse(fsdp2 + flags)
