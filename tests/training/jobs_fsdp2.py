@@ -11,9 +11,13 @@ def _losses(argv: list[str]) -> list[dict]:
     return losses(argv)
 
 
-def against_ddp(argv: list[str]) -> dict:
-    """{'ddp': history, 'fsdp2': history}: both from the same weights and batches."""
-    return {"ddp": _losses(argv + ["--use-distributed-optimizer"]), "fsdp2": _losses(argv + FSDP2)}
+def against_ddp(argv: list[str], features: dict | None = None) -> dict:
+    """{'ddp': history, 'fsdp2': history, name: history of FSDP2 with that feature's flags, ...}: all
+    from the same weights and batches."""
+    out = {"ddp": _losses(argv + ["--use-distributed-optimizer"]), "fsdp2": _losses(argv + FSDP2)}
+    for name, flags in (features or {}).items():
+        out[name] = _losses(argv + FSDP2 + flags)
+    return out
 
 
 def resume(argv: list[str], save_dir: str) -> dict:

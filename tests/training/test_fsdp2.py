@@ -21,9 +21,9 @@ from tests.training.test_fsdp import DENSE, MOE, _parse, _without_iters
 RTOL = 1e-6
 
 
-def runs(world_size: int, argv: list[str]) -> dict:
+def runs(world_size: int, argv: list[str], **features) -> dict:
     return run_distributed(world_size, "tests.training.jobs_fsdp2:against_ddp",
-                           argv=argv + ["--world-size", str(world_size)])[-1]
+                           argv=argv + ["--world-size", str(world_size)], features=features)[-1]
 
 
 def assert_agree(runs: dict) -> None:
@@ -39,7 +39,10 @@ def test_dense_dp2():
 
 
 def test_moe_dp2():
-    assert_agree(runs(2, MOE))
+    """And the sync-free dispatcher on the FSDP2 run: losses and grad norms bitwise those without it."""
+    out = runs(2, MOE, sync_free=["--moe-sync-free-dispatcher"])
+    assert_agree(out)
+    assert out["sync_free"] == out["fsdp2"]
 
 
 def test_dense_dp2_tp2():
