@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import optimizer as dist_ckpt_optimizer
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
@@ -24,6 +25,7 @@ from megatron.core.transformer import torch_norm
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import GlobalMemoryBuffer
 
 from megatron_ext import seams
@@ -43,6 +45,7 @@ TARGETS = {
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "dcp_filesystem": dcp_filesystem,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
+    "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
 }
 
 

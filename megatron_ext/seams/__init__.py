@@ -17,6 +17,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
     fsdp.py            Megatron-FSDP checkpoints (torch's dist-checkpoint writer): checksums taken as
                        files are written
+    fsdp2.py           torch FSDP2: torch_dist checkpoints pair optimizer state with the DTensors'
+                       local shards
     fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
                        once, gradients handled per FSDP unit, not per parameter
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
@@ -36,10 +38,12 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, checkpointing, fsdp, fsdp_fetch, moe, offload, planner, schedules, sharded_params, training,
+    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, moe, offload, planner, schedules, sharded_params,
+    training,
 )
 from megatron_ext.seams.checkpointing import (
-    checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
+    checksummed_writes, ensure_optimizer_state, restore_fsdp2_optimizer_step, restore_optimizer_step,
+    set_write_results_queue, verified_reads,
 )
 from megatron_ext.seams.fsdp import checksummed_dcp_writes, complete_fsdp_optimizer_state
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped
@@ -49,7 +53,8 @@ from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_mega
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
 _CAPABILITIES = (
-    training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp_fetch, planner,
+    training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
+    planner,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them

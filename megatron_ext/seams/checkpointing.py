@@ -3,6 +3,8 @@
 megatron_ext/training/checkpointing.py drives megatron.core.dist_checkpointing itself (not
 megatron.training.checkpointing, which needs megatron's global args). Replaced or wrapped:
   distrib_optimizer.py:838 / :1032 / :1193-1225  torch-Adam `step` handling (the two functions below)
+  optimizer.py:1362-1377  the `common_step` of a torch FSDP2 run's optimizer, loaded in place
+    (restore_fsdp2_optimizer_step)
   filesystem_async.py:53-66 (get_write_results_queue)  the writer's result queue (set_write_results_queue)
   filesystem_async.py:407, :415 (_write_item, looked up as a module global by the writer)  wrapped
     while a save is written: each file's bytes pass through a CRC-32 (CHECKSUMMED_WRITES)
@@ -72,6 +74,31 @@ def restore_optimizer_step(optimizer, loaded_state) -> None:
             for p in group["params"]:
                 if p in inner.state:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def restore_fsdp2_optimizer_step(optimizer, loaded_state) -> None:
+    """After a torch_dist load under torch FSDP2, give every param's torch-Adam state the
+    checkpoint's step.
+
+    As megatron/training/training.py:2204 does (skip_load_to_model_and_opt for FSDP2 + torch_dist),
+    the load writes the model's and the optimizer's tensors in place (their ShardedTensors hold the
+    DTensors' local shards) and neither load_state_dict runs: torch's Optimizer.load_state_dict
+    would replace each DTensor state by the loaded local tensor. The step is not one of those
+    tensors: sharded_state_dict saves it once as `common_step` (optimizer.py:1362-1377 fp32;
+    :1138-1189 mixed precision, whose fp32 main params load in place too), and a fresh optimizer's
+    init_state_fn (optimizer/__init__.py:588) makes no per-param step to load it into."""
+    pairs = list(_torch_optimizers(optimizer))
+    loaded = [loaded_state] if len(pairs) == 1 else [loaded_state[i] for i in range(len(pairs))]
+    for (_, inner), state in zip(pairs, loaded):
+        if "state" not in state:  # mixed precision: {"optimizer": ..., "fp32_from_fp16_params": ...}
+            state = state["optimizer"]
+        step = state["state"].get("common_step")
+        if step is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p in inner.state:
+                    inner.state[p]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
 
 
 class _FileResultsQueue:

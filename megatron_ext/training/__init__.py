@@ -61,7 +61,8 @@ def validate(args) -> None:
 
 
 def after_model(args, model) -> None:
-    if args.layout_invariant_init and not args.use_megatron_fsdp:  # FSDP: done before sharding (model.py)
+    fsdp = args.use_megatron_fsdp or args.use_torch_fsdp2
+    if args.layout_invariant_init and not fsdp:  # FSDP: done before sharding (model.py)
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(model, args.init_method_std, args.seed)

@@ -239,7 +239,7 @@ def _non_finite_parameters(model) -> list[str]:
     flags, names = [], []
     for i, chunk in enumerate(model):
         for name, p in _unwrap(chunk).named_parameters():
-            flags.append(torch.isfinite(p).all())
+            flags.append(torch.isfinite(getattr(p, "_local_tensor", p)).all())  # a DTensor (FSDP2): this rank's shard
             names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
     bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
     return integrity.union_over_ranks(bad)
@@ -388,7 +388,9 @@ class Checkpointer:
             )
         state = dist_checkpointing.load(template, path, strategy, strict=args.dist_ckpt_strictness)
         with torch.no_grad():  # distrib_optimizer.py:1225 copies into views of grad-tracked params
-            for i, chunk in enumerate(self.model):
+            # torch FSDP2: the load wrote the DTensors' local shards in place; megatron skips both
+            # load_state_dicts (training.py:2204, skip_load_to_model_and_opt)
+            for i, chunk in enumerate(self.model if not args.use_torch_fsdp2 else []):
                 _unwrap(chunk).load_state_dict(state[_model_key(i)], strict=True)
             if args.check_for_nan_in_loss_and_grad:  # the non-finite check, before the first step
                 bad = _non_finite_parameters(self.model)
@@ -396,7 +398,9 @@ class Checkpointer:
                     more = ", ..." if len(bad) > 3 else ""
                     verifier.problems = [f"non-finite values in {len(bad)} parameters ({', '.join(bad[:3])}{more})"]
                     raise integrity.Damaged(verifier.problems)
-            if with_optimizer:
+            if with_optimizer and args.use_torch_fsdp2:
+                seams.restore_fsdp2_optimizer_step(self.optimizer, state["optimizer"])
+            elif with_optimizer:
                 self.optimizer.load_state_dict(state["optimizer"])
                 seams.restore_optimizer_step(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

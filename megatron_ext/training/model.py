@@ -105,12 +105,12 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         chunks.append(chunk)
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    if wrap_with_ddp and args.use_megatron_fsdp:
+    if wrap_with_ddp and (args.use_megatron_fsdp or args.use_torch_fsdp2):
         if args.layout_invariant_init:  # before sharding: FSDP's parameters are DTensor shards
             from megatron_ext.training.init import layout_invariant_init
 
             layout_invariant_init(chunks, args.init_method_std, args.seed)
-        chunks = wrap_fsdp(args, config, chunks)
+        chunks = wrap_fsdp2(args, config, chunks) if args.use_torch_fsdp2 else wrap_fsdp(args, config, chunks)
     elif wrap_with_ddp:
         chunks = wrap_ddp(args, config, chunks)
     features.after_model(args, chunks)
@@ -132,6 +132,8 @@ def release_models() -> None:
             vars(chunk).clear()
         elif hasattr(chunk, "megatron_fsdp_dist_index"):
             release_fsdp(chunk)
+        elif hasattr(chunk, "device_mesh"):  # torch FSDP2
+            release_fsdp2(chunk)
     _BUILT.clear()
 
 
@@ -144,6 +146,15 @@ def release_fsdp(chunk) -> None:
     for handle in getattr(inner, "grad_acc_hooks", {}).values():
         handle.remove()
     for obj in list(inner.parameters()) + list(inner.modules()):
+        vars(obj).clear()
+    vars(chunk).clear()
+    forget_dtensor_caches()
+
+
+def release_fsdp2(chunk) -> None:
+    """Empty a torch FSDP2 wrapper: fully_shard's state and hooks live on the modules and its
+    DTensor parameters hold the device mesh, which holds the data-parallel group."""
+    for obj in list(chunk.module.parameters()) + list(chunk.module.modules()):
         vars(obj).clear()
     vars(chunk).clear()
     forget_dtensor_caches()
@@ -178,17 +189,28 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
+def wrap_fsdp2(args, config: TransformerConfig, chunks: list) -> list:
+    """torch FSDP2 as megatron.training.get_model wraps it (training.py:1837-1872): megatron-core's
+    TorchFullyShardedDataParallel (fully_shard on every TransformerLayer and embedding, then the
+    root) over the data-parallel group, with get_megatron_ddp_config's
+    TorchFullyShardedDataParallelConfig (--torch-fsdp2-reshard-after-forward) and no bucket size."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    return _wrap_chunks(args, config, chunks, DP=TorchFullyShardedDataParallel)
+
+
 def _wrap_chunks(args, config: TransformerConfig, chunks: list, **wrapper) -> list:
     """get_model's DDP config and per-chunk bucketing (bucketing only for the first chunk of the
     first pipeline stage), handed to megatron's wrap_model_chunks_with_ddp with ``wrapper``'s class
     and process groups."""
     ddp_config = get_megatron_ddp_config(args)
-    ddp_config.bucket_size = resolve_ddp_bucket_size(
-        ddp_config,
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-        ddp_config.overlap_grad_reduce,
-        num_parameters(chunks),
-    )
+    if not args.use_torch_fsdp2:  # get_model sizes buckets for DDP and Megatron-FSDP only
+        ddp_config.bucket_size = resolve_ddp_bucket_size(
+            ddp_config,
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            ddp_config.overlap_grad_reduce,
+            num_parameters(chunks),
+        )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     disable = [i > 0 or args.overlap_param_gather_with_optimizer_step for i in range(len(chunks))]
     sizes = [None if (d or pp_rank > 0) else ddp_config.bucket_size for d in disable]
@@ -205,14 +227,21 @@ def before_validate(args) -> None:
     """Refused before megatron's validate_args, whose assertions for these would name something else."""
     from megatron_ext.errors import ConfigError
 
-    if args.use_torch_fsdp2:
-        raise ConfigError(
-            "--use-torch-fsdp2: not supported by this loop: the model is wrapped in megatron-core DDP "
-            "or Megatron-FSDP (--use-megatron-fsdp); see docs/fsdp.md"
-        )
     if args.use_megatron_fsdp and args.pipeline_model_parallel_size > 1:
         raise ConfigError(
             f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}, --use-megatron-fsdp=True: "
             "megatron-core's Megatron-FSDP lays its device mesh over the whole world as data x expert x "
             "tensor parallel ranks (distributed/fsdp/mcore_fsdp_adapter.py:561), with no pipeline dimension; use 1"
+        )
+    if args.use_torch_fsdp2 and getattr(args, "activation_offload_modules", None):
+        raise ConfigError(
+            f"--activation-offload-modules={' '.join(args.activation_offload_modules)}, --use-torch-fsdp2=True: "
+            "not supported together: FSDP2's parameters are DTensor shards whose unsharded copies it "
+            "gathers and frees per layer, which the offload cannot tell from activations"
+        )
+    if args.use_torch_fsdp2 and getattr(args, "overlap_tp_comm_1f1b", False):
+        raise ConfigError(
+            "--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together: the overlapped "
+            "schedule runs one micro-batch's backward inside another's forward, while FSDP2 gathers and "
+            "frees each layer's parameters around every forward and backward"
         )

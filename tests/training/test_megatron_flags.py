@@ -231,7 +231,7 @@ def test_mtp_num_layers_builds_and_logs_the_mtp_loss():
     "flags,match",
     [
         (["--use-megatron-fsdp"], r"^--ckpt-format=torch_dist, --use-megatron-fsdp=True: .*fsdp_dtensor"),
-        (["--use-torch-fsdp2"], r"^--use-torch-fsdp2: not supported"),
+        (["--use-torch-fsdp2", "--use-distributed-optimizer"], r"^--use-distributed-optimizer=True, --use-torch-fsdp2=True: "),
         (["--full-validation"], r"^--full-validation: not supported"),
         (["--step-batch-size-schedule", "0:8"], r"^--step-batch-size-schedule: batch-size schedules"),
     ],

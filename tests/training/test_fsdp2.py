@@ -1,0 +1,108 @@
+"""torch FSDP2 (--use-torch-fsdp2) trains through train.py as Megatron-LM's get_model wraps it and
+agrees with DDP + the distributed optimizer from the same weights (--layout-invariant-init) and
+batches, in every layout megatron's own rules allow it (no pipeline or expert parallelism:
+megatron/training/arguments.py:997-1015).
+
+Tolerance: grad norm within relative 1e-6 of the DDP run (observed: at most 4e-7); the losses of
+these 3 iterations are bitwise DDP's (Adam's first steps hardly see the last bits of a gradient).
+Not bitwise in general, for summation order, not math: FSDP2 reduce-scatters the gradients after
+every micro-batch's backward (megatron's no_sync is a no-op for it), so a rank's micro-batches are
+summed after the data-parallel sum, not before; it averages inside the reduce-scatter
+(ReduceOp.AVG), where megatron's DDP scales by 1/DP and sums; and the grad norm sums the squares of
+per-parameter shards, not of DDP's bucket ranges.
+"""
+from __future__ import annotations
+
+import math
+
+from tests.dist import run_distributed
+from tests.training.test_fsdp import DENSE, MOE, _parse, _without_iters
+
+RTOL = 1e-6
+
+
+def runs(world_size: int, argv: list[str], **features) -> dict:
+    return run_distributed(world_size, "tests.training.jobs_fsdp2:against_ddp",
+                           argv=argv + ["--world-size", str(world_size)], features=features)[-1]
+
+
+def assert_agree(runs: dict) -> None:
+    ddp, got = runs["ddp"], runs["fsdp2"]
+    assert len(ddp) == len(got) == 3 and ddp[2]["lm loss"] < ddp[0]["lm loss"]  # it learns
+    a, b = [r["grad norm"] for r in ddp], [r["grad norm"] for r in got]
+    assert all(math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL) for x, y in zip(a, b)), (a, b)
+    assert [r["lm loss"] for r in got] == [r["lm loss"] for r in ddp]  # observed bitwise over these 3 steps
+
+
+def test_dense_dp2():
+    assert_agree(runs(2, DENSE))
+
+
+def test_moe_dp2():
+    """And the sync-free dispatcher on the FSDP2 run: losses and grad norms bitwise those without it."""
+    out = runs(2, MOE, sync_free=["--moe-sync-free-dispatcher"])
+    assert_agree(out)
+    assert out["sync_free"] == out["fsdp2"]
+
+
+def test_dense_dp2_tp2():
+    assert_agree(runs(4, DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]))
+
+
+def test_refusals_are_megatrons_by_name(tmp_path):
+    import pytest
+
+    from megatron_ext.errors import ConfigError
+
+    fsdp2 = DENSE + ["--use-torch-fsdp2", "--world-size", "4"]
+    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size=2, --use-torch-fsdp2=True: .*expert paral"):
+        _parse(MOE + ["--use-torch-fsdp2", "--world-size", "2", "--expert-model-parallel-size", "2"])
+    for flags, match in [
+        (["--pipeline-model-parallel-size", "2"],
+         r"^--pipeline-model-parallel-size=2, --use-torch-fsdp2=True: .*pipeline parallelism"),
+        (["--use-distributed-optimizer"],
+         r"^--use-distributed-optimizer=True, --use-torch-fsdp2=True: .*distributed optimizer"),
+        (["--ckpt-format", "fsdp_dtensor"],
+         r"^--ckpt-format=fsdp_dtensor, --use-torch-fsdp2=True: .*torch_dist or torch_dcp"),
+        (["--ckpt-format", "torch_dcp", "--save", str(tmp_path), "--save-interval", "1"],
+         r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
+        (["--activation-offload-modules", "core_attn"],
+         r"^--activation-offload-modules=core_attn, --use-torch-fsdp2=True: not supported together"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-tp-comm-1f1b"],
+         r"^--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            _parse(fsdp2 + flags)
+    args = _parse(fsdp2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert args.use_torch_fsdp2 and not args.use_distributed_optimizer and args.ckpt_format == "torch_dist"
+
+
+def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
+    """MoE DP2 (SwiGLU, experts: megatron's sharded-state-dict factories on DTensor shards), saved
+    as torch_dist at 2 and 3: resumed, bitwise the uninterrupted run; a flipped tensor byte in the
+    newest checkpoint is named, and the run falls back to iteration 2 exactly. Every parameter is
+    written half by each data-parallel rank (its FSDP2 shard), the expert weights included; a
+    megatron-core DDP run resumes it (Megatron-LM's torch_dist format, global keys). In bf16
+    (megatron's mixed-precision optimizer) a resume from iteration 2 is bitwise too."""
+    argv = _without_iters(MOE) + ["--world-size", "2"]
+    out = run_distributed(2, "tests.training.jobs_fsdp2:resume", argv=argv, save_dir=str(tmp_path / "ckpt"))[-1]
+    straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["first"]] == straight[:3]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["resumed"]] == straight[3:]
+    assert out["backend"] == "torch_dist"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(out["files"])
+    written = out["written"]  # half of every parameter in each rank's file, none replicated
+    assert len(written) >= 10 and all(
+        set(w) == {"__0_0.distcp", "__1_0.distcp"} and w["__0_0.distcp"] == w["__1_0.distcp"]
+        for w in written.values()
+    ), written
+    assert out["refused"].startswith("damaged checkpoint ")
+    assert "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
+    assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
+    ddp = out["ddp_resumed"]  # megatron-core DDP from the FSDP2 checkpoint: the same run, up to summation order
+    assert len(ddp) == 4 and all(
+        math.isclose(r["lm loss"], loss, rel_tol=RTOL) and math.isclose(r["grad norm"], norm, rel_tol=RTOL)
+        for r, (loss, norm) in zip(ddp, straight[2:])
+    ), (ddp, straight[2:])
+    bf16 = [(r["lm loss"], r["grad norm"]) for r in out["bf16_straight"]]  # saved at 2 (and 4)
+    assert len(bf16) == 4 and [(r["lm loss"], r["grad norm"]) for r in out["bf16_resumed"]] == bf16[2:]
