@@ -233,12 +233,6 @@ def before_validate(args) -> None:
             "megatron-core's Megatron-FSDP lays its device mesh over the whole world as data x expert x "
             "tensor parallel ranks (distributed/fsdp/mcore_fsdp_adapter.py:561), with no pipeline dimension; use 1"
         )
-    if args.use_torch_fsdp2 and getattr(args, "activation_offload_modules", None):
-        raise ConfigError(
-            f"--activation-offload-modules={' '.join(args.activation_offload_modules)}, --use-torch-fsdp2=True: "
-            "not supported together: FSDP2's parameters are DTensor shards whose unsharded copies it "
-            "gathers and frees per layer, which the offload cannot tell from activations"
-        )
     if args.use_torch_fsdp2 and getattr(args, "overlap_tp_comm_1f1b", False):
         raise ConfigError(
             "--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together: the overlapped "

@@ -57,13 +57,14 @@ def _run(argv: list[str]) -> dict:
     }
 
 
-def compose(argv: list[str], features: dict, ddp: dict | None = None) -> dict:
-    """{'off': run, name: run, ...}: the Megatron-FSDP run of `argv`, then the same run with each
-    feature's flags added; and {'ddp ' + name: run} for each of `ddp`'s flags under megatron-core
-    DDP + the distributed optimizer instead."""
+def compose(argv: list[str], features: dict, ddp: dict | None = None, wrapper: list | None = None) -> dict:
+    """{'off': run, name: run, ...}: the Megatron-FSDP run of `argv` (or that of `wrapper`'s flags),
+    then the same run with each feature's flags added; and {'ddp ' + name: run} for each of `ddp`'s
+    flags under megatron-core DDP + the distributed optimizer instead."""
     from megatron_ext import seams
 
-    runs = {name: argv + FSDP + list(extra) for name, extra in {"off": [], **features}.items()}
+    wrapper = FSDP if wrapper is None else list(wrapper)
+    runs = {name: argv + wrapper + list(extra) for name, extra in {"off": [], **features}.items()}
     runs.update({f"ddp {name}": argv + ["--use-distributed-optimizer"] + list(extra)
                  for name, extra in (ddp or {}).items()})
     out = {}

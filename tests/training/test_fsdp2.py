@@ -38,11 +38,8 @@ def test_dense_dp2():
     assert_agree(runs(2, DENSE))
 
 
-def test_moe_dp2():
-    """And the sync-free dispatcher on the FSDP2 run: losses and grad norms bitwise those without it."""
-    out = runs(2, MOE, sync_free=["--moe-sync-free-dispatcher"])
-    assert_agree(out)
-    assert out["sync_free"] == out["fsdp2"]
+def test_moe_dp2():  # megatron_ext's features on it: tests/training/test_fsdp_compose.py
+    assert_agree(runs(2, MOE))
 
 
 def test_dense_dp2_tp2():
@@ -66,8 +63,6 @@ def test_refusals_are_megatrons_by_name(tmp_path):
          r"^--ckpt-format=fsdp_dtensor, --use-torch-fsdp2=True: .*torch_dist or torch_dcp"),
         (["--ckpt-format", "torch_dcp", "--save", str(tmp_path), "--save-interval", "1"],
          r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
-        (["--activation-offload-modules", "core_attn"],
-         r"^--activation-offload-modules=core_attn, --use-torch-fsdp2=True: not supported together"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-tp-comm-1f1b"],
          r"^--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together"),
     ]:

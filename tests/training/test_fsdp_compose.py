@@ -77,6 +77,21 @@ def test_dense_dp2_offload_under_zero3():
         assert runs["offload"]["offloaded"] == runs["ddp offload"]["offloaded"]
 
 
+def test_torch_fsdp2_moe_dp2_offload_and_dispatchers():
+    """torch FSDP2 (MoE DP2, experts replicated over EP1 and sharded by FSDP2, which gathers and
+    frees every layer's weights around each use): offload, the sync-free dispatcher, zero-sync
+    dropless with offload, each bitwise; the offload moves exactly the bytes it moves under DDP."""
+    features = {"offload": MOE_OFFLOAD, "sync-free": SYNC_FREE, "zero-sync + offload": ZERO_SYNC + MOE_OFFLOAD}
+    results = run_distributed(2, JOB, argv=MOE + ["--world-size", "2"], features=features,
+                              ddp={"offload": MOE_OFFLOAD}, wrapper=["--use-torch-fsdp2"])
+    assert_same_as_off(results, features)
+    for runs in results:
+        assert [runs[n]["dispatchers"] for n in features] == [0, 4, 4]
+        for name in ("offload", "zero-sync + offload"):
+            assert runs[name]["offloaded"] > 0 and runs[name]["reloaded"] == runs[name]["offloaded"]
+        assert runs["offload"]["offloaded"] == runs["ddp offload"]["offloaded"]
+
+
 OVERLAP = ["--overlap-tp-comm-1f1b"]
 
 
