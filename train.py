@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         iterators = data.build_iterators(args, len(model), iteration=start)  # train, valid, test
         ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
         forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
-        logger = TrainingLogger(args)
+        logger = TrainingLogger(args, model, optimizer)  # model, optimizer: the per-rank state bytes
         observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
         with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
             last = start if args.skip_train else args.train_iters

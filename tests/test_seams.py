@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import layers, mappings
@@ -36,6 +37,8 @@ TARGETS = {
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "dcp_filesystem": dcp_filesystem,
+    "TemporaryBucketAllocator": fsdp_buffers.TemporaryBucketAllocator,
+    "StorageResizeBasedBucketAllocator": fsdp_buffers.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
 }
 

@@ -50,9 +50,57 @@ def peak_memory_gib() -> tuple[float, float] | None:
     return rss, rss
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor: this rank's shard
+
+
+def state_bytes(model: list, optimizer) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state, each storage counted once:
+    parameters = the storages the model's parameters live in (DDP's buffers; Megatron-FSDP's
+    persistent weight and main-weight buffers, its shards under optim_grads_params, padding
+    included) and separate main (fp32) parameter copies; gradients = the gradient buffers
+    (DDP's grad buffers, Megatron-FSDP's main-grad buffers); optimizer state = every tensor of the
+    optimizer's per-parameter state (Adam's moments, its step)."""
+    seen: set = set()
+
+    def add(t) -> int:
+        if t is None or not torch.is_tensor(t):
+            return 0
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    params = grads = optim = 0
+    for chunk in model:
+        fsdp = getattr(chunk, "param_and_grad_buffer", None)
+        if fsdp is None:  # Megatron-FSDP's module parameters are views of its shards (counted below)
+            params += sum(add(p) for p in chunk.parameters())  # or of its unsharded buckets (in flight)
+        for group in getattr(fsdp, "parameter_groups", []) or []:  # Megatron-FSDP
+            for buf in (group.model_weight_buffer, group.main_weight_buffer):
+                params += add(getattr(buf, "data", None))
+            grads += add(getattr(group.main_grad_buffer, "data", None))
+        ddp = [] if fsdp is not None else getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", [])
+        for buf in ddp:
+            params += add(buf.param_data)
+            grads += add(buf.grad_data)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        params += sum(add(p) for group in inner.param_groups for p in group["params"])  # main params
+        optim += sum(add(v) for state in inner.state.values() for v in state.values())
+    return {"param bytes": params, "grad bytes": grads, "optim bytes": optim}
+
+
+_MEMORY_KEYS = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
+
+
 class TrainingLogger:
-    def __init__(self, args):
+    def __init__(self, args, model: list | None = None, optimizer=None):
         self.args = args
+        self.model, self.optimizer = model, optimizer  # for the per-rank state bytes
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         self.last = self.interval_start = time.perf_counter()
         self.interval_iterations = 0
@@ -129,6 +177,7 @@ class TrainingLogger:
         line_due = iteration % args.log_interval == 0 or iteration == args.train_iters
         if line_due:
             features.at_log_line(args)  # every rank
+            record.update(self._memory())
         if self.is_logging_rank and line_due:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
@@ -143,6 +192,20 @@ class TrainingLogger:
                 self.wandb.log(scalars, iteration)
             self.interval_start, self.interval_iterations = now, 0
         return record
+
+    def _memory(self) -> dict:
+        """Per-rank state bytes; with Megatron-FSDP also the peak of its unsharded buckets (the layers
+        in flight) since the last line."""
+        if self.model is None:
+            return {}
+        out = state_bytes(self.model, self.optimizer)
+        if self.args.use_megatron_fsdp:
+            from megatron_ext.seams.fsdp import InFlight
+
+            out["fsdp unsharded bytes"] = InFlight.now
+            out["fsdp unsharded peak bytes"] = InFlight.peak
+            InFlight.reset_peak()
+        return out
 
     def close(self) -> None:
         """Flush and stop the TensorBoard writer (its background thread and file); finish the W&B run."""
@@ -205,8 +268,14 @@ class TrainingLogger:
         mem = peak_memory_gib()
         label = "peak alloc/reserved (GiB)" if platform.current().is_cuda else "peak RSS (GiB)"
         parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.current().is_cuda else f"{label}: {mem[0]:.2f}")
+        if "param bytes" in r:
+            mib = [r[k] / 2**20 for k in _MEMORY_KEYS[:3]]
+            parts.append("params/grads/optim state per rank (MiB): " + "/".join(f"{v:.2f}" for v in mib))
+            if "fsdp unsharded peak bytes" in r:  # the gathered layers: now (between steps) / peak
+                parts.append("FSDP unsharded now/peak (MiB): "
+                             f"{r['fsdp unsharded bytes'] / 2**20:.2f}/{r['fsdp unsharded peak bytes'] / 2**20:.2f}")
         for key, value in r.items():
-            if key not in _CORE_KEYS:
+            if key not in _CORE_KEYS and key not in _MEMORY_KEYS:
                 parts.append(f"{key}: {value:.6E}" if key.endswith("loss") else f"{key}: {value}")
         return " | ".join(parts) + " |"
 

@@ -48,3 +48,4 @@ def resume(argv: list[str], save_dir: str) -> dict:
     fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
             "fallback": fallback}
+

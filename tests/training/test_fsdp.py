@@ -110,3 +110,4 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
 def _without_iters(argv: list[str]) -> list[str]:
     i = argv.index("--train-iters")
     return argv[:i] + argv[i + 2:]
+
