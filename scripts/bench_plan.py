@@ -35,6 +35,12 @@ EXPERTS = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
 EP2 = ["--expert-model-parallel-size", "2"]
+# many experts, DeepSeek-V3's routing (sigmoid scores with expert bias, top-8 of 64 within 4 of 8 groups):
+# the planner traces 16 and 32 experts and scales the expert count to 64
+MANY = ["--num-experts", "64", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "8", "--moe-router-num-groups", "8",
+        "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+# dropless with zero host syncs: fixed-budget dispatch buffers, experts as grouped GEMMs over them
+ZERO_SYNC = ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]
 
 # name: (processes, argv)
 CASES = {
@@ -51,6 +57,10 @@ CASES = {
     "dense TP2 SP": (2, [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "mla-moe EP2": (2, [*MOE, *EP2, *MLA]),
     "mla-moe EP2 offload": (2, [*MOE, *EP2, *MLA, *EXPERTS]),
+    "moe64 EP2": (2, [*MOE, *EP2, *MANY]),
+    "moe64 EP2 offload": (2, [*MOE, *EP2, *MANY, *EXPERTS]),
+    "moe EP2 zero-sync": (2, [*MOE, *EP2, *ZERO_SYNC]),
+    "moe64 EP2 zero-sync": (2, [*MOE, *EP2, *MANY, *ZERO_SYNC, "--moe-dropless-budget-factor", "1.5"]),
 }
 
 

@@ -23,6 +23,9 @@ offload             PP=1, bf16, hidden 4096, seq 4096, every module set: peak me
 train               train.py end to end, a few iterations: the dense recipe with activation offload
                     and the MoE recipe with the sync-free dispatcher (the platform defaults of a GPU
                     without apex/transformer-engine, for real)
+planner             the planner's predicted peak bytes (scripts/plan.py's model) against one measured
+                    training step (megatron_ext.bench.plan.measure: torch.cuda.max_memory_allocated on a
+                    GPU, live tensor bytes on CPU), dense and MoE, PP=1, with and without offload
 transformer_engine  the transformer-engine spec builds, trains a few steps with offload hooks that
                     capture bytes; or why not (not importable)
 
@@ -54,7 +57,7 @@ import torch  # noqa: E402
 
 NO_CUDA = "skipped: no CUDA"
 SCHEMA = 1
-SECTIONS = ("cuda_facts", "multihot", "moe_layer", "offload", "train", "transformer_engine")
+SECTIONS = ("cuda_facts", "multihot", "moe_layer", "offload", "train", "planner", "transformer_engine")
 
 # Sizes: "gpu" is what one H100/H200 measures within the budget; "smoke" exercises the same code.
 SIZES = {
@@ -69,6 +72,9 @@ SIZES = {
                               ffn=16384, experts=8, topk=2, moe_ffn=4096, shared=4096, microbatches=1)),
         offload_warmup=2, offload_steps=4, copy_bytes=256 << 20,
         train_extra=["--bf16"],
+        plan_extra=["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
+                    "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+                    "--micro-batch-size", "1", "--global-batch-size", "4", "--bf16"],
     ),
     "smoke": dict(
         multihot_tokens=(64, 512), multihot_experts=(8,), multihot_reps=2,
@@ -80,6 +86,7 @@ SIZES = {
                               experts=4, topk=2, moe_ffn=64, shared=64, microbatches=2)),
         offload_warmup=1, offload_steps=1, copy_bytes=1 << 20,
         train_extra=[],
+        plan_extra=[],
     ),
 }
 DENSE_SETS = [["core_attention"], ["qkv_linear"], ["attn_proj"], ["qkv_linear", "core_attention", "attn_proj"]]
@@ -565,6 +572,32 @@ def section_train(size, claims) -> dict:
     return {"status": "ok", "dense_offload": dense, "moe_sync_free": moe_run}
 
 
+PLAN_CASES = (("dense", "tiny_dense.yaml", []),
+              ("dense offload", "tiny_dense.yaml", ["--activation-offload-modules", "qkv_linear", "core_attention",
+                                                    "attn_proj", "--activation-offload-min-tensor-kb", "1"]),
+              ("moe", "tiny_moe.yaml", []))
+
+
+def section_planner(size, claims) -> dict:
+    from megatron_ext.bench.plan import measure
+
+    rows = []
+    for name, recipe, flags in PLAN_CASES:
+        argv = ["--recipe", os.path.join(ROOT, "recipes", recipe), "--mock-data", *size["plan_extra"], *flags]
+        r = measure(argv)
+        measured = sum(r["measured"].values())
+        predicted = r["predicted"]["peak_bytes"]
+        rows.append({"case": name, "predicted_peak_bytes": round(predicted), "measured_peak_bytes": measured,
+                     "measured_by": "torch.cuda.max_memory_allocated" if cuda() else "live tensor bytes (CPU)",
+                     "error": (predicted - measured) / measured, "megatron_estimate_bytes": round(r["megatron_estimate"])})
+    within = all(abs(r["error"]) <= 0.05 for r in rows)
+    _claim(claims, "planner: predicted peak within 5 % of torch.cuda.max_memory_allocated (PP=1)",
+           within if cuda() else NO_CUDA)
+    if not cuda():
+        _claim(claims, "planner: predicted peak within 5 % of live tensor bytes on CPU (PP=1)", within)
+    return {"status": "ok", "rows": rows}
+
+
 def section_transformer_engine(size, claims) -> dict:
     try:
         import transformer_engine  # noqa: F401
@@ -636,6 +669,10 @@ def markdown(doc: dict) -> str:
                                                 "saved_bytes", "theoretical_bytes", "R", "bytes_offloaded_per_step",
                                                 "step_ms_off", "step_ms_on", "step_overhead", "grads_bitwise_equal"])
         lines += ["", "Host link: " + ", ".join(f"{k} {_fmt(v)}" for k, v in s["offload"]["host_link"].items())]
+    if s.get("planner", {}).get("rows"):
+        lines += ["", "## Planner: predicted vs measured peak, PP=1", ""]
+        lines += _table(s["planner"]["rows"], ["case", "predicted_peak_bytes", "measured_peak_bytes", "measured_by",
+                                               "error", "megatron_estimate_bytes"])
     for name in ("train", "transformer_engine"):
         sec = s.get(name, {})
         runs = [v for v in sec.values() if isinstance(v, dict) and "losses" in v]

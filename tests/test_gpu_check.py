@@ -121,3 +121,15 @@ def test_without_cuda_the_gpu_run_refuses():
     with contextlib.redirect_stderr(io.StringIO()) as err:
         assert gpu_check.main([]) == 2
     assert "--cpu-smoke" in err.getvalue()
+
+
+def test_planner_rows_measured_here_within_5_percent(smoke):
+    _, _, doc, _, _ = smoke
+    rows = doc["sections"]["planner"]["rows"]
+    assert [r["case"] for r in rows] == [c[0] for c in gpu_check.PLAN_CASES]
+    for r in rows:
+        assert r["measured_by"] == "live tensor bytes (CPU)" and r["measured_peak_bytes"] > 0
+        assert abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) <= 0.05 * r["measured_peak_bytes"], r
+    # offload predicted and measured to remove bytes
+    by = {r["case"]: r for r in rows}
+    assert by["dense offload"]["measured_peak_bytes"] < by["dense"]["measured_peak_bytes"]

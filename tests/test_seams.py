@@ -15,14 +15,16 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
-from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
+from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
-from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.transformer.moe import router, token_dispatcher
+from megatron.core.utils import GlobalMemoryBuffer
 
 from megatron_ext import seams
 from megatron_ext.moe.sync_detector import SyncDetector
@@ -31,14 +33,17 @@ MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 TARGETS = {
     "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
     "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
+    "router": router, "GlobalMemoryBuffer": GlobalMemoryBuffer,
     "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
     "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,
     "DistributedOptimizer": distrib_optimizer.DistributedOptimizer,
+    "fsdp.DataParallelBuffer": fsdp_buffer.DataParallelBuffer,
+    "fsdp.ParamAndGradBuffer": fsdp_buffer.ParamAndGradBuffer, "fsdp.MegatronFSDP": megatron_fsdp.MegatronFSDP,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "dcp_filesystem": dcp_filesystem,
-    "TemporaryBucketAllocator": fsdp_buffers.TemporaryBucketAllocator,
-    "StorageResizeBasedBucketAllocator": fsdp_buffers.StorageResizeBasedBucketAllocator,
+    "TemporaryBucketAllocator": fsdp_buffer.TemporaryBucketAllocator,
+    "StorageResizeBasedBucketAllocator": fsdp_buffer.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
 }
 

@@ -40,6 +40,27 @@ def _is_collective(name: str) -> bool:
     return name.startswith("c10d.") and not name.startswith("c10d.wait")
 
 
+is_collective = _is_collective
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every dispatched op by name (aten ops and c10d collectives alike) while active;
+    ``on_op(func, args, kwargs, out)``, if given, sees each op as well."""
+
+    def __init__(self, on_op=None):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[str(func.overloadpacket)] += 1
+        out = func(*args, **kwargs)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
+        return out
+
+
 class _Mode(TorchDispatchMode):
     """Counts every dispatched op into the probe's current region."""
 
@@ -277,15 +298,10 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
         return chunks
 
     def wrap_ddp(args, config, chunks):
-        ops = collections.Counter()
-
-        class _Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, a=(), k=None):
-                ops[str(func.overloadpacket)] += 1
-                return func(*a, **(k or {}))
-
+        counter = OpCounter()
+        ops = counter.ops
         t0 = time.perf_counter()
-        with _Count():
+        with counter:
             out = orig_wrap(args, config, chunks)
         result["ddp_init_s"] = time.perf_counter() - t0
         result["ddp_init_ops"] = sum(n for k, n in ops.items() if k.startswith("aten."))

@@ -162,9 +162,6 @@ def megatron_program(pp: int, vpp: int, num_microbatches: int, rank: int,
     batch_p2p_comm = not overlap_p2p_comm. Raises what megatron raises for a combination it
     refuses."""
     from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.pipeline_parallel import schedules as S
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     interleaved = vpp > 1
     overlap_p2p_comm = interleaved if overlap_p2p_comm is None else overlap_p2p_comm
@@ -175,14 +172,25 @@ def megatron_program(pp: int, vpp: int, num_microbatches: int, rank: int,
         pipeline_dtype=torch.float32, overlap_p2p_comm=overlap_p2p_comm,
         batch_p2p_comm=batch_p2p_comm,
     )
-    config.hidden_size = 1  # read by the schedules for the message shape (a TransformerConfig field)
     rec = _Recorder(pp, rank, vpp)
+    run_schedule(rec, config, pp, rank, vpp, num_microbatches)
+    return rec.program()
+
+
+def run_schedule(rec, config, pp: int, rank: int, vpp: int, num_microbatches: int) -> None:
+    """Run megatron's plain schedule (interleaved when vpp > 1) for pipeline rank ``rank`` on the
+    stand-ins, every point-to-point call going to the recorder ``rec``."""
+    from megatron.core.pipeline_parallel import schedules as S
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config.hidden_size = 1  # read by the schedules for the message shape (a TransformerConfig field)
     with _recording(rec):
         communicator = P2PCommunicator(_Group("pp", pp, rank), config)
         groups = ProcessGroupCollection()
         groups.tp, groups.cp = _Group("tp", 1, 0), _Group("cp", 1, 0)
         chunks = [_Chunk(config) for _ in range(vpp)]
-        if interleaved:
+        if vpp > 1:
             S.forward_backward_pipelining_with_interleaving(
                 forward_step_func=None, data_iterator=[None] * vpp, model=chunks,
                 num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1,
@@ -192,4 +200,3 @@ def megatron_program(pp: int, vpp: int, num_microbatches: int, rank: int,
                 forward_step_func=None, data_iterator=None, model=chunks[0],
                 num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1,
                 p2p_communicator=communicator, pg_collection=groups)
-    return rec.program()

@@ -60,8 +60,9 @@ def megatron_estimate(args) -> float:
     return float(weights + act)
 
 
-def measure(argv: list) -> dict:
-    """Job (every rank): one warm step, one measured step, and the planner's prediction."""
+def measure(argv: list, tracer=None) -> dict:
+    """Job (every rank): one warm step, one measured step, and the planner's prediction (its trace
+    from ``tracer``, a ``megatron_ext.planner.search.Tracer`` shared by runs of one model, if given)."""
     import torch
 
     import arguments
@@ -115,7 +116,8 @@ def measure(argv: list) -> dict:
     from megatron_ext import platform
 
     # traces a tiny copy on this world; predicted for the backend measured here
-    prediction = planner.predict_memory(args, backend=platform.current().backend)
+    prediction = planner.predict_memory(args, backend=platform.current().backend,
+                                        trace=tracer(args, None) if tracer is not None else None)
     return dict(pp_rank=pp_rank, report=first_in_stage, measured=measured, predicted=prediction[pp_rank],
                 megatron_estimate=megatron_estimate(args), offload_stats=stats)
 
@@ -126,7 +128,7 @@ def measure(argv: list) -> dict:
 SCALED_DOWN = ["--num-layers", "16", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
                "--num-attention-heads", "32", "--num-query-groups", "8", "--kv-channels", "2", "--seq-length", "64",
                "--max-position-embeddings", "64", "--vocab-size", "500", "--make-vocab-size-divisible-by", "128",
-               "--micro-batch-size", "1", "--global-batch-size", "8", "--lr-warmup-iters", "0", "--pipeline-model-parallel-size", "2",
+               "--micro-batch-size", "1", "--global-batch-size", "4", "--lr-warmup-iters", "0", "--pipeline-model-parallel-size", "2",
                "--expert-model-parallel-size", "1", "--transformer-impl", "local", "--train-iters", "4",
                "--num-workers", "0", "--world-size", "2"]
 SMALL_OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625",
@@ -197,8 +199,9 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
     phi = (budget - (worst["peak_bytes"] - _activation_part(worst))) / _activation_part(worst)
     small = ["--recipe", _one_replica_recipe(recipe), *SCALED_DOWN]
     try:
-        with_choice = measure([*small, *_choice_flags(chosen.flags), *SMALL_OFFLOAD])
-        without = measure(small)
+        small_tracer = search.Tracer()  # offload does not change what the model saves: one trace for both
+        with_choice = measure([*small, *_choice_flags(chosen.flags), *SMALL_OFFLOAD], small_tracer)
+        without = measure(small, small_tracer)
     finally:
         os.unlink(small[1])
 

@@ -10,7 +10,8 @@ import logging
 import sys
 
 GIB = 2**30
-COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set", "offload_removed")
+COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set", "moe_dispatch",
+              "offload_removed")
 # scripts/plan.py's spellings -> train.py's (declared in megatron_ext.planner.add_arguments)
 SHORT = {"--gpu": "--plan-gpu", "--memory-gb": "--plan-memory-gb", "--host-link-gbps": "--plan-host-link-gbps",
          "--search-parallelism": "--plan-search-parallelism", "--json": "--plan-json", "--png": "--plan-png"}
@@ -75,6 +76,34 @@ def stage_table(stages: list) -> str:
     return _grid(rows)
 
 
+def chunk_table(stages: list) -> str:
+    """Per stage and model chunk (VPP): its layers, parameters, the activations one micro-batch saves
+    in it, and what its passes hold at the stage's peak."""
+    rows = [("stage", "chunk", "layers", "parameters", "activations per micro-batch", "held at the peak")]
+    for s in stages:
+        for ch in s["chunks"]:
+            layers = " ".join(f"{k}x{n}" for k, n in _runs(ch["layers"]))
+            rows.append((str(s["stage"]), str(ch["chunk"]), layers, f"{ch['parameters'] / GIB:.2f}",
+                         f"{ch['activations_per_microbatch'] / GIB:.2f}", f"{ch['activations_at_peak'] / GIB:.2f}"))
+    return _grid(rows)
+
+
+def _runs(items: list) -> list:
+    out: list = []
+    for x in items:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return out
+
+
+def _chunk_json(ch: dict) -> dict:
+    return dict(chunk=ch["chunk"], layers=ch["layers"], parameters=round(ch["parameters"]),
+                activations_per_microbatch=round(ch["activations_per_microbatch"]),
+                activations_at_peak=round(ch["activations_at_peak"]))
+
+
 def _grid(rows) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -112,7 +141,8 @@ def main(argv: list | None = None, prefix: str = "--") -> dict:
         draw(result, opts.png)
     report = dict(stages=[dict(stage=s["stage"], peak_bytes=round(s["peak_bytes"]),
                                components={k: round(v) for k, v in s["components"].items()},
-                               in_flight=s["in_flight"], at=s["at"]) for s in result["stages"]],
+                               in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
+                          for s in result["stages"]],
                   candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
                   budget_bytes=round(result["budget_bytes"]), layout=result["layout"])
     if opts.json:
@@ -123,6 +153,8 @@ def main(argv: list | None = None, prefix: str = "--") -> dict:
           "(predicted; not measured on GPU)")
     print("\nAs given, per pipeline stage (GiB):")
     print(stage_table(result["stages"]))
+    print("\nPer model chunk (GiB; activations: saved for backward):")
+    print(chunk_table(result["stages"]))
     print(f"\nBest {len(result['candidates'])} of {result['all_candidates']} candidates:")
     print(candidate_table(result["candidates"]))
     best = result["candidates"][0]

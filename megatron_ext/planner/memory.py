@@ -15,6 +15,9 @@ this pass's saved bytes of components before i and i's forward working set; in t
 component i they are the other passes', this pass's still held (components up to i) and i's
 backward working set; receive buffers the schedule has posted and no pass consumed yet, and sent
 tensors whose send was not waited for, add one boundary tensor each. The peak is the largest over the step.
+Under expert parallelism a MoE layer's forward and backward also hold the exchange's receive buffer,
+which the trace (no expert parallelism) lacks: ``moe_dispatch`` (``dispatch_rows``). Per model chunk:
+its layers, parameters, what one micro-batch saves in it and what its passes hold at the peak.
 
 Offload (``megatron_ext.offload``): what the chosen modules save in a layer (storages of at least
 ``--activation-offload-min-tensor-kb``) leaves the device one layer late in forward (the previous
@@ -145,11 +148,55 @@ def boundary_bytes(args, layout: Layout) -> float:
     return float(seq * args.micro_batch_size * args.hidden_size * elem)
 
 
+def dispatch_rows(args, layout: Layout) -> float:
+    """Rows a rank receives from the expert-parallel exchange of one MoE layer: the buffer the trace
+    lacks (it has no expert parallelism, its dispatch exchanges nothing). Per rank, tokens =
+    sequence x micro-batch / TP (megatron requires sequence parallelism for MoE under TP).
+    Dropless: the expectation, tokens x top-k; with a capacity factor c, padded to capacity:
+    tokens x top-k x c; the fixed-budget buffers of --moe-zero-sync-dropless: EP x the budget per
+    destination (``fixed_budget_rows``; the trace sized its own buffers so, per token)."""
+    if not args.num_experts or layout.ep * layout.etp == 1:
+        return 0.0
+    tokens = args.seq_length * args.micro_batch_size // layout.tp
+    k = args.moe_router_topk or 1
+    routed = tokens * k
+    rows = fixed_budget_rows(args, layout.ep, layout.tp)
+    if rows is not None:  # the trace ran its experts on as many rows per token (see trace_args)
+        return float(rows * layout.etp)
+    factor = getattr(args, "moe_expert_capacity_factor", None)
+    if factor is not None and getattr(args, "moe_pad_expert_input_to_capacity", False):
+        routed = args.num_experts * math.ceil(routed / args.num_experts * factor)
+    return float(routed * layout.etp)
+
+
+def fixed_budget_rows(args, ep: int, tp: int):
+    """Rows a rank's experts compute on per MoE layer under --moe-zero-sync-dropless over all-to-all:
+    EP x the fixed budget per destination (``megatron_ext.moe.fixed_dispatch.budget_rows``; padding
+    rows included). None for other dispatchers."""
+    if not (getattr(args, "moe_zero_sync_dropless", False) and getattr(args, "moe_sync_free_dispatcher", False)
+            and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
+        return None
+    from megatron_ext.moe.fixed_dispatch import budget_rows
+
+    tokens = args.seq_length * args.micro_batch_size // tp
+    return ep * budget_rows(tokens, args.moe_router_topk or 1, args.num_experts, args.num_experts // ep,
+                            getattr(args, "moe_dropless_budget_factor", None))[0]
+
+
+def dispatch_bytes(args, layout: Layout) -> float:
+    """Bytes of the expert-parallel exchange's buffers the trace does not have, live while a MoE
+    layer dispatches or combines (forward) and while their gradients are exchanged (backward)."""
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    return dispatch_rows(args, layout) * args.hidden_size * elem
+
+
 def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,
-                    boundary: float = 0.0) -> dict:
+                    boundary: float = 0.0, dispatch: float = 0.0) -> dict:
     """Replay the rank's pass order; the most live activation bytes and what they were at that moment
     (boundary tensors the schedule holds, receives posted ahead and sends in flight, count as
-    ``boundary`` bytes each)."""
+    ``boundary`` bytes each; a MoE layer's forward and backward add ``dispatch`` bytes, the
+    expert-parallel exchange's buffers). Also, per model chunk, the bytes its passes hold at that
+    moment."""
     names = [[_name(scaled, c) for c in comps] for comps in comps_per_chunk]
     saved = [[scaled.saved[n] for n in ns] for ns in names]
     mods = set(offload.modules)
@@ -162,9 +209,16 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
     best = dict(peak=-1.0)
     events = schedule.passes(layout.pp, layout.vpp, layout.microbatches, pp_rank)
 
-    def consider(value, saved_now, working, removed, where):
+    def consider(value, saved_now, working, removed, where, current=None, current_saved=0.0, moe=False):
+        value += dispatch if moe else 0.0
         if value > best["peak"]:
-            best.update(peak=value, saved=saved_now, working=working, offload_removed=removed, where=where)
+            held = [0.0] * len(total)
+            for _m, c in alive:
+                held[c] += total[c]
+            if current is not None:
+                held[current] += current_saved
+            best.update(peak=value, saved=saved_now, working=working, offload_removed=removed, where=where,
+                        dispatch=dispatch if moe else 0.0, chunk_held=held)
 
     for kind, mb, v, posted in events:
         others = sum(total[c] for _m, c in alive) + posted * boundary
@@ -176,7 +230,8 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
                 held_off = sum(oo[:max(0, j - 1)])  # one group late: the previous layer is still resident
                 removed = min(others_off + held_off, offload.pool_bytes)
                 consider(others + prefix + scaled.fwd[n] - removed, others + prefix + ss[j], scaled.fwd[n] - ss[j],
-                         removed, f"forward {n} of micro-batch {mb} chunk {v}")
+                         removed, f"forward {n} of micro-batch {mb} chunk {v}", v, prefix + ss[j],
+                         comps_per_chunk[v][j] == ("layer", "moe"))
                 prefix += ss[j]
             alive.append((mb, v))
         else:
@@ -191,7 +246,8 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
                 held_off = sum(oo[: max(0, j - offload.prefetch_depth)])
                 removed = min(others_off + held_off, offload.pool_bytes)
                 consider(others + held + scaled.bwd[n] - removed, others + held, scaled.bwd[n], removed,
-                         f"backward {n} of micro-batch {mb} chunk {v}")
+                         f"backward {n} of micro-batch {mb} chunk {v}", v, held,
+                         comps_per_chunk[v][j] == ("layer", "moe"))
     in_flight = schedule.max_in_flight(layout.pp, layout.vpp, layout.microbatches, pp_rank)
     return dict(best, in_flight=in_flight)
 
@@ -200,21 +256,33 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
     vpp = layout.vpp or 1
     comps_per_chunk = [chunk_components(args, config, layout, pp_rank, v) for v in range(vpp)]
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
-    act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout))
+    act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout),
+                          dispatch_bytes(args, layout))
     if backend == "gloo" and getattr(args, "use_distributed_optimizer", False):
         # the distributed optimizer reduce-scatters the gradient buckets under torch's coalescing
         # manager, which on gloo (no coalesced collectives) gathers them into one flat copy at the
         # end of the backward; NCCL reduces them in place
         copy = state["gradients"]
         if copy > act["peak"]:
-            act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0,
+            act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0, dispatch=0.0,
+                       chunk_held=[0.0] * vpp,
                        where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
-                      buffers=scaled.buffers, activations=act["saved"], working_set=act["working"], offload_removed=-act["offload_removed"] or 0.0)
+                      buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
+                      moe_dispatch=act["dispatch"], offload_removed=-act["offload_removed"] or 0.0)
+    chunks = []
+    for v, comps in enumerate(comps_per_chunk):
+        names = [_name(scaled, c) for c in comps]
+        unique = [n for i, n in enumerate(names) if n != "head" or "head" not in names[:i]]  # MTP heads share one
+        params = sum(scaled.params_dense[n] + scaled.params_expert[n] for n in unique)
+        chunks.append(dict(chunk=v, layers=[(c[1] if isinstance(c, tuple) else c) for c in comps],
+                           parameters=params,
+                           activations_per_microbatch=sum(scaled.saved[n] for n in names),
+                           activations_at_peak=act["chunk_held"][v]))
     return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],
                 components=components, at=act["where"], in_flight=act["in_flight"],
                 layers=[[(c[1] if isinstance(c, tuple) else c) for c in comps] for comps in comps_per_chunk],
-                param_count=state["param_count"])
+                param_count=state["param_count"], chunks=chunks)
 
 
 def predict(args, config, scaled, offload: Offload | None = None, backend: str = "nccl") -> list:

@@ -3,8 +3,8 @@ configuration side by side, the budget as a line."""
 from __future__ import annotations
 
 GIB = 2**30
-STACK = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set")
-COLORS = ("#4c72b0", "#55a868", "#8172b2", "#937860", "#dd8452", "#c44e52")
+STACK = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set", "moe_dispatch")
+COLORS = ("#4c72b0", "#55a868", "#8172b2", "#937860", "#dd8452", "#c44e52", "#da8bc3")
 
 
 def draw(result: dict, path: str) -> None:

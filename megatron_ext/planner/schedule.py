@@ -18,9 +18,6 @@ def passes(pp: int, vpp: int | None, num_microbatches: int, rank: int) -> tuple:
         return tuple(e for m in range(num_microbatches) for e in (("F", m, 0, 0), ("B", m, 0, 0)))
     import torch
     from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.pipeline_parallel import schedules as S
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_ext.bench import p2p_programs as pg
 
@@ -72,23 +69,7 @@ def passes(pp: int, vpp: int | None, num_microbatches: int, rank: int) -> tuple:
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if interleaved else None,
         pipeline_dtype=torch.float32, overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
     )
-    config.hidden_size = 1
-    rec = Recorder(pp, rank, vpp or 1)
-    with pg._recording(rec):
-        communicator = P2PCommunicator(pg._Group("pp", pp, rank), config)
-        groups = ProcessGroupCollection()
-        groups.tp, groups.cp = pg._Group("tp", 1, 0), pg._Group("cp", 1, 0)
-        chunks = [pg._Chunk(config) for _ in range(vpp or 1)]
-        if interleaved:
-            S.forward_backward_pipelining_with_interleaving(
-                forward_step_func=None, data_iterator=[None] * vpp, model=chunks,
-                num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1,
-                p2p_communicator=communicator, pg_collection=groups)
-        else:
-            S.forward_backward_pipelining_without_interleaving(
-                forward_step_func=None, data_iterator=None, model=chunks[0],
-                num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1,
-                p2p_communicator=communicator, pg_collection=groups)
+    pg.run_schedule(Recorder(pp, rank, vpp or 1), config, pp, rank, vpp or 1, num_microbatches)
     return tuple(events)
 
 

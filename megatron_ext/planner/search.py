@@ -52,7 +52,8 @@ class Tracer:
         same = recompute == tr.recompute_of(args) and (
             recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
         recompute = None if same else recompute
-        key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute)
+        key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute,
+               memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
         if key not in self.cache:
             self.cache[key] = tr.trace(args, recompute)
         return self.cache[key]

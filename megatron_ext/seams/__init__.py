@@ -10,11 +10,15 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
+    planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,
+                       megatron's global buffer requests recorded
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
     fsdp.py            Megatron-FSDP checkpoints (torch's dist-checkpoint writer): checksums taken as
                        files are written
+    fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
+                       once, gradients handled per FSDP unit, not per parameter
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
                        megatron.training's global args/timers/writer set for the length of a run
 
@@ -31,7 +35,9 @@ from __future__ import annotations
 from typing import Dict, List
 
 from megatron_ext.patching import Patch
-from megatron_ext.seams import architectures, checkpointing, fsdp, moe, offload, schedules, sharded_params, training
+from megatron_ext.seams import (
+    architectures, checkpointing, fsdp, fsdp_fetch, moe, offload, planner, schedules, sharded_params, training,
+)
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_optimizer_step, set_write_results_queue, verified_reads,
 )
@@ -42,7 +48,9 @@ from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 
-_CAPABILITIES = (training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp)
+_CAPABILITIES = (
+    training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp_fetch, planner,
+)
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
 

@@ -249,16 +249,22 @@ def _model_key(i: int) -> str:
     return f"model{i}"
 
 
-def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loading: bool,
-                       with_optimizer: bool, with_rng: bool) -> dict:
-    metadata = _sharding_metadata(args)
-    state = {
+def common_state(args, scheduler, iteration: int, *, with_rng: bool) -> dict:
+    """What every checkpoint format records beside the tensors: where the run is, its layout and
+    LR schedule, whether RNG states were saved."""
+    return {
         "iteration": iteration,
         "consumed_samples": iteration * args.global_batch_size,
         "layout": _layout(args),
         "scheduler": scheduler.state_dict(),
         "has_rng": with_rng,
     }
+
+
+def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loading: bool,
+                       with_optimizer: bool, with_rng: bool) -> dict:
+    metadata = _sharding_metadata(args)
+    state = common_state(args, scheduler, iteration, with_rng=with_rng)
     for i, chunk in enumerate(model):
         state[_model_key(i)] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
     if with_optimizer:

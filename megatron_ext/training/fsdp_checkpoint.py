@@ -70,7 +70,7 @@ def _prepared(args, state: dict, chunk) -> dict:
 
 def save(ckpt, directory: str, iteration: int) -> None:
     """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits)."""
-    from megatron_ext.training.checkpointing import _layout, _rng_state
+    from megatron_ext.training.checkpointing import _rng_state, common_state
 
     args, rank = ckpt.args, torch.distributed.get_rank()
     state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
@@ -79,14 +79,8 @@ def save(ckpt, directory: str, iteration: int) -> None:
     if not args.no_save_rng:
         torch.save(_rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
-        common = {
-            "iteration": iteration,
-            "consumed_samples": iteration * args.global_batch_size,
-            "layout": _layout(args),
-            "scheduler": ckpt.scheduler.state_dict(),
-            "has_rng": not args.no_save_rng,
-            "has_optimizer": not args.no_save_optim,
-        }
+        common = {**common_state(args, ckpt.scheduler, iteration, with_rng=not args.no_save_rng),
+                  "has_optimizer": not args.no_save_optim}
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
     torch.distributed.barrier()

@@ -130,19 +130,26 @@ def release_models() -> None:
     for chunk in _BUILT:
         if hasattr(chunk, "grad_accs"):
             vars(chunk).clear()
-        elif hasattr(chunk, "megatron_fsdp_dist_index"):  # Megatron-FSDP: the same cycle through
-            inner = chunk.module  # its post-accumulate-grad hooks (megatron_fsdp.py:1110) and
-            for handle in getattr(inner, "grad_acc_hooks", {}).values():  # the buffer closures it
-                handle.remove()  # sets on every parameter (param_and_grad_buffer.py:3115)
-            params, modules = list(inner.parameters()), list(inner.modules())
-            for obj in params + modules:  # FSDP's backward nodes hold the modules themselves, so a
-                vars(obj).clear()  # graph a module keeps (MoE dispatcher's probs) is a cycle too
-            vars(chunk).clear()
-            _forget_dtensor_caches()
+        elif hasattr(chunk, "megatron_fsdp_dist_index"):
+            release_fsdp(chunk)
     _BUILT.clear()
 
 
-def _forget_dtensor_caches() -> None:
+def release_fsdp(chunk) -> None:
+    """Empty a Megatron-FSDP wrapper: the same cycle as DDP's, through its post-accumulate-grad
+    hooks (megatron_fsdp.py:1110) and the buffer closures it sets on every parameter
+    (param_and_grad_buffer.py:3115); FSDP's backward nodes hold the modules themselves, so a graph
+    a module keeps (the MoE dispatcher's probs) is a cycle too. DTensor's caches hold its meshes."""
+    inner = chunk.module
+    for handle in getattr(inner, "grad_acc_hooks", {}).values():
+        handle.remove()
+    for obj in list(inner.parameters()) + list(inner.modules()):
+        vars(obj).clear()
+    vars(chunk).clear()
+    forget_dtensor_caches()
+
+
+def forget_dtensor_caches() -> None:
     """torch's DTensor dispatch caches the sharding of every op it has seen (in Python and in its
     native fast path), keyed by specs that hold the run's device meshes and through them its
     process groups: emptied after the run."""
@@ -158,20 +165,7 @@ def _forget_dtensor_caches() -> None:
 
 def wrap_ddp(args, config: TransformerConfig, chunks: list) -> list:
     """megatron-core DDP with the same config and bucketing rules as megatron.training.get_model."""
-    ddp_config = get_megatron_ddp_config(args)
-    num_parameters = sum(p.numel() for c in chunks for p in c.parameters())
-    ddp_config.bucket_size = resolve_ddp_bucket_size(
-        ddp_config,
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-        ddp_config.overlap_grad_reduce,
-        num_parameters,
-    )
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    disable = [i > 0 or args.overlap_param_gather_with_optimizer_step for i in range(len(chunks))]
-    sizes = [None if (d or pp_rank > 0) else ddp_config.bucket_size for d in disable]
-    return wrap_model_chunks_with_ddp(
-        chunks, config, ddp_config, bucket_sizes=sizes, disable_bucketing_per_chunk=disable
-    )
+    return _wrap_chunks(args, config, chunks)
 
 
 def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
@@ -180,6 +174,14 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    return _wrap_chunks(args, config, chunks, DP=FullyShardedDataParallel,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _wrap_chunks(args, config: TransformerConfig, chunks: list, **wrapper) -> list:
+    """get_model's DDP config and per-chunk bucketing (bucketing only for the first chunk of the
+    first pipeline stage), handed to megatron's wrap_model_chunks_with_ddp with ``wrapper``'s class
+    and process groups."""
     ddp_config = get_megatron_ddp_config(args)
     ddp_config.bucket_size = resolve_ddp_bucket_size(
         ddp_config,
@@ -191,9 +193,7 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
     disable = [i > 0 or args.overlap_param_gather_with_optimizer_step for i in range(len(chunks))]
     sizes = [None if (d or pp_rank > 0) else ddp_config.bucket_size for d in disable]
     return wrap_model_chunks_with_ddp(
-        chunks, config, ddp_config, DP=FullyShardedDataParallel,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        bucket_sizes=sizes, disable_bucketing_per_chunk=disable,
+        chunks, config, ddp_config, bucket_sizes=sizes, disable_bucketing_per_chunk=disable, **wrapper
     )
 
 

@@ -10,6 +10,9 @@ from tests.dist import run_distributed
 DENSE = ["--recipe", "recipes/tiny_dense.yaml"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml"]
 OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625"]
+MANY_EXPERTS = ["--num-experts", "64", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "8",
+                "--moe-router-num-groups", "8", "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid",
+                "--moe-router-enable-expert-bias"]
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(1, None, 4), (2, None, 4), (2, 2, 4), (4, None, 8), (4, 2, 8)])
@@ -58,8 +61,35 @@ def test_predicted_peak_within_5_percent_pp2_with_offload():
     assert rows[0]["predicted"]["components"]["offload_removed"] < 0  # the first stage keeps two passes
 
 
-def test_predicted_peak_within_5_percent_moe_ep2():
-    _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, "--expert-model-parallel-size", "2"]))
+def test_predicted_peak_within_5_percent_many_experts_ep2():
+    """64 experts, DeepSeek-V3's routing (sigmoid, expert bias, top-8 within 4 of 8 groups), EP2: the
+    planner traces 16 and 32 experts with balanced routing and scales to 64 (expert parameters exact,
+    activations and the expert-parallel exchange's buffers within 5 %)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.planner.trace import base_shape, traced_experts
+
+    routing = dict(moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4)
+    assert traced_experts(SimpleNamespace(num_experts=64, **routing)) == 16
+    assert traced_experts(SimpleNamespace(num_experts=256, **routing)) == 16
+    assert traced_experts(SimpleNamespace(num_experts=8, moe_router_topk=2)) == 4  # few: half
+    assert traced_experts(SimpleNamespace(num_experts=6, moe_router_topk=4)) == 6  # 3 < top-k: as they are
+    # the base sequence gives every traced expert the same whole number of tokens per rank
+    for e, k, tp in ((256, 8, 2), (60, 4, 1), (40, 6, 4), (160, 6, 8)):
+        a = SimpleNamespace(num_experts=e, moe_router_topk=k, tensor_model_parallel_size=tp)
+        traced = traced_experts(a)
+        seq, mbs = (base_shape(a, traced)[f] for f in ("seq", "mbs"))
+        assert seq % tp == 0 and (seq // tp * mbs * k) % (2 * traced) == 0 and seq < 128, (e, k, tp, traced, seq)
+    rows = _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, *MANY_EXPERTS, "--expert-model-parallel-size", "2"]))
+    assert rows[0]["predicted"]["components"]["moe_dispatch"] > 0  # the peak is in a MoE layer, EP2 exchanges
+
+
+def test_predicted_peak_within_5_percent_zero_sync_dropless_ep2():
+    """Fixed-budget dispatch (worst-case budget: twice the routed rows here) with the experts as grouped
+    GEMMs over the whole buffer and a copy of the local experts' weights: the trace sizes the buffers
+    as the run's per token, and counts weight copies per local expert (experts / EP)."""
+    _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[
+        *MOE, "--expert-model-parallel-size", "2", "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]))
 
 
 def test_refusals_name_the_flag():
@@ -79,6 +109,19 @@ def test_plan_json_components_and_candidates():
     fitting = [c["step_time_s"] for c in cands if c["fits"]]
     assert fitting == sorted(fitting)
     assert all(max(c["peak_bytes_per_stage"]) <= r["budget_bytes"] for c in cands if c["fits"])
+    # per model chunk under PP2 x VPP2: megatron's layer placement, the stage's parameters split over
+    # its chunks, and what the chunks' passes hold at the peak is the stage's saved activations
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[
+        *DENSE, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--world-size", "2", "--memory-gb", "1"])[0]["report"]
+    assert [[ch["layers"] for ch in st["chunks"]] for st in r["stages"]] == [
+        [["embedding", "dense"], ["dense"]], [["dense"], ["dense", "head"]]]
+    for st in r["stages"]:
+        c = st["components"]
+        assert sum(ch["parameters"] for ch in st["chunks"]) == pytest.approx(c["parameters"], abs=4)
+        assert all(ch["activations_per_microbatch"] > 0 for ch in st["chunks"])
+        assert sum(ch["activations_at_peak"] for ch in st["chunks"]) <= c["activations"] + 4
+        assert c["moe_dispatch"] == 0  # dense
 
 
 def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
@@ -89,3 +132,50 @@ def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
     assert max(r["chosen_peaks"]) <= r["budget_bytes"] < max(r["plain_peaks"])
     assert 0 < r["phi"] < 1
     assert r["measured_with_choice"] <= r["scaled_budget_bytes"] < r["measured_without"], r
+
+
+def test_trace_routing_is_balanced_and_shape_stable():
+    """While the planner traces, megatron's router still computes its scores and top-k but every
+    expert gets tokens x top-k / experts tokens, whatever the logits (grouped top-k included)."""
+    import torch
+    from megatron.core.transformer.moe import router
+
+    from megatron_ext.seams.planner import balanced_routing
+
+    logits = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    logits[:, :4] += 10.0  # a router that prefers four experts
+    kw = dict(num_groups=8, group_topk=4, score_function="sigmoid", expert_bias=torch.zeros(32))
+    probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() != [16] * 32
+    with balanced_routing():
+        probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() == [16] * 32 and routing_map.sum(1).tolist() == [8] * 64
+    assert bool((probs[routing_map] > 0).all()) and bool((probs[~routing_map] == 0).all())
+    probs, routing_map = router.topk_routing_with_score_function(logits, 8, **kw)
+    assert routing_map.sum(0).tolist() != [16] * 32  # removed after the block
+
+
+def test_dispatch_rows_follow_the_dispatchers_rules():
+    """The expert-parallel exchange's receive rows per MoE layer: tokens x top-k (dropless), padded
+    capacity, the zero-sync dispatcher's fixed budget (megatron_ext.moe.fixed_dispatch.budget_rows);
+    none without expert parallelism."""
+    from types import SimpleNamespace
+
+    from megatron_ext.moe.fixed_dispatch import budget_rows
+    from megatron_ext.planner.memory import Layout, dispatch_bytes, dispatch_rows
+
+    # DeepSeek-V3's layout: TP2 (sequence parallel: 2048 tokens per rank), EP64, top-8 of 256
+    layout = Layout(tp=2, pp=16, vpp=None, ep=64, etp=1, cp=1, dp=32, edp=1, mbs=1, microbatches=128, world=1024)
+    a = SimpleNamespace(num_experts=256, moe_router_topk=8, seq_length=4096, micro_batch_size=1, hidden_size=7168,
+                        bf16=True, fp16=False, moe_token_dispatcher_type="alltoall")
+    assert dispatch_rows(a, layout) == 2048 * 8
+    assert dispatch_bytes(a, layout) == 2048 * 8 * 7168 * 2
+    capped = SimpleNamespace(**vars(a), moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    assert dispatch_rows(capped, layout) == 256 * 96  # 64 tokens per expert x 1.5
+    fixed = SimpleNamespace(**vars(a), moe_sync_free_dispatcher=True, moe_zero_sync_dropless=True,
+                            moe_dropless_budget_factor=None)
+    worst = budget_rows(2048, 8, 256, 4, None)[0]
+    assert worst == 2048 * 4 and dispatch_rows(fixed, layout) == 64 * worst
+    fixed.moe_dropless_budget_factor = 1.25
+    assert dispatch_rows(fixed, layout) == 64 * budget_rows(2048, 8, 256, 4, 1.25)[0] == 64 * 320
+    assert dispatch_rows(a, Layout(2, 16, None, 1, 1, 1, 32, 32, 1, 128, 1024)) == 0

@@ -230,7 +230,7 @@ def test_mtp_num_layers_builds_and_logs_the_mtp_loss():
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--use-megatron-fsdp"], r"^--use-megatron-fsdp: not supported"),
+        (["--use-megatron-fsdp"], r"^--ckpt-format=torch_dist, --use-megatron-fsdp=True: .*fsdp_dtensor"),
         (["--use-torch-fsdp2"], r"^--use-torch-fsdp2: not supported"),
         (["--full-validation"], r"^--full-validation: not supported"),
         (["--step-batch-size-schedule", "0:8"], r"^--step-batch-size-schedule: batch-size schedules"),

@@ -1,0 +1,107 @@
+"""Seams of the planner's trace (megatron_ext/planner/trace.py); scoped, applied only around a trace.
+
+Wrapped while the planner traces a tiny copy of a MoE model (``balanced_routing()``):
+  router.topk_routing_with_score_function   imported transformer/moe/router.py:24, called by
+      TopKRouter.routing at :774 (defined moe_utils.py:710). The router's own score function and
+      top-k still run (their tensors are part of the trace), then the selected experts are replaced,
+      through the function's ``router_replay`` hook (its top-k step, moe_utils.py:831; megatron's
+      RouterReplay protocol, router_replay.py:137), by a balanced assignment: token t's j-th choice
+      is expert (t * topk + j) mod E. Every expert then gets tokens x topk / E tokens at every traced
+      shape, so which experts receive tokens does not depend on the weights, the seed or the shape,
+      and the trace's storages match one to one across shapes and expert counts.
+Wrapped while the planner traces (``buffer_requests()``):
+  GlobalMemoryBuffer.get_tensor   utils.py:701 (called by the sequence-parallel gathers,
+      tensor_parallel/mappings.py:143, :183, layers.py:570, and the local attention's score buffer,
+      transformer/dot_product_attention.py:189): each request's (name, dtype) and bytes recorded.
+      The buffer is the largest request per key, and different requests scale differently (a
+      gather with the hidden size, the attention scores with the sequence squared), so the planner
+      scales each request and takes the largest at the target.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_ext.patching import Patch, set_attr
+
+
+class _BalancedChoice:
+    """A RouterReplay stand-in: the router's top-k is computed (its memory is the run's), its
+    choice replaced by the balanced one, probabilities gathered at the replaced indices."""
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        index = balanced_indices(*scores.shape[:1], topk, scores.shape[1], scores.device)
+        return scores.gather(1, index), index
+
+
+def balanced_indices(tokens: int, topk: int, experts: int, device=None) -> torch.Tensor:
+    """The assignment the seam makes: [tokens, topk] expert indices."""
+    return (torch.arange(tokens, device=device).unsqueeze(1) * topk
+            + torch.arange(topk, device=device).unsqueeze(0)) % experts
+
+
+def _install_balanced_routing():
+    from megatron.core.transformer.moe import router
+
+    original = router.topk_routing_with_score_function
+
+    def topk_routing_with_score_function(logits, topk, *args, **kwargs):
+        kwargs["router_replay"] = _BalancedChoice()
+        kwargs["fused"] = False  # the fused kernel has no replay hook
+        return original(logits, topk, *args, **kwargs)
+
+    return set_attr(router, "topk_routing_with_score_function", topk_routing_with_score_function)
+
+
+_REQUESTS: list = []  # the active recorders, innermost last
+
+
+def _install_buffer_requests():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    original = GlobalMemoryBuffer.get_tensor
+
+    def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
+        out = original(self, tensor_shape, dtype, name, *args, **kwargs)
+        if _REQUESTS:
+            _REQUESTS[-1].append((f"{name}:{dtype}", out.numel() * out.element_size()))
+        return out
+
+    return set_attr(GlobalMemoryBuffer, "get_tensor", get_tensor)
+
+
+BALANCED_ROUTING = Patch(
+    "planner.balanced_routing",
+    ["megatron/core/transformer/moe/router.py:24", "megatron/core/transformer/moe/router.py:774",
+     "megatron/core/transformer/moe/moe_utils.py:831"],
+    "planner trace only: every expert gets the same tokens at every traced shape (shape-stable storages)",
+    _install_balanced_routing,
+)
+BUFFER_REQUESTS = Patch(
+    "planner.buffer_requests",
+    ["megatron/core/utils.py:701", "megatron/core/tensor_parallel/mappings.py:143",
+     "megatron/core/transformer/dot_product_attention.py:189"],
+    "planner trace only: the global memory buffer's requests, each scaled on its own",
+    _install_buffer_requests,
+)
+SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS]
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    with BALANCED_ROUTING.applied():
+        yield
+
+
+@contextlib.contextmanager
+def buffer_requests():
+    """Yields a list that collects (key, bytes) of every global memory buffer request in the block."""
+    seen: list = []
+    _REQUESTS.append(seen)
+    try:
+        with BUFFER_REQUESTS.applied():
+            yield seen
+    finally:
+        _REQUESTS.remove(seen)
