@@ -5,10 +5,14 @@ from __future__ import annotations
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 
 
+MEMORY = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
+
+
 def _losses(argv: list[str]) -> list[dict]:
+    """Each iteration's loss and grad norm; where a log line was due, this rank's state bytes too."""
     import train as entry
 
-    return [{"lm loss": r["lm loss"], "grad norm": r.get("grad norm")} for r in entry.main(argv)]
+    return [{k: r[k] for k in ("lm loss", "grad norm", *MEMORY) if k in r} for r in entry.main(argv)]
 
 
 def against_ddp(argv: list[str], strategies: list[str]) -> dict:
@@ -49,3 +53,43 @@ def resume(argv: list[str], save_dir: str) -> dict:
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
             "fallback": fallback}
 
+
+
+def _geometry(model: list) -> list[dict]:
+    """Megatron-FSDP's parameter groups (one per FSDP unit and dtype / expert kind, plus the
+    parameters outside any unit), read from the live buffers: elements of the parameters, the
+    padded (unsharded) bucket, its row length (shards are cut on rows), and its bytes per element."""
+    out = []
+    for chunk in model:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            buf = group.main_grad_buffer
+            out.append({"numel": sum(p.numel() for p in group.params), "params": len(group.params),
+                        "bucket": buf.bucket_index.size,
+                        "row": group.chunk_size_factor, "grad itemsize": buf.dtype.itemsize,
+                        "weight itemsize": group.model_weight_buffer.dtype.itemsize})
+    return out
+
+
+def memory(argv: list[str], strategies: list[str]) -> dict:
+    """This rank's state bytes after the last step of DDP + distributed optimizer and of each
+    Megatron-FSDP strategy, the in-flight bytes of the last step, and Megatron-FSDP's bucket
+    geometry (read when the log line counts the bytes, while the model is alive)."""
+    from megatron_ext.training import log_line
+
+    last = lambda history: {k: history[-1][k] for k in MEMORY if k in history[-1]}  # noqa: E731
+    out = {"ddp": last(_losses(argv + ["--use-distributed-optimizer"]))}
+    counted, geometry = log_line.state_bytes, {}
+
+    def with_geometry(model, optimizer):
+        geometry.setdefault("groups", _geometry(model))
+        return counted(model, optimizer)
+
+    log_line.state_bytes = with_geometry
+    try:
+        for strategy in strategies:
+            geometry.clear()
+            out[strategy] = last(_losses(argv + FSDP + ["--data-parallel-sharding-strategy", strategy]))
+            out[strategy]["groups"] = geometry["groups"]
+    finally:
+        log_line.state_bytes = counted
+    return out

@@ -111,3 +111,71 @@ def _without_iters(argv: list[str]) -> list[str]:
     i = argv.index("--train-iters")
     return argv[:i] + argv[i + 2:]
 
+
+
+# The layers in flight made visible: the prefetch window of all-gathers (S/2 elements) and the
+# reduce-scatter queue (S) sized to the tiny model's units (65,664 elements per transformer layer);
+# megatron's default S is at least 1e9 elements, which would gather this whole model at once.
+UNIT = 2 * 65664
+MEMORY_ARGV = DENSE + ["--overlap-grad-reduce", "--overlap-param-gather", "--suggested-communication-unit-size",
+                       str(UNIT), "--train-iters", "2", "--log-interval", "1"]
+
+
+def test_memory_per_rank_is_one_over_dp():
+    """Per-rank bytes of real storage (log line: parameters, gradients, optimizer state; the
+    unsharded buckets now and at peak), the formula of docs/fsdp.md "Memory per rank", DP2, dense:
+
+    - optim_grads_params holds each parameter group's padded bucket / DP, for the model weights,
+      the fp32 main weights and the gradients: exactly, every rank. A group's bucket pads its
+      parameters to whole rows (a shard is cut on rows of `row` elements) and to DP rows, so its
+      padding is < (DP + parameters) x row elements: against DDP's unsharded buffers (+ the
+      distributed optimizer) each sharded quantity x DP is within that padding of the unsharded.
+    - Adam's state is the same 1/DP under DDP + distributed optimizer and every strategy (summed
+      over ranks: equal up to the per-parameter step scalars); a rank's share differs from 1/DP by
+      at most the padding (it lies on the last ranks).
+    - optim keeps weights and gradients whole; optim_grads shards the gradients.
+    - In flight: between steps the root group and the first unit (the optimizer step's prefetch);
+      at peak at most root (weights + gradients) + (1 + ceil(S/2 / unit)) units of weights +
+      (ceil(S / unit) + 1) units of gradients, less than the whole unsharded model."""
+    out = run_distributed(2, "tests.training.jobs_fsdp:memory", argv=MEMORY_ARGV + ["--world-size", "2"],
+                          strategies=STRATEGIES)
+    dp = 2
+    groups = out[0]["optim_grads_params"]["groups"]
+    assert len(groups) == 5 and groups == out[1]["optim_grads_params"]["groups"]  # root + 4 layers
+    isz = groups[0]["grad itemsize"]
+    assert all(g["grad itemsize"] == g["weight itemsize"] == isz == 4 for g in groups)  # fp32 run
+    buckets = sum(g["bucket"] for g in groups)
+    pad_bound = sum((dp + g["params"]) * g["row"] for g in groups)  # elements, unsharded
+    assert all(0 <= g["bucket"] - g["numel"] < (dp + g["params"]) * g["row"] for g in groups)
+    pad = sum(g["bucket"] - g["numel"] for g in groups)
+    steps = 8 * sum(g["params"] for g in groups)  # a step scalar per parameter, at most 8 bytes
+    for rank in range(dp):
+        ddp, ogp = out[rank]["ddp"], out[rank]["optim_grads_params"]
+        optim, optim_grads = out[rank]["optim"], out[rank]["optim_grads"]
+        # sharded: exactly the padded buckets / DP; the main weights are a second fp32 copy
+        assert ogp["grad bytes"] == buckets * isz // dp
+        assert ogp["param bytes"] == 2 * buckets * isz // dp
+        # against the unsharded: x DP within the padding
+        assert abs(dp * ogp["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz
+        assert abs(dp * ogp["param bytes"] - 2 * ddp["param bytes"]) <= 2 * pad_bound * isz
+        assert abs(dp * optim_grads["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz
+        assert abs(optim["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz  # whole
+        assert abs(optim["param bytes"] - (ddp["param bytes"] + ddp["param bytes"] // dp)) <= 2 * pad_bound * isz
+        assert optim_grads["param bytes"] == optim["param bytes"]
+        # Adam's state: 1/DP everywhere
+        for run in ("ddp", "optim", "optim_grads", "optim_grads_params"):
+            assert abs(out[rank][run]["optim bytes"] - _summed(out, run) / dp) <= 2 * pad * isz + steps, (rank, run)
+        # in flight
+        assert optim["fsdp unsharded bytes"] == optim["fsdp unsharded peak bytes"] == 0
+        root, unit = groups[0]["bucket"] * isz, groups[1]["bucket"]
+        assert ogp["fsdp unsharded bytes"] == root + unit * isz
+        peak = 2 * root + ((1 + -(-UNIT // 2 // unit)) + (-(-UNIT // unit) + 1)) * unit * isz
+        assert root + unit * isz < ogp["fsdp unsharded peak bytes"] <= peak < 2 * buckets * isz
+    summed = _summed(out, "ddp")
+    for run in ("optim", "optim_grads", "optim_grads_params"):
+        assert abs(_summed(out, run) - summed) <= steps
+    assert abs(summed - 2 * isz * sum(g["numel"] for g in groups)) <= steps  # Adam: 2 moments x every element
+
+
+def _summed(out: list, run: str) -> int:
+    return sum(o[run]["optim bytes"] for o in out)
