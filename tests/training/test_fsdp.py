@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.dist import run_distributed
 
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--lr-warmup-iters", "1",
@@ -77,8 +79,6 @@ def test_validates_on_cpu_with_the_launch_environment_megatron_asks():
 
 
 def test_refusals_name_the_flag():
-    import pytest
-
     from megatron_ext.errors import ConfigError
 
     fsdp = DENSE + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--world-size", "4"]
@@ -121,9 +121,10 @@ MEMORY_ARGV = DENSE + ["--overlap-grad-reduce", "--overlap-param-gather", "--sug
                        str(UNIT), "--train-iters", "2", "--log-interval", "1"]
 
 
-def test_memory_per_rank_is_one_over_dp():
+@pytest.mark.parametrize("dp", [2, 4])
+def test_memory_per_rank_is_one_over_dp(dp):
     """Per-rank bytes of real storage (log line: parameters, gradients, optimizer state; the
-    unsharded buckets now and at peak), the formula of docs/fsdp.md "Memory per rank", DP2, dense:
+    unsharded buckets now and at peak), the formula of docs/fsdp.md "Memory per rank", DP2 and DP4, dense:
 
     - optim_grads_params holds each parameter group's padded bucket / DP, for the model weights,
       the fp32 main weights and the gradients: exactly, every rank. A group's bucket pads its
@@ -137,11 +138,10 @@ def test_memory_per_rank_is_one_over_dp():
     - In flight: between steps the root group and the first unit (the optimizer step's prefetch);
       at peak at most root (weights + gradients) + (1 + ceil(S/2 / unit)) units of weights +
       (ceil(S / unit) + 1) units of gradients, less than the whole unsharded model."""
-    out = run_distributed(2, "tests.training.jobs_fsdp:memory", argv=MEMORY_ARGV + ["--world-size", "2"],
+    out = run_distributed(dp, "tests.training.jobs_fsdp:memory", argv=MEMORY_ARGV + ["--world-size", str(dp)],
                           strategies=STRATEGIES)
-    dp = 2
     groups = out[0]["optim_grads_params"]["groups"]
-    assert len(groups) == 5 and groups == out[1]["optim_grads_params"]["groups"]  # root + 4 layers
+    assert len(groups) == 5 and all(o["optim_grads_params"]["groups"] == groups for o in out)  # root + 4 layers
     isz = groups[0]["grad itemsize"]
     assert all(g["grad itemsize"] == g["weight itemsize"] == isz == 4 for g in groups)  # fp32 run
     buckets = sum(g["bucket"] for g in groups)
