@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for iteration in range(start + 1, last + 1):
                 observer.before_step(iteration)
                 result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
+                models.register_fsdp_buffers(args, model, iteration - start)  # --use-nccl-ub, after the first
                 logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
                 observer.after_step(iteration, result)
                 if evaluation.due(args, iteration, iterators):

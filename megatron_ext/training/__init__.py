@@ -58,6 +58,11 @@ def validate(args) -> None:
             "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
             "--untie-embeddings-and-output-weights (tied weights live on two stages)"
         )
+    if args.layout_invariant_init and args.init_model_with_meta_device and args.use_megatron_fsdp:
+        raise ConfigError(
+            "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
+            "Megatron-FSDP shards them, and a meta-device model has none until it does"
+        )
 
 
 def after_model(args, model) -> None:

@@ -93,3 +93,24 @@ def memory(argv: list[str], strategies: list[str]) -> dict:
     finally:
         log_line.state_bytes = counted
     return out
+
+
+def meta_built(argv: list[str]) -> dict:
+    """The run's history, and the parameters built on the meta device (before Megatron-FSDP
+    materialises them)."""
+    import train as entry
+    from megatron_ext.training import model as models
+
+    build, meta = models._gpt_model, []
+
+    def recorded(*args, **kwargs):
+        chunk = build(*args, **kwargs)
+        meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
+        return chunk
+
+    models._gpt_model = recorded
+    try:
+        history = _losses(argv)
+    finally:
+        models._gpt_model = build
+    return {"history": history, "meta": meta}
