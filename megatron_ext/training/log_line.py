@@ -94,6 +94,17 @@ def state_bytes(model: list, optimizer) -> dict:
     return {"param bytes": params, "grad bytes": grads, "optim bytes": optim}
 
 
+def params_norm(args, model: list) -> float:
+    """--log-params-norm: megatron's calc_params_l2_norm (DDP's buffers or Megatron-FSDP's DTensor
+    shards, reduced over their groups), which reads megatron.training's global args."""
+    from megatron.training.utils.common_utils import calc_params_l2_norm
+
+    from megatron_ext.seams import megatron_training_globals
+
+    with megatron_training_globals(args):
+        return float(calc_params_l2_norm(model))
+
+
 _MEMORY_KEYS = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
 
 
@@ -171,6 +182,8 @@ class TrainingLogger:
             **self._rates(elapsed),
             **(extra or {}),
         }
+        if args.log_num_zeros_in_grad and result.num_zeros is not None:
+            record["num zeros"] = int(result.num_zeros)
         self._records.append(record)
         self._unread += 1
         self.interval_iterations += 1
@@ -178,6 +191,8 @@ class TrainingLogger:
         if line_due:
             features.at_log_line(args)  # every rank
             record.update(self._memory())
+            if args.log_params_norm and self.model is not None:  # a collective: every rank
+                record["params norm"] = params_norm(args, self.model)
         if self.is_logging_rank and line_due:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
@@ -188,10 +203,27 @@ class TrainingLogger:
             if self.writer is not None:
                 for key, value in scalars.items():
                     self.writer.add_scalar(key, value, iteration)
+                self._write_megatron_scalars(shown, iteration)
             if self.wandb is not None:
                 self.wandb.log(scalars, iteration)
             self.interval_start, self.interval_iterations = now, 0
         return record
+
+    def _write_megatron_scalars(self, shown: dict, iteration: int) -> None:
+        """--log-timers-to-tensorboard and --log-memory-to-tensorboard as megatron's training_log
+        writes them (training.py:2741-2752, 2839-2861): the iteration time, the throughput, and the
+        CUDA caching allocator's statistics. Megatron's per-phase timers are not kept by this loop."""
+        args, writer = self.args, self.writer
+        if args.log_timers_to_tensorboard:
+            writer.add_scalar("iteration-time", shown["elapsed ms"] / 1e3, iteration)
+            if args.log_throughput:
+                writer.add_scalar("throughput", shown["TFLOP/s/GPU"], iteration)
+        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            writer.add_scalar("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
+            writer.add_scalar("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
+            writer.add_scalar("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
+            writer.add_scalar("mem-allocated-count", stats["allocation.all.current"], iteration)
 
     def _memory(self) -> dict:
         """Per-rank state bytes; with Megatron-FSDP also the peak of its unsharded buckets (the layers
@@ -257,6 +289,10 @@ class TrainingLogger:
         ]
         if r["grad norm"] is not None:
             parts.append(f"grad norm: {r['grad norm']:.3f}")
+        if "num zeros" in r:
+            parts.append(f"num zeros: {r['num zeros']}")
+        if "params norm" in r:
+            parts.append(f"params norm: {r['params norm']:.3f}")
         parts += [
             f"number of skipped iterations: {self.skipped:3d}",
             f"number of nan iterations: {self.nan_iterations:3d}",
@@ -280,4 +316,5 @@ class TrainingLogger:
         return " | ".join(parts) + " |"
 
 
-_CORE_KEYS = {"iteration", "lm loss", "grad norm", "learning rate", "elapsed ms", "tokens/s", "TFLOP/s/GPU"}
+_CORE_KEYS = {"iteration", "lm loss", "grad norm", "learning rate", "elapsed ms", "tokens/s", "TFLOP/s/GPU",
+              "num zeros", "params norm"}

@@ -12,7 +12,8 @@ def _losses(argv: list[str]) -> list[dict]:
     """Each iteration's loss and grad norm; where a log line was due, this rank's state bytes too."""
     import train as entry
 
-    return [{k: r[k] for k in ("lm loss", "grad norm", *MEMORY) if k in r} for r in entry.main(argv)]
+    keep = ("lm loss", "grad norm", "params norm", "num zeros", *MEMORY)
+    return [{k: r[k] for k in keep if k in r} for r in entry.main(argv)]
 
 
 def against_ddp(argv: list[str], strategies: list[str]) -> dict:
@@ -76,7 +77,7 @@ def memory(argv: list[str], strategies: list[str]) -> dict:
     geometry (read when the log line counts the bytes, while the model is alive)."""
     from megatron_ext.training import log_line
 
-    last = lambda history: {k: history[-1][k] for k in MEMORY if k in history[-1]}  # noqa: E731
+    last = lambda history: history[-1]  # noqa: E731
     out = {"ddp": last(_losses(argv + ["--use-distributed-optimizer"]))}
     counted, geometry = log_line.state_bytes, {}
 

@@ -122,7 +122,8 @@ def _without_iters(argv: list[str]) -> list[str]:
 # megatron's default S is at least 1e9 elements, which would gather this whole model at once.
 UNIT = 2 * 65664
 MEMORY_ARGV = DENSE + ["--overlap-grad-reduce", "--overlap-param-gather", "--suggested-communication-unit-size",
-                       str(UNIT), "--train-iters", "2", "--log-interval", "1"]
+                       str(UNIT), "--train-iters", "2", "--log-interval", "1", "--log-params-norm",
+                       "--log-num-zeros-in-grad"]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -175,6 +176,12 @@ def test_memory_per_rank_is_one_over_dp(dp):
         assert ogp["fsdp unsharded bytes"] == root + unit * isz
         peak = 2 * root + ((1 + -(-UNIT // 2 // unit)) + (-(-UNIT // unit) + 1)) * unit * isz
         assert root + unit * isz < ogp["fsdp unsharded peak bytes"] <= peak < 2 * buckets * isz
+    # --log-params-norm: megatron's calc_params_l2_norm over Megatron-FSDP's DTensor shards, the same
+    # norm on every rank and strategy (DDP's is read before --overlap-param-gather's next gather: each
+    # rank sees its own updated half); --log-num-zeros-in-grad: the same count everywhere
+    norm = out[0]["optim_grads_params"]["params norm"]
+    assert all(math.isclose(o[run]["params norm"], norm, rel_tol=1e-9) for o in out for run in STRATEGIES)
+    assert len({o[run]["num zeros"] for o in out for run in ("ddp", *STRATEGIES)}) == 1
     summed = _summed(out, "ddp")
     for run in ("optim", "optim_grads", "optim_grads_params"):
         assert abs(_summed(out, run) - summed) <= steps
