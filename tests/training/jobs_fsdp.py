@@ -102,9 +102,12 @@ def meta_built(argv: list[str]) -> dict:
     import train as entry
     from megatron_ext.training import model as models
 
-    build, meta = models._gpt_model, []
+    from megatron.core import config
+
+    build, meta, experimental = models._gpt_model, [], []
 
     def recorded(*args, **kwargs):
+        experimental.append(config.is_experimental_enabled())
         chunk = build(*args, **kwargs)
         meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
         return chunk
@@ -114,4 +117,4 @@ def meta_built(argv: list[str]) -> dict:
         history = _losses(argv)
     finally:
         models._gpt_model = build
-    return {"history": history, "meta": meta}
+    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()]}

@@ -201,6 +201,7 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     out = run_distributed(2, "tests.training.jobs_fsdp:meta_built",
                           argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6"])
     losses = [r["lm loss"] for r in out[-1]["history"]]
+    assert out[0]["experimental"] == [True, False]  # --enable-experimental: megatron-core's flag, for the run
     meta = out[0]["meta"]
     assert "decoder.final_layernorm.weight" in meta and "decoder.layers.1.mlp.router.weight" in meta
     assert not any("linear_fc1" in name or "embedding" in name for name in meta)
