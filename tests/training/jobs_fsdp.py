@@ -33,12 +33,20 @@ def resume(argv: list[str], save_dir: str) -> dict:
 
     import torch
 
+    from megatron_ext.errors import ConfigError
     from megatron_ext.training.checkpointing import DamagedCheckpoint
     from tests.training.jobs_ckpt import _flip, _largest_tensor_item
 
     straight = _losses(argv + ["--train-iters", "6"])
     first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir, "--save-interval", "2"])
-    resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir])
+    resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--auto-detect-ckpt-format"])
+    ddp = [a for a in argv if a not in FSDP and a not in ("--data-parallel-sharding-strategy", "optim_grads_params")]
+    try:  # the same checkpoint into a DDP model: megatron's auto-detection would read fsdp_dtensor
+        _losses(ddp + ["--use-distributed-optimizer", "--train-iters", "6", "--load", save_dir,
+                       "--auto-detect-ckpt-format"])
+        cross = None
+    except ConfigError as e:
+        cross = str(e)
     newest = os.path.join(save_dir, "iter_0000003")
     files = sorted(os.listdir(newest))
     if torch.distributed.get_rank() == 0:  # bytes in the middle of a tensor: only the checksum sees it
@@ -52,7 +60,7 @@ def resume(argv: list[str], save_dir: str) -> dict:
         refused = str(e)
     fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
-            "fallback": fallback}
+            "fallback": fallback, "cross": cross}
 
 
 

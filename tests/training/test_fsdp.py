@@ -109,6 +109,9 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
                             "rng_state.1.pt"]
     assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
     assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
+    # --auto-detect-ckpt-format: the resumed run read the format from the checkpoint; a DDP model asked
+    # to load it is refused by name
+    assert out["cross"].startswith("--auto-detect-ckpt-format: ") and "is a fsdp_dtensor checkpoint" in out["cross"]
 
 
 def _without_iters(argv: list[str]) -> list[str]:
