@@ -210,3 +210,22 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     assert not any("linear_fc1" in name or "embedding" in name for name in meta)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, losses
     assert 0 < out[-1]["history"][-1]["param bytes"] and out[-1]["history"][-1]["fsdp unsharded peak bytes"] > 0
+
+
+def test_nccl_ub_registers_the_buffers_once_after_the_first_step():
+    """--use-nccl-ub (CUDA + NCCL; refused on CPU): megatron's loop registers each Megatron-FSDP
+    chunk's buffers once, after the first step of the run (training.py:3913-3926)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.training.model import register_fsdp_buffers
+
+    calls = []
+    buffer = SimpleNamespace(manual_buffer_registration=lambda: calls.append("registered"))
+    chunk = SimpleNamespace(ddp_config=SimpleNamespace(fsdp_manual_registration=True), param_and_grad_buffer=buffer)
+    args = SimpleNamespace(use_megatron_fsdp=True, nccl_ub=True, fsdp_manual_registration=True)
+    for steps_done in (1, 2, 3):
+        register_fsdp_buffers(args, [chunk, chunk], steps_done)
+    assert calls == ["registered"] * 2
+    register_fsdp_buffers(SimpleNamespace(use_megatron_fsdp=True, nccl_ub=False, fsdp_manual_registration=False),
+                          [chunk], 1)
+    assert len(calls) == 2
