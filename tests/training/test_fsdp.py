@@ -90,6 +90,8 @@ def test_refusals_name_the_flag():
         _parse(fsdp + ["--use-nccl-ub"])
     with pytest.raises(ConfigError, match=r"^--layout-invariant-init with --init-model-with-meta-device: "):
         _parse(fsdp + ["--init-model-with-meta-device"])
+    with pytest.raises(ConfigError, match=r"^--init-model-with-meta-device without --use-megatron-fsdp: "):
+        _parse(DENSE + ["--init-model-with-meta-device", "--world-size", "2"])
 
 
 def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
