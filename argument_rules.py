@@ -549,6 +549,12 @@ RULES = (
          "recomputing the layernorm (--recompute-modules layernorm) needs transformer-engine",
          when=lambda a: (a.recompute_granularity == "selective" or a.recompute_activations)
          and "layernorm" in _recompute_modules(a)),
+    Rule("platform", ("log_memory_to_tensorboard",), lambda a: target(a).cuda,
+         "the CUDA caching allocator's statistics (torch.cuda.memory_stats)",
+         when=lambda a: a.log_memory_to_tensorboard),
+    Rule("platform", ("nccl_ub",), lambda a: target(a).cuda,
+         "NCCL user-buffer registration: buffers from an NCCL memory pool (CUDA + NCCL)",
+         when=lambda a: a.nccl_ub),
     Rule("platform", ("moe_grouped_gemm",), lambda a: target(a).cuda,
          "the grouped GEMM kernels need a CUDA GPU (compute capability >= 8.0)",
          when=lambda a: a.moe_grouped_gemm),

@@ -42,13 +42,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         iterators = data.build_iterators(args, len(model), iteration=start)  # train, valid, test
         ckpt.restore_rng()  # after the iterators: building them draws from the CPU generator
         forward_backward = schedules.get_forward_backward_func(args)  # megatron's, or our TP-overlap 1F1B
-        logger = TrainingLogger(args)
+        logger = TrainingLogger(args, model, optimizer)  # model, optimizer: the per-rank state bytes
         observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
         with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
             last = start if args.skip_train else args.train_iters
             for iteration in range(start + 1, last + 1):
                 observer.before_step(iteration)
                 result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
+                models.register_fsdp_buffers(args, model, iteration - start)  # --use-nccl-ub, after the first
                 logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
                 observer.after_step(iteration, result)
                 if evaluation.due(args, iteration, iterators):

@@ -44,6 +44,8 @@ TARGETS = {
     "fsdp.ParamAndGradBuffer": fsdp_buffer.ParamAndGradBuffer, "fsdp.MegatronFSDP": megatron_fsdp.MegatronFSDP,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
     "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "dcp_filesystem": dcp_filesystem,
+    "TemporaryBucketAllocator": fsdp_buffer.TemporaryBucketAllocator,
+    "StorageResizeBasedBucketAllocator": fsdp_buffer.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
     "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
 }

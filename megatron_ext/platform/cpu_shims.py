@@ -299,12 +299,24 @@ def _install_torch_norm_sequence_parallel():
 # --------------------------------------------------------------------------------------------
 # 9. megatron/core/jit.py:21 makes `jit_fuser = torch.compile` (bias_swiglu, bias_gelu, rotary, MoE
 #    permute helpers, ...). On CPU each process then spends ~18 s compiling for a tiny model. Run
-#    those functions eagerly instead: the same math, without the compile.
+#    those functions eagerly instead: the same math, without the compile. dynamo's `disable` is a
+#    per-thread override (a context variable), unset on the autograd device thread where a
+#    recomputed router or activation runs in the backward; the force_eager stance covers every thread.
 # --------------------------------------------------------------------------------------------
 def _install_eager_jit_fuser():
     import torch._dynamo
+    from torch._dynamo import eval_frame
 
-    return _patch(torch._dynamo.config, "disable", True)
+    undo = _patch(torch._dynamo.config, "disable", True)
+    before = eval_frame._stance
+    torch.compiler.set_stance("force_eager")
+
+    def remove():
+        torch.compiler.set_stance(before.stance, skip_guard_eval_unsafe=before.skip_guard_eval_unsafe,
+                                  force_backend=before.backend)
+        undo()
+
+    return remove
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ state dict of DTensors goes to torch.distributed.checkpoint with torch's own Fil
     checkpointing.CHECKSUMMED_WRITES does for megatron-core's writer
 The reads go through torch's FileSystemReader.read_data, which checkpointing.VERIFIED_READS
 already wraps. Reached into (complete_fsdp_optimizer_state): the torch optimizer's per-parameter
-state, so that every rank names the same optimizer keys.
+state, so that every rank names the same optimizer keys. Counted (UNSHARDED_BYTES, for the log
+line's memory): the temporary buckets Megatron-FSDP allocates for the unsharded parameters and
+gradients of the layers in flight (param_and_grad_buffer.py:501-559, the allocators used without
+--fsdp-double-buffer).
 """
 from __future__ import annotations
 
@@ -34,7 +37,69 @@ CHECKSUMMED_DCP_WRITES = Patch(
     "(megatron_ext/training/ckpt_integrity.py) on its way to the file",
     _install_checksummed_dcp_writes,
 )
-SEAMS = [CHECKSUMMED_DCP_WRITES]
+class InFlight:
+    """Bytes of Megatron-FSDP's temporary (unsharded) buckets alive now, and the peak since reset."""
+
+    live: dict = {}  # (allocator, bucket id) -> bytes its storage holds
+    now = 0
+    peak = 0
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        cls.peak = cls.now
+
+    @classmethod
+    def update(cls, allocator, bucket_id) -> None:
+        bucket = allocator.buckets.get(bucket_id)
+        held = bucket.data.untyped_storage().nbytes() if bucket is not None else 0
+        cls.now += held - cls.live.get((id(allocator), bucket_id), 0)
+        cls.live[(id(allocator), bucket_id)] = held
+        cls.peak = max(cls.peak, cls.now)
+
+
+def _install_unsharded_bytes():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    undo = []
+    # the default allocator, and the one that keeps a bucket and resizes its storage (weights)
+    for cls in (buffers.TemporaryBucketAllocator, buffers.StorageResizeBasedBucketAllocator):
+        allocate, free = cls.__dict__["allocate"], cls.__dict__["free"]
+
+        def counted_allocate(self, bucket_id, *args, _allocate=allocate, **kwargs):
+            bucket = _allocate(self, bucket_id, *args, **kwargs)
+            InFlight.update(self, bucket_id)
+            return bucket
+
+        def counted_free(self, bucket_id, _free=free):
+            result = _free(self, bucket_id)
+            InFlight.update(self, bucket_id)
+            return result
+
+        undo += [set_attr(cls, "allocate", counted_allocate), set_attr(cls, "free", counted_free)]
+
+    def remove():
+        for u in reversed(undo):
+            u()
+        InFlight.live, InFlight.now, InFlight.peak = {}, 0, 0
+
+    return remove
+
+
+UNSHARDED_BYTES = Patch(
+    "fsdp.unsharded_bytes",
+    ["megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:501",
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:517",
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:535",
+     "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:553"],
+    "Megatron-FSDP gathers a layer's parameters (and collects its unsharded gradients) into temporary "
+    "buckets: counted as they are allocated and freed, for the per-rank memory in the log line",
+    _install_unsharded_bytes,
+)
+SEAMS = [CHECKSUMMED_DCP_WRITES, UNSHARDED_BYTES]
+
+
+def for_run(args):
+    return [UNSHARDED_BYTES] if getattr(args, "use_megatron_fsdp", False) else []
 
 
 @contextlib.contextmanager

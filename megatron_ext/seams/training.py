@@ -28,10 +28,12 @@ def reset_megatron_globals() -> None:
     embeddings and with them their context-parallel groups, and the multi-token-prediction loss
     tracker (transformer/multi_token_prediction.py:372), sized by the previous run's MTP layer count
     and holding its process groups."""
+    from megatron.core import config as megatron_config
     from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     parallel_state.destroy_global_memory_buffer()
+    megatron_config.set_experimental_flag(False)  # --enable-experimental is the run's
     nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
     # destroy_model_parallel forgets these; a reference left here keeps a destroyed group's threads
     parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None

@@ -50,9 +50,68 @@ def peak_memory_gib() -> tuple[float, float] | None:
     return rss, rss
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor: this rank's shard
+
+
+def state_bytes(model: list, optimizer) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state, each storage counted once:
+    parameters = the storages the model's parameters live in (DDP's buffers; Megatron-FSDP's
+    persistent weight and main-weight buffers, its shards under optim_grads_params, padding
+    included) and separate main (fp32) parameter copies; gradients = the gradient buffers
+    (DDP's grad buffers, Megatron-FSDP's main-grad buffers); optimizer state = every tensor of the
+    optimizer's per-parameter state (Adam's moments, its step)."""
+    seen: set = set()
+
+    def add(t) -> int:
+        if t is None or not torch.is_tensor(t):
+            return 0
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    params = grads = optim = 0
+    for chunk in model:
+        fsdp = getattr(chunk, "param_and_grad_buffer", None)
+        if fsdp is None:  # Megatron-FSDP's module parameters are views of its shards (counted below)
+            params += sum(add(p) for p in chunk.parameters())  # or of its unsharded buckets (in flight)
+        for group in getattr(fsdp, "parameter_groups", []) or []:  # Megatron-FSDP
+            for buf in (group.model_weight_buffer, group.main_weight_buffer):
+                params += add(getattr(buf, "data", None))
+            grads += add(getattr(group.main_grad_buffer, "data", None))
+        ddp = [] if fsdp is not None else getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", [])
+        for buf in ddp:
+            params += add(buf.param_data)
+            grads += add(buf.grad_data)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        params += sum(add(p) for group in inner.param_groups for p in group["params"])  # main params
+        optim += sum(add(v) for state in inner.state.values() for v in state.values())
+    return {"param bytes": params, "grad bytes": grads, "optim bytes": optim}
+
+
+def params_norm(args, model: list) -> float:
+    """--log-params-norm: megatron's calc_params_l2_norm (DDP's buffers or Megatron-FSDP's DTensor
+    shards, reduced over their groups), which reads megatron.training's global args."""
+    from megatron.training.utils.common_utils import calc_params_l2_norm
+
+    from megatron_ext.seams import megatron_training_globals
+
+    with megatron_training_globals(args):
+        return float(calc_params_l2_norm(model))
+
+
+_MEMORY_KEYS = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
+
+
 class TrainingLogger:
-    def __init__(self, args):
+    def __init__(self, args, model: list | None = None, optimizer=None):
         self.args = args
+        self.model, self.optimizer = model, optimizer  # for the per-rank state bytes
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         self.last = self.interval_start = time.perf_counter()
         self.interval_iterations = 0
@@ -123,12 +182,17 @@ class TrainingLogger:
             **self._rates(elapsed),
             **(extra or {}),
         }
+        if args.log_num_zeros_in_grad and result.num_zeros is not None:
+            record["num zeros"] = int(result.num_zeros)
         self._records.append(record)
         self._unread += 1
         self.interval_iterations += 1
         line_due = iteration % args.log_interval == 0 or iteration == args.train_iters
         if line_due:
             features.at_log_line(args)  # every rank
+            record.update(self._memory())
+            if args.log_params_norm and self.model is not None:  # a collective: every rank
+                record["params norm"] = params_norm(args, self.model)
         if self.is_logging_rank and line_due:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
@@ -139,10 +203,41 @@ class TrainingLogger:
             if self.writer is not None:
                 for key, value in scalars.items():
                     self.writer.add_scalar(key, value, iteration)
+                self._write_megatron_scalars(shown, iteration)
             if self.wandb is not None:
                 self.wandb.log(scalars, iteration)
             self.interval_start, self.interval_iterations = now, 0
         return record
+
+    def _write_megatron_scalars(self, shown: dict, iteration: int) -> None:
+        """--log-timers-to-tensorboard and --log-memory-to-tensorboard as megatron's training_log
+        writes them (training.py:2741-2752, 2839-2861): the iteration time, the throughput, and the
+        CUDA caching allocator's statistics. Megatron's per-phase timers are not kept by this loop."""
+        args, writer = self.args, self.writer
+        if args.log_timers_to_tensorboard:
+            writer.add_scalar("iteration-time", shown["elapsed ms"] / 1e3, iteration)
+            if args.log_throughput:
+                writer.add_scalar("throughput", shown["TFLOP/s/GPU"], iteration)
+        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            writer.add_scalar("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
+            writer.add_scalar("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
+            writer.add_scalar("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
+            writer.add_scalar("mem-allocated-count", stats["allocation.all.current"], iteration)
+
+    def _memory(self) -> dict:
+        """Per-rank state bytes; with Megatron-FSDP also the peak of its unsharded buckets (the layers
+        in flight) since the last line."""
+        if self.model is None:
+            return {}
+        out = state_bytes(self.model, self.optimizer)
+        if self.args.use_megatron_fsdp:
+            from megatron_ext.seams.fsdp import InFlight
+
+            out["fsdp unsharded bytes"] = InFlight.now
+            out["fsdp unsharded peak bytes"] = InFlight.peak
+            InFlight.reset_peak()
+        return out
 
     def close(self) -> None:
         """Flush and stop the TensorBoard writer (its background thread and file); finish the W&B run."""
@@ -194,6 +289,10 @@ class TrainingLogger:
         ]
         if r["grad norm"] is not None:
             parts.append(f"grad norm: {r['grad norm']:.3f}")
+        if "num zeros" in r:
+            parts.append(f"num zeros: {r['num zeros']}")
+        if "params norm" in r:
+            parts.append(f"params norm: {r['params norm']:.3f}")
         parts += [
             f"number of skipped iterations: {self.skipped:3d}",
             f"number of nan iterations: {self.nan_iterations:3d}",
@@ -205,10 +304,17 @@ class TrainingLogger:
         mem = peak_memory_gib()
         label = "peak alloc/reserved (GiB)" if platform.current().is_cuda else "peak RSS (GiB)"
         parts.append(f"{label}: {mem[0]:.2f}/{mem[1]:.2f}" if platform.current().is_cuda else f"{label}: {mem[0]:.2f}")
+        if "param bytes" in r:
+            mib = [r[k] / 2**20 for k in _MEMORY_KEYS[:3]]
+            parts.append("params/grads/optim state per rank (MiB): " + "/".join(f"{v:.2f}" for v in mib))
+            if "fsdp unsharded peak bytes" in r:  # the gathered layers: now (between steps) / peak
+                parts.append("FSDP unsharded now/peak (MiB): "
+                             f"{r['fsdp unsharded bytes'] / 2**20:.2f}/{r['fsdp unsharded peak bytes'] / 2**20:.2f}")
         for key, value in r.items():
-            if key not in _CORE_KEYS:
+            if key not in _CORE_KEYS and key not in _MEMORY_KEYS:
                 parts.append(f"{key}: {value:.6E}" if key.endswith("loss") else f"{key}: {value}")
         return " | ".join(parts) + " |"
 
 
-_CORE_KEYS = {"iteration", "lm loss", "grad norm", "learning rate", "elapsed ms", "tokens/s", "TFLOP/s/GPU"}
+_CORE_KEYS = {"iteration", "lm loss", "grad norm", "learning rate", "elapsed ms", "tokens/s", "TFLOP/s/GPU",
+              "num zeros", "params norm"}

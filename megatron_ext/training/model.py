@@ -3,6 +3,9 @@
 DDP."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -81,25 +84,16 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     seams.install(args)  # this run's seams, once, before the model exists; the run's teardown removes them
     vp_size = args.virtual_pipeline_model_parallel_size
     chunks = []
+    # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and initialises
+    # each parameter on the device, its shard only (megatron's get_model, training.py:1768)
+    meta = args.init_model_with_meta_device and args.use_megatron_fsdp and wrap_with_ddp
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
         decoder_spec = layer_spec(args, config, stage)
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=decoder_spec,
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            rope_scaling=args.use_rope_scaling,
-            mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
-            vp_stage=stage,
-        )
-        chunk.to(platform.current().device)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            chunk = _gpt_model(args, config, decoder_spec, stage)
+        if not meta:
+            chunk.to(platform.current().device)
         for p in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         chunks.append(chunk)
@@ -116,6 +110,24 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     features.after_model(args, chunks)
     _BUILT.extend(chunks)
     return chunks
+
+
+def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
+        vp_stage=stage,
+    )
 
 
 _BUILT: list = []  # this run's model chunks, released by release_models() at teardown
@@ -197,6 +209,16 @@ def wrap_fsdp2(args, config: TransformerConfig, chunks: list) -> list:
     from megatron.core.distributed import TorchFullyShardedDataParallel
 
     return _wrap_chunks(args, config, chunks, DP=TorchFullyShardedDataParallel)
+
+
+def register_fsdp_buffers(args, model: list, steps_done: int) -> None:
+    """--use-nccl-ub with Megatron-FSDP: after the first step of the run its communication buffers
+    are registered with NCCL, as megatron's training loop does (training.py:3913-3926)."""
+    if not (args.use_megatron_fsdp and args.nccl_ub and args.fsdp_manual_registration and steps_done == 1):
+        return
+    for chunk in model:
+        if getattr(chunk.ddp_config, "fsdp_manual_registration", False):
+            chunk.param_and_grad_buffer.manual_buffer_registration()
 
 
 def _wrap_chunks(args, config: TransformerConfig, chunks: list, **wrapper) -> list:

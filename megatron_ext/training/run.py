@@ -5,6 +5,9 @@ from megatron_ext.training import parallel
 
 
 def initialize_parallel(args) -> None:
+    from megatron.core import config
+
+    config.set_experimental_flag(bool(args.enable_experimental))  # as megatron's set_global_variables
     parallel.initialize(
         tensor=args.tensor_model_parallel_size,
         pipeline=args.pipeline_model_parallel_size,

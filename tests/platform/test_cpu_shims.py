@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -122,10 +123,13 @@ def test_eager_jit_fuser():
     from megatron.core.fusions.fused_bias_swiglu import swiglu
     from torch._dynamo.utils import counters
 
-    y = torch.randn(4, 8)
     before = counters["stats"]["unique_graphs"]
-    swiglu(y)
-    assert counters["stats"]["unique_graphs"] == before  # ran eagerly
+    worker = threading.Thread(target=swiglu, args=(torch.randn(6, 8),))  # a backward on the autograd device thread
+    worker.start()
+    worker.join()
+    assert counters["stats"]["unique_graphs"] == before  # ran eagerly there
+    swiglu(torch.randn(4, 8))
+    assert counters["stats"]["unique_graphs"] == before  # and here
     with cpu_shims.without("eager_jit_fuser"):
         dynamo.reset()
         swiglu(torch.randn(5, 8))

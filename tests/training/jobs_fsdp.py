@@ -5,10 +5,15 @@ from __future__ import annotations
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 
 
+MEMORY = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
+
+
 def _losses(argv: list[str]) -> list[dict]:
+    """Each iteration's loss and grad norm; where a log line was due, this rank's state bytes too."""
     import train as entry
 
-    return [{"lm loss": r["lm loss"], "grad norm": r.get("grad norm")} for r in entry.main(argv)]
+    keep = ("lm loss", "grad norm", "params norm", "num zeros", *MEMORY)
+    return [{k: r[k] for k in keep if k in r} for r in entry.main(argv)]
 
 
 def against_ddp(argv: list[str], strategies: list[str]) -> dict:
@@ -29,6 +34,7 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
 
     import torch
 
+    from megatron_ext.errors import ConfigError
     from megatron_ext.training.checkpointing import DamagedCheckpoint
     from tests.training.jobs_ckpt import _flip, _largest_tensor_item, _may_start_processes
 
@@ -36,7 +42,15 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     with _may_start_processes():  # --async-save forks a writer per save
         first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir,
                                 "--save-interval", "2", *save_flags])
-    resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir])
+    resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--auto-detect-ckpt-format"])
+    cross = None
+    if "--use-megatron-fsdp" in argv:  # the same checkpoint into a DDP model: auto-detection reads fsdp_dtensor
+        ddp = [a for a in argv if a not in FSDP and a not in ("--data-parallel-sharding-strategy", "optim_grads_params")]
+        try:
+            _losses(ddp + ["--use-distributed-optimizer", "--train-iters", "6", "--load", save_dir,
+                           "--auto-detect-ckpt-format"])
+        except ConfigError as e:
+            cross = str(e)
     newest = os.path.join(save_dir, "iter_0000003")
     files = sorted(os.listdir(newest))
     if torch.distributed.get_rank() == 0:  # bytes in the middle of a tensor: only the checksum sees it
@@ -51,4 +65,68 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     if fallback:
         fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
-            "fallback": fallback}
+            "fallback": fallback, "cross": cross}
+
+
+def _geometry(model: list) -> list[dict]:
+    """Megatron-FSDP's parameter groups (one per FSDP unit and dtype / expert kind, plus the
+    parameters outside any unit), read from the live buffers: elements of the parameters, the
+    padded (unsharded) bucket, its row length (shards are cut on rows), and its bytes per element."""
+    out = []
+    for chunk in model:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            buf = group.main_grad_buffer
+            out.append({"numel": sum(p.numel() for p in group.params), "params": len(group.params),
+                        "bucket": buf.bucket_index.size,
+                        "row": group.chunk_size_factor, "grad itemsize": buf.dtype.itemsize,
+                        "weight itemsize": group.model_weight_buffer.dtype.itemsize})
+    return out
+
+
+def memory(argv: list[str], strategies: list[str]) -> dict:
+    """This rank's state bytes after the last step of DDP + distributed optimizer and of each
+    Megatron-FSDP strategy, the in-flight bytes of the last step, and Megatron-FSDP's bucket
+    geometry (read when the log line counts the bytes, while the model is alive)."""
+    from megatron_ext.training import log_line
+
+    last = lambda history: history[-1]  # noqa: E731
+    out = {"ddp": last(_losses(argv + ["--use-distributed-optimizer"]))}
+    counted, geometry = log_line.state_bytes, {}
+
+    def with_geometry(model, optimizer):
+        geometry.setdefault("groups", _geometry(model))
+        return counted(model, optimizer)
+
+    log_line.state_bytes = with_geometry
+    try:
+        for strategy in strategies:
+            geometry.clear()
+            out[strategy] = last(_losses(argv + FSDP + ["--data-parallel-sharding-strategy", strategy]))
+            out[strategy]["groups"] = geometry["groups"]
+    finally:
+        log_line.state_bytes = counted
+    return out
+
+
+def meta_built(argv: list[str]) -> dict:
+    """The run's history, and the parameters built on the meta device (before Megatron-FSDP
+    materialises them)."""
+    import train as entry
+    from megatron_ext.training import model as models
+
+    from megatron.core import config
+
+    build, meta, experimental = models._gpt_model, [], []
+
+    def recorded(*args, **kwargs):
+        experimental.append(config.is_experimental_enabled())
+        chunk = build(*args, **kwargs)
+        meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
+        return chunk
+
+    models._gpt_model = recorded
+    try:
+        history = _losses(argv)
+    finally:
+        models._gpt_model = build
+    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()]}

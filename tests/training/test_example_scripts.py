@@ -221,6 +221,73 @@ def test_example_script_as_written_passes_a_cuda_dry_run(name, assets, tmp_path)
     assert "--platform cuda --assume-te" in str(refused.value) or "CUDA GPU" in str(refused.value)
 
 
+# examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh with its defaults (USE_MEGATRON_FSDP=1,
+# SHARDING_STRATEGY=optim_grads_params, TP=1, EP=8, MBS=4, GBS=2048, PROFILE=0): PRETRAIN_ARGS, then
+# the Megatron-FSDP additions, word for word as bash expands them. WANDB=1 (its default) adds
+# DEEPSEEK_V3_WANDB, validated where the wandb package is installed (as megatron's writer needs it).
+DEEPSEEK_V3_FSDP = [
+    "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "8",
+    "--expert-tensor-parallel-size", "1", "--context-parallel-size", "1", "--use-distributed-optimizer",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--use-mcore-models", "--sequence-parallel", "--use-flash-attn",
+    "--disable-bias-linear", "--micro-batch-size", "4", "--global-batch-size", "2048", "--train-samples", "585937500",
+    "--exit-duration-in-mins", "220", "--no-check-for-nan-in-loss-and-grad", "--manual-gc", "--manual-gc-interval",
+    "10", "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm",
+    "--transformer-impl", "transformer_engine", "--seq-length", "4096", "--data-cache-path", "$OUTPUT_PATH/cache",
+    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "deepseek-ai/DeepSeek-V3", "--data-path",
+    "$DATA_PATH", "--split", "99,1,0", "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader",
+    "--num-workers", "6", "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+    "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings", "4096",
+    "--position-embedding-type", "rope", "--rotary-base", "10000", "--make-vocab-size-divisible-by", "3232",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+    "--weight-decay", "0.1", "--qk-layernorm", "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
+    "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7", "--lr-decay-style", "cosine",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--num-experts", "256", "--moe-layer-freq", "[0]*3+[1]*58",
+    "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8", "--moe-token-dispatcher-type",
+    "flex", "--moe-flex-dispatcher-backend", "hybridep", "--moe-router-pre-softmax", "--moe-grouped-gemm",
+    "--moe-aux-loss-coeff", "1e-4", "--moe-router-group-topk", "4", "--moe-router-num-groups", "8",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3", "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion", "--moe-router-force-load-balancing", "--q-lora-rank", "1536", "--kv-lora-rank", "512",
+    "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--rotary-scaling-factor", "40",
+    "--mscale", "1.0", "--mscale-all-dim", "1.0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1",
+    "--eval-iters", "32", "--eval-interval", "100", "--auto-detect-ckpt-format", "--load", "$OUTPUT_PATH/checkpoints",
+    "--save", "$OUTPUT_PATH/checkpoints", "--save-interval", "100", "--dist-ckpt-strictness", "log_all",
+    "--init-method-std", "0.02", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+    "--log-num-zeros-in-grad", "--log-params-norm", "--log-validation-ppl-to-tensorboard", "--log-throughput",
+    "--log-interval", "1", "--logging-level", "40", "--tensorboard-dir", "$OUTPUT_PATH/tensorboard", "--bf16",
+    "--enable-experimental",
+    # USE_MEGATRON_FSDP=1
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--no-gradient-accumulation-fusion",
+    "--use-distributed-optimizer", "--calculate-per-token-loss", "--init-model-with-meta-device", "--ckpt-format",
+    "fsdp_dtensor", "--fsdp-double-buffer", "--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype", "bf16",
+    "--megatron-fsdp-main-grads-dtype", "bf16",
+]
+DEEPSEEK_V3_WANDB = ["--wandb-project", "your_own_wandb_project", "--wandb-exp-name", "DeepSeek-V3-TP1EP8-MBS4GBS2048-"]
+
+
+@pytest.mark.parametrize("world", [8, 256])
+def test_deepseek_v3_fsdp_script_as_written_passes_a_cuda_dry_run(world, assets, tmp_path):
+    """The script leaves its node count to the cluster (#SBATCH --nodes); its layout (TP1, EP8, its
+    batch of 512 micro-batches of 4) runs on any multiple of 8 GPUs dividing 512 x 8: one node and 32
+    nodes. Data aside (the data prefix, the Hugging Face tokenizer read from the hub: local ones here),
+    as written, on the cluster it targets (CUDA, transformer-engine)."""
+    import importlib.util
+
+    paths = {"$DATA_PATH": assets["hf_data"], "deepseek-ai/DeepSeek-V3": assets["hf"]}
+    argv = [paths.get(a, a).replace("$OUTPUT_PATH", str(tmp_path)) for a in DEEPSEEK_V3_FSDP]
+    argv += DEEPSEEK_V3_WANDB if importlib.util.find_spec("wandb") else []
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = arguments.parse(argv + ["--dry-run", "--platform", "cuda", "--assume-te", "--world-size", str(world)],
+                               exit_on_dry_run=False)
+    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert args.data_parallel_size == world and args.expert_model_parallel_size == 8
+    assert args.nccl_ub and args.fsdp_double_buffer and args.fsdp_manual_registration  # megatron's: --use-nccl-ub
+    assert args.init_model_with_meta_device and args.moe_token_dispatcher_type == "flex"
+    assert args.train_iters == 585937500 // 2048 and args.multi_latent_attention and args.mtp_num_layers == 1
+
+
 # Scaled down: the sizes, batch, lengths and parallel degrees; every other flag as written.
 SCALE = {
     "gpt3": (4, {"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "64",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.dist import run_distributed
 
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--lr-warmup-iters", "1",
@@ -77,8 +79,6 @@ def test_validates_on_cpu_with_the_launch_environment_megatron_asks():
 
 
 def test_refusals_name_the_flag():
-    import pytest
-
     from megatron_ext.errors import ConfigError
 
     fsdp = DENSE + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--world-size", "4"]
@@ -86,6 +86,12 @@ def test_refusals_name_the_flag():
         _parse(fsdp + ["--pipeline-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match=r"^--ckpt-format=torch_dist, --use-megatron-fsdp=True: .*fsdp_dtensor"):  # megatron's own rule
         _parse(DENSE + ["--use-megatron-fsdp", "--world-size", "2"])
+    with pytest.raises(ConfigError, match=r"^--use-nccl-ub=True: NCCL user-buffer registration"):  # CUDA + NCCL only
+        _parse(fsdp + ["--use-nccl-ub"])
+    with pytest.raises(ConfigError, match=r"^--layout-invariant-init with --init-model-with-meta-device: "):
+        _parse(fsdp + ["--init-model-with-meta-device"])
+    with pytest.raises(ConfigError, match=r"^--init-model-with-meta-device without --use-megatron-fsdp: "):
+        _parse(DENSE + ["--init-model-with-meta-device", "--world-size", "2"])
 
 
 def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
@@ -105,6 +111,9 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
                             "rng_state.1.pt"]
     assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
     assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
+    # --auto-detect-ckpt-format: the resumed run read the format from the checkpoint; a DDP model asked
+    # to load it is refused by name
+    assert out["cross"].startswith("--auto-detect-ckpt-format: ") and "is a fsdp_dtensor checkpoint" in out["cross"]
 
 
 def test_async_save_resumes_exactly_and_is_verified(tmp_path):
@@ -126,3 +135,115 @@ def test_async_save_resumes_exactly_and_is_verified(tmp_path):
 def _without_iters(argv: list[str]) -> list[str]:
     i = argv.index("--train-iters")
     return argv[:i] + argv[i + 2:]
+
+
+
+# The layers in flight made visible: the prefetch window of all-gathers (S/2 elements) and the
+# reduce-scatter queue (S) sized to the tiny model's units (65,664 elements per transformer layer);
+# megatron's default S is at least 1e9 elements, which would gather this whole model at once.
+UNIT = 2 * 65664
+MEMORY_ARGV = DENSE + ["--overlap-grad-reduce", "--overlap-param-gather", "--suggested-communication-unit-size",
+                       str(UNIT), "--train-iters", "2", "--log-interval", "1", "--log-params-norm",
+                       "--log-num-zeros-in-grad"]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_memory_per_rank_is_one_over_dp(dp):
+    """Per-rank bytes of real storage (log line: parameters, gradients, optimizer state; the
+    unsharded buckets now and at peak), the formula of docs/fsdp.md "Memory per rank", DP2 and DP4, dense:
+
+    - optim_grads_params holds each parameter group's padded bucket / DP, for the model weights,
+      the fp32 main weights and the gradients: exactly, every rank. A group's bucket pads its
+      parameters to whole rows (a shard is cut on rows of `row` elements) and to DP rows, so its
+      padding is < (DP + parameters) x row elements: against DDP's unsharded buffers (+ the
+      distributed optimizer) each sharded quantity x DP is within that padding of the unsharded.
+    - Adam's state is the same 1/DP under DDP + distributed optimizer and every strategy (summed
+      over ranks: equal up to the per-parameter step scalars); a rank's share differs from 1/DP by
+      at most the padding (it lies on the last ranks).
+    - optim keeps weights and gradients whole; optim_grads shards the gradients.
+    - In flight: between steps the root group and the first unit (the optimizer step's prefetch);
+      at peak at most root (weights + gradients) + (1 + ceil(S/2 / unit)) units of weights +
+      (ceil(S / unit) + 1) units of gradients, less than the whole unsharded model."""
+    out = run_distributed(dp, "tests.training.jobs_fsdp:memory", argv=MEMORY_ARGV + ["--world-size", str(dp)],
+                          strategies=STRATEGIES)
+    groups = out[0]["optim_grads_params"]["groups"]
+    assert len(groups) == 5 and all(o["optim_grads_params"]["groups"] == groups for o in out)  # root + 4 layers
+    isz = groups[0]["grad itemsize"]
+    assert all(g["grad itemsize"] == g["weight itemsize"] == isz == 4 for g in groups)  # fp32 run
+    buckets = sum(g["bucket"] for g in groups)
+    pad_bound = sum((dp + g["params"]) * g["row"] for g in groups)  # elements, unsharded
+    assert all(0 <= g["bucket"] - g["numel"] < (dp + g["params"]) * g["row"] for g in groups)
+    pad = sum(g["bucket"] - g["numel"] for g in groups)
+    steps = 8 * sum(g["params"] for g in groups)  # a step scalar per parameter, at most 8 bytes
+    for rank in range(dp):
+        ddp, ogp = out[rank]["ddp"], out[rank]["optim_grads_params"]
+        optim, optim_grads = out[rank]["optim"], out[rank]["optim_grads"]
+        # sharded: exactly the padded buckets / DP; the main weights are a second fp32 copy
+        assert ogp["grad bytes"] == buckets * isz // dp
+        assert ogp["param bytes"] == 2 * buckets * isz // dp
+        # against the unsharded: x DP within the padding
+        assert abs(dp * ogp["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz
+        assert abs(dp * ogp["param bytes"] - 2 * ddp["param bytes"]) <= 2 * pad_bound * isz
+        assert abs(dp * optim_grads["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz
+        assert abs(optim["grad bytes"] - ddp["grad bytes"]) <= pad_bound * isz  # whole
+        assert abs(optim["param bytes"] - (ddp["param bytes"] + ddp["param bytes"] // dp)) <= 2 * pad_bound * isz
+        assert optim_grads["param bytes"] == optim["param bytes"]
+        # Adam's state: 1/DP everywhere
+        for run in ("ddp", "optim", "optim_grads", "optim_grads_params"):
+            assert abs(out[rank][run]["optim bytes"] - _summed(out, run) / dp) <= 2 * pad * isz + steps, (rank, run)
+        # in flight
+        assert optim["fsdp unsharded bytes"] == optim["fsdp unsharded peak bytes"] == 0
+        root, unit = groups[0]["bucket"] * isz, groups[1]["bucket"]
+        assert ogp["fsdp unsharded bytes"] == root + unit * isz
+        peak = 2 * root + ((1 + -(-UNIT // 2 // unit)) + (-(-UNIT // unit) + 1)) * unit * isz
+        assert root + unit * isz < ogp["fsdp unsharded peak bytes"] <= peak < 2 * buckets * isz
+    # --log-params-norm: megatron's calc_params_l2_norm over Megatron-FSDP's DTensor shards, the same
+    # norm on every rank and strategy (DDP's is read before --overlap-param-gather's next gather: each
+    # rank sees its own updated half); --log-num-zeros-in-grad: the same count everywhere
+    norm = out[0]["optim_grads_params"]["params norm"]
+    assert all(math.isclose(o[run]["params norm"], norm, rel_tol=1e-9) for o in out for run in STRATEGIES)
+    assert len({o[run]["num zeros"] for o in out for run in ("ddp", *STRATEGIES)}) == 1
+    summed = _summed(out, "ddp")
+    for run in ("optim", "optim_grads", "optim_grads_params"):
+        assert abs(_summed(out, run) - summed) <= steps
+    assert abs(summed - 2 * isz * sum(g["numel"] for g in groups)) <= steps  # Adam: 2 moments x every element
+
+
+def _summed(out: list, run: str) -> int:
+    return sum(o[run]["optim bytes"] for o in out)
+
+
+def test_deepseek_v3_fsdp_tiny_recipe_trains():
+    """recipes/deepseek_v3_fsdp_tiny.yaml (Megatron-LM's DeepSeek-V3 Megatron-FSDP example scaled down:
+    MLA, DeepSeek routing, MTP, ZeRO-3 with its flags) on 2 ranks: built on the meta device
+    (--init-model-with-meta-device: as under pretrain_gpt.py, the parameters megatron-core creates
+    without naming a device, norms and routers; its tensor-parallel linears and embeddings name the
+    device), Megatron-FSDP materialises and initialises them; the loss is finite and falls."""
+    out = run_distributed(2, "tests.training.jobs_fsdp:meta_built",
+                          argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6"])
+    losses = [r["lm loss"] for r in out[-1]["history"]]
+    assert out[0]["experimental"] == [True, False]  # --enable-experimental: megatron-core's flag, for the run
+    meta = out[0]["meta"]
+    assert "decoder.final_layernorm.weight" in meta and "decoder.layers.1.mlp.router.weight" in meta
+    assert not any("linear_fc1" in name or "embedding" in name for name in meta)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, losses
+    assert 0 < out[-1]["history"][-1]["param bytes"] and out[-1]["history"][-1]["fsdp unsharded peak bytes"] > 0
+
+
+def test_nccl_ub_registers_the_buffers_once_after_the_first_step():
+    """--use-nccl-ub (CUDA + NCCL; refused on CPU): megatron's loop registers each Megatron-FSDP
+    chunk's buffers once, after the first step of the run (training.py:3913-3926)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.training.model import register_fsdp_buffers
+
+    calls = []
+    buffer = SimpleNamespace(manual_buffer_registration=lambda: calls.append("registered"))
+    chunk = SimpleNamespace(ddp_config=SimpleNamespace(fsdp_manual_registration=True), param_and_grad_buffer=buffer)
+    args = SimpleNamespace(use_megatron_fsdp=True, nccl_ub=True, fsdp_manual_registration=True)
+    for steps_done in (1, 2, 3):
+        register_fsdp_buffers(args, [chunk, chunk], steps_done)
+    assert calls == ["registered"] * 2
+    register_fsdp_buffers(SimpleNamespace(use_megatron_fsdp=True, nccl_ub=False, fsdp_manual_registration=False),
+                          [chunk], 1)
+    assert len(calls) == 2

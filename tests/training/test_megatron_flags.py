@@ -141,11 +141,17 @@ def _tags(logdir) -> set:
 
 
 def test_log_line_throughput_moe_losses_and_per_layer_logging(tmp_path):
-    on = run(1, MOE + ["--log-throughput", "--moe-per-layer-logging", "--tensorboard-dir", str(tmp_path / "on")])[0]
+    on = run(1, MOE + ["--log-throughput", "--moe-per-layer-logging", "--log-timers-to-tensorboard",
+                       "--log-num-zeros-in-grad", "--log-params-norm", "--tensorboard-dir", str(tmp_path / "on")])[0]
     off = run(1, MOE + ["--tensorboard-dir", str(tmp_path / "off")])[0]
     line = on["stdout"].splitlines()
     assert re.search(r"throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|", on["stdout"])
     assert "throughput per GPU" not in off["stdout"]
+    # megatron's grad norm | num zeros | params norm, on every line of the run that asks for them
+    assert len(re.findall(r"grad norm: \d+\.\d{3} \| num zeros: \d+ \| params norm: \d+\.\d{3} \|", on["stdout"])) == 2
+    assert "num zeros" not in off["stdout"] and "params norm" not in off["stdout"]
+    assert {"iteration-time", "throughput", "params norm", "num zeros"} <= _tags(tmp_path / "on")
+    assert not {"iteration-time", "throughput"} & _tags(tmp_path / "off")
     for out in (on, off):  # megatron's load-balancing loss joins every line
         assert all(r["load_balancing_loss"] > 0 for r in out["history"])
         assert re.search(r"load_balancing_loss: \d\.\d{6}E[+-]\d\d \|", out["stdout"]), line
