@@ -81,10 +81,12 @@ def state_bytes(model: list, optimizer) -> dict:
             for buf in (group.model_weight_buffer, group.main_weight_buffer):
                 params += add(getattr(buf, "data", None))
             grads += add(getattr(group.main_grad_buffer, "data", None))
-        ddp = [] if fsdp is not None else getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", [])
+        ddp = [] if fsdp is not None else _ddp_buffers(chunk)
         for buf in ddp:
             params += add(buf.param_data)
             grads += add(buf.grad_data)
+        if fsdp is None and not ddp:  # torch FSDP2: each DTensor parameter holds its gradient's shard
+            grads += sum(add(p.grad) for p in chunk.parameters())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
@@ -92,6 +94,12 @@ def state_bytes(model: list, optimizer) -> dict:
         params += sum(add(p) for group in inner.param_groups for p in group["params"])  # main params
         optim += sum(add(v) for state in inner.state.values() for v in state.values())
     return {"param bytes": params, "grad bytes": grads, "optim bytes": optim}
+
+
+def _ddp_buffers(chunk) -> list:
+    """megatron-core DDP's parameter-and-gradient buffers (a module's `buffers` is a method elsewhere)."""
+    dense = getattr(chunk, "buffers", [])
+    return (dense if isinstance(dense, list) else []) + list(getattr(chunk, "expert_parallel_buffers", None) or [])
 
 
 def params_norm(args, model: list) -> float:

@@ -35,7 +35,14 @@ def assert_agree(runs: dict) -> None:
 
 
 def test_dense_dp2():
-    assert_agree(runs(2, DENSE))
+    """And the per-rank state bytes of the log line: FSDP2 holds half of every weight and gradient,
+    DDP + the distributed optimizer whole ones; both hold half of Adam's state."""
+    out = runs(2, DENSE)
+    assert_agree(out)
+    ddp, got = out["ddp"][-1], out["fsdp2"][-1]
+    for key in ("param bytes", "grad bytes"):
+        assert math.isclose(2 * got[key], ddp[key], rel_tol=0.01), key  # rows split unevenly: within 1 %
+    assert math.isclose(got["optim bytes"], ddp["optim bytes"], rel_tol=0.01)
 
 
 def test_moe_dp2():  # megatron_ext's features on it: tests/training/test_fsdp_compose.py
