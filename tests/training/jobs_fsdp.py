@@ -25,6 +25,32 @@ def against_ddp(argv: list[str], strategies: list[str]) -> dict:
     return out
 
 
+def gathers_in_flight_at_teardown(argv: list[str]) -> dict:
+    """Megatron-FSDP's all-gathers not yet waited for when the run destroys its process groups."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import AllGatherPipeline
+
+    from megatron_ext.training import parallel
+
+    pipelines, in_flight = [], []
+    gather, destroy = AllGatherPipeline.async_bucket_gather, parallel._destroy_subgroups
+
+    def tracked(self, *args, **kwargs):
+        if not any(p is self for p in pipelines):
+            pipelines.append(self)
+        return gather(self, *args, **kwargs)
+
+    def destroying():
+        in_flight.append(sum(len(p.param_gather_event_map) for p in pipelines))
+        destroy()
+
+    AllGatherPipeline.async_bucket_gather, parallel._destroy_subgroups = tracked, destroying
+    try:
+        _losses(argv)
+    finally:
+        AllGatherPipeline.async_bucket_gather, parallel._destroy_subgroups = gather, destroy
+    return {"pipelines": len(pipelines), "in flight": in_flight}
+
+
 def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: bool = True) -> dict:
     """6 iterations straight; 3 (saved at 2 and 3, with `save_flags`), then resumed to 6 in a fresh
     model; then the newest checkpoint damaged in the middle of a tensor and the run resumed again,

@@ -66,6 +66,17 @@ def _parse(argv: list[str]):
         os.chdir(cwd)
 
 
+def test_no_gather_in_flight_when_the_process_groups_are_destroyed():
+    """--overlap-param-gather prefetches the next forward's buckets after every step; at the end of
+    the run they are waited for before the groups go (destroyed under them, gloo crashed)."""
+    from tests.training.jobs_fsdp import FSDP
+
+    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather",
+                           "--overlap-grad-reduce", "--world-size", "2"]
+    for out in run_distributed(2, "tests.training.jobs_fsdp:gathers_in_flight_at_teardown", argv=argv):
+        assert out == {"pipelines": 1, "in flight": [0]}
+
+
 def test_validates_on_cpu_with_the_launch_environment_megatron_asks():
     """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 for Megatron-FSDP (arguments.py:1143), while
     the CPU shims set it to 1 for its TP check: validation sees FSDP's environment, then it is back."""
