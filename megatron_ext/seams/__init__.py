@@ -45,7 +45,9 @@ from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_fsdp2_optimizer_step, restore_optimizer_step,
     set_write_results_queue, verified_reads,
 )
-from megatron_ext.seams.fsdp import checksummed_dcp_writes, complete_fsdp_optimizer_state
+from megatron_ext.seams.fsdp import (
+    checksummed_dcp_writes, complete_fsdp_optimizer_state, wait_for_prefetched_gathers,
+)
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
@@ -111,7 +113,7 @@ def sharded_params_seams_installed() -> bool:
 __all__ = [
     "SEAMS", "TORCH_NORM_SEQUENCE_PARALLEL", "apply_for_run", "install", "uninstall", "without",
     "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "checksummed_writes",
-    "verified_reads", "checksummed_dcp_writes", "complete_fsdp_optimizer_state", "replace_token_dispatcher",
+    "verified_reads", "checksummed_dcp_writes", "complete_fsdp_optimizer_state", "wait_for_prefetched_gathers", "replace_token_dispatcher",
     "reset_moe_aux_loss_scale", "run_experts_grouped", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
     "install_schedules_seams", "label_plain_schedule_passes", "install_sharded_params_seams",
     "remove_sharded_params_seams", "sharded_params_seams_installed", "reset_megatron_globals",

@@ -8,7 +8,8 @@ state dict of DTensors goes to torch.distributed.checkpoint with torch's own Fil
     checkpointing.CHECKSUMMED_WRITES does for megatron-core's writer
 The reads go through torch's FileSystemReader.read_data, which checkpointing.VERIFIED_READS
 already wraps. Reached into (complete_fsdp_optimizer_state): the torch optimizer's per-parameter
-state, so that every rank names the same optimizer keys. Counted (UNSHARDED_BYTES, for the log
+state, so that every rank names the same optimizer keys; and (wait_for_prefetched_gathers) the
+all-gather pipeline's in-flight buckets, waited for at the end of a run. Counted (UNSHARDED_BYTES, for the log
 line's memory): the temporary buckets Megatron-FSDP allocates for the unsharded parameters and
 gradients of the layers in flight (param_and_grad_buffer.py:501-559, the allocators used without
 --fsdp-double-buffer).
@@ -108,6 +109,22 @@ def checksummed_dcp_writes():
     recording of the sums)."""
     with CHECKSUMMED_DCP_WRITES.applied():
         yield
+
+
+def wait_for_prefetched_gathers(chunk) -> None:
+    """Wait for the all-gathers a Megatron-FSDP wrapper still has in flight, issuing none.
+
+    With --overlap-param-gather the end of every step prefetches the next forward's buckets (one
+    async all-gather each, param_and_grad_buffer.py:4682-4725); after a run's last step nothing
+    waits for them, and process groups destroyed under them crashed the process now and then (a
+    segfault in gloo, measured). The wrapper's own stop_communication would also reduce-scatter the
+    gradients again without --overlap-grad-reduce, a new collective at teardown, and its pipeline
+    reset warns about exactly these pending gathers."""
+    pipeline = getattr(getattr(chunk, "module", None), "all_gather_pipeline", None)
+    if pipeline is None:
+        return
+    for bucket_id, bwd in list(pipeline.param_gather_event_map):
+        pipeline.wait_bucket_ready(bucket_id, bwd)
 
 
 def complete_fsdp_optimizer_state(optimizer) -> None:

@@ -154,15 +154,7 @@ def release_fsdp(chunk) -> None:
     hooks (megatron_fsdp.py:1110) and the buffer closures it sets on every parameter
     (param_and_grad_buffer.py:3115); FSDP's backward nodes hold the modules themselves, so a graph
     a module keeps (the MoE dispatcher's probs) is a cycle too. DTensor's caches hold its meshes."""
-    # Wait first for the collectives still in flight: with --overlap-param-gather the step's end
-    # prefetches the next forward's buckets (an async all-gather each, never waited at the end of a
-    # run); process groups destroyed under them crashed the process now and then (a segfault in
-    # gloo, measured). A run stopped by an exception mid-step may leave the gradient pipeline
-    # half full, which megatron asserts against: the teardown goes on regardless.
-    try:
-        chunk.stop_communication()
-    except Exception:
-        pass
+    seams.wait_for_prefetched_gathers(chunk)  # before the process groups go (seams/fsdp.py)
     inner = chunk.module
     for handle in getattr(inner, "grad_acc_hooks", {}).values():
         handle.remove()
