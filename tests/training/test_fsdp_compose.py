@@ -5,11 +5,10 @@ and the feature seen doing its work (bytes offloaded and reloaded, dispatchers r
 passes run). What cannot compose is refused by name."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.dist import run_distributed
+from tests.training.test_fsdp import _parse
 
 COMMON = ["--train-iters", "3", "--lr-warmup-iters", "1", "--layout-invariant-init", "--log-interval", "100"]
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", *COMMON]
@@ -119,18 +118,6 @@ def test_moe_tp2_ep2_sp_overlap_tp_comm_1f1b_optim_grads_with_dispatcher_and_off
         assert [runs[n]["overlap_calls"] for n in ("off", *features)] == [0, 3, 3]
         both = runs["overlap + sync-free + offload"]
         assert both["dispatchers"] == 4 and both["offloaded"] > 0 and both["reloaded"] == both["offloaded"]
-
-
-def _parse(argv: list[str]):
-    import arguments
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        return arguments.parse(argv + ["--dry-run"], exit_on_dry_run=False)
-    finally:
-        os.chdir(cwd)
 
 
 def test_overlap_tp_comm_1f1b_refused_under_zero3():
