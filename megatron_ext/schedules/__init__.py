@@ -67,6 +67,13 @@ def validate(args) -> None:
         value = getattr(args, dest, None)
         if value not in (None, False, 0):
             raise ConfigError(f"{on} cannot be combined with {flag}={value}: {why}")
+    # a sharded wrapper frees each layer's gathered weights after its forward and after its backward
+    if getattr(args, "use_torch_fsdp2", False):
+        raise ConfigError(
+            f"{on}, --use-torch-fsdp2=True: not supported together: the overlapped "
+            "schedule runs one micro-batch's backward inside another's forward, while FSDP2 gathers and "
+            "frees each layer's parameters around every forward and backward"
+        )
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
     if getattr(args, "use_megatron_fsdp", False) and strategy == "optim_grads_params":
         raise ConfigError(

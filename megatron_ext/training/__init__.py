@@ -58,11 +58,11 @@ def validate(args) -> None:
             "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
             "--untie-embeddings-and-output-weights (tied weights live on two stages)"
         )
-    if args.init_model_with_meta_device and not (args.use_megatron_fsdp or args.use_torch_fsdp2):
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
         raise ConfigError(
             "--init-model-with-meta-device without --use-megatron-fsdp: megatron leaves the meta-built "
-            "parameters uninitialised (torch.empty_like) for a DDP model; it is for Megatron-FSDP, which "
-            "initialises each shard"
+            "parameters uninitialised (torch.empty_like) for a DDP model, and megatron-core's torch FSDP2 "
+            "wrapper never materialises them; it is for Megatron-FSDP, which initialises each shard"
         )
     if args.layout_invariant_init and args.init_model_with_meta_device and args.use_megatron_fsdp:
         raise ConfigError(

@@ -86,7 +86,7 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     chunks = []
     # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and initialises
     # each parameter on the device, its shard only (megatron's get_model, training.py:1768)
-    meta = args.init_model_with_meta_device and args.use_megatron_fsdp and wrap_with_ddp
+    meta = args.init_model_with_meta_device and wrap_with_ddp  # validate: with --use-megatron-fsdp only
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
         decoder_spec = layer_spec(args, config, stage)
@@ -255,10 +255,4 @@ def before_validate(args) -> None:
             f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}, --use-megatron-fsdp=True: "
             "megatron-core's Megatron-FSDP lays its device mesh over the whole world as data x expert x "
             "tensor parallel ranks (distributed/fsdp/mcore_fsdp_adapter.py:561), with no pipeline dimension; use 1"
-        )
-    if args.use_torch_fsdp2 and getattr(args, "overlap_tp_comm_1f1b", False):
-        raise ConfigError(
-            "--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together: the overlapped "
-            "schedule runs one micro-batch's backward inside another's forward, while FSDP2 gathers and "
-            "frees each layer's parameters around every forward and backward"
         )

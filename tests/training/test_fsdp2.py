@@ -72,6 +72,8 @@ def test_refusals_are_megatrons_by_name(tmp_path):
          r"^--ckpt-format=torch_dcp: megatron_ext saves and loads torch_dist"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-tp-comm-1f1b"],
          r"^--overlap-tp-comm-1f1b=True, --use-torch-fsdp2=True: not supported together"),
+        (["--init-model-with-meta-device"],  # megatron's FSDP2 wrapper would leave the weights on meta
+         r"^--init-model-with-meta-device without --use-megatron-fsdp: .*FSDP2 wrapper never materialises"),
     ]:
         with pytest.raises(ConfigError, match=match):
             _parse(fsdp2 + flags)
