@@ -64,19 +64,11 @@ def validate(args) -> None:
             "parameters uninitialised (torch.empty_like) for a DDP model, and megatron-core's torch FSDP2 "
             "wrapper never materialises them; it is for Megatron-FSDP, which initialises each shard"
         )
-    if args.layout_invariant_init and args.init_model_with_meta_device and args.use_megatron_fsdp:
+    if args.layout_invariant_init and args.init_model_with_meta_device:
         raise ConfigError(
             "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
             "Megatron-FSDP shards them, and a meta-device model has none until it does"
         )
-
-
-def after_model(args, model) -> None:
-    fsdp = args.use_megatron_fsdp or args.use_torch_fsdp2
-    if args.layout_invariant_init and not fsdp:  # FSDP: done before sharding (model.py)
-        from megatron_ext.training.init import layout_invariant_init
-
-        layout_invariant_init(model, args.init_method_std, args.seed)
 
 
 def teardown() -> None:

@@ -99,12 +99,14 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         chunks.append(chunk)
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    if wrap_with_ddp and (args.use_megatron_fsdp or args.use_torch_fsdp2):
-        if args.layout_invariant_init:  # before sharding: FSDP's parameters are DTensor shards
-            from megatron_ext.training.init import layout_invariant_init
+    if args.layout_invariant_init:  # before wrapping: DDP copies the weights into its buffers, FSDP shards them
+        from megatron_ext.training.init import layout_invariant_init
 
-            layout_invariant_init(chunks, args.init_method_std, args.seed)
-        chunks = wrap_fsdp2(args, config, chunks) if args.use_torch_fsdp2 else wrap_fsdp(args, config, chunks)
+        layout_invariant_init(chunks, args.init_method_std, args.seed)
+    if wrap_with_ddp and args.use_torch_fsdp2:
+        chunks = wrap_fsdp2(args, config, chunks)
+    elif wrap_with_ddp and args.use_megatron_fsdp:
+        chunks = wrap_fsdp(args, config, chunks)
     elif wrap_with_ddp:
         chunks = wrap_ddp(args, config, chunks)
     features.after_model(args, chunks)
