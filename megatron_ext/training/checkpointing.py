@@ -192,17 +192,6 @@ def _sharding_metadata(args) -> dict:
     return metadata
 
 
-def _checkpoint_format(path: str) -> str | None:
-    """The format a checkpoint was written in (its metadata.json's sharded_backend)."""
-    import json
-
-    try:
-        with open(os.path.join(path, CONFIG)) as f:
-            return json.load(f).get("sharded_backend")
-    except (OSError, ValueError):
-        return None
-
-
 def _rng_state() -> dict:
     state = {
         "random": random.getstate(),
@@ -381,7 +370,7 @@ class Checkpointer:
 
     def _load(self, path: str, iteration: int, t0: float, verifier) -> str:
         args = self.args
-        found = _checkpoint_format(path)
+        found = (verifier.config or {}).get("sharded_backend")  # the format it was written in
         if args.auto_detect_ckpt_format and found != args.ckpt_format:  # megatron's: the format on disk decides
             raise ConfigError(
                 f"--auto-detect-ckpt-format: {path} is a {found} checkpoint; this run's model loads "

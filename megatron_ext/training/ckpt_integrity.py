@@ -281,6 +281,7 @@ class Verifier:
     def __init__(self, directory: str):
         self.directory = os.path.abspath(directory)
         self.files: dict | None = None  # name -> [size, crc32]; None: no checksums (older checkpoint)
+        self.config: dict | None = None  # the checkpoint's metadata.json, as inspect() read it
         self.verified: set = set()
         self.problems: list[str] = []
         self.seconds = 0.0  # this rank's own work (reading and summing)
@@ -350,6 +351,7 @@ class Verifier:
         elif config is not None and torch.distributed.get_rank() == 0:
             problems += self._structure_only()
         t1 = time.perf_counter()
+        self.config = config
         self.problems, wait = _agree(problems)
         self.seconds += t1 - t0
         self.agree_seconds += wait

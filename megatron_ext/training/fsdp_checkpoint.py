@@ -116,8 +116,7 @@ def load(ckpt, path: str, iteration: int, verifier) -> dict:
     from megatron_ext.training.checkpointing import _layout
 
     args, rank = ckpt.args, torch.distributed.get_rank()
-    with open(os.path.join(path, CONFIG)) as f:  # verified by the Verifier's inspect()
-        common = json.load(f)["megatron_ext"]
+    common = verifier.config["megatron_ext"]  # metadata.json, as the Verifier's inspect() read (and verified) it
     with_rng = common["layout"] == _layout(args) and not args.no_load_rng and common["has_rng"]
     with_optimizer = not args.no_load_optim and common["has_optimizer"]
     state = _state(ckpt, loading=True, with_optimizer=with_optimizer)
