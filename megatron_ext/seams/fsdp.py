@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core.utils import to_local_if_dtensor
 from torch.distributed.checkpoint import filesystem
 
 from megatron_ext.patching import Patch, set_attr
@@ -144,7 +145,7 @@ def complete_fsdp_optimizer_state(optimizer) -> None:
         if inner is None:
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
-        empty = [p for p in params if (p._local_tensor if hasattr(p, "_local_tensor") else p).numel() == 0]
+        empty = [p for p in params if to_local_if_dtensor(p).numel() == 0]
         skip = {id(p) for p in empty}  # by identity: `in` would compare (D)Tensors elementwise
         steps = [inner.state[p]["step"] for p in params if id(p) not in skip and "step" in inner.state.get(p, {})]
         step = steps[0] if steps else torch.tensor(0.0)

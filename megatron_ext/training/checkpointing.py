@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
+from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
@@ -239,7 +240,7 @@ def _non_finite_parameters(model) -> list[str]:
     flags, names = [], []
     for i, chunk in enumerate(model):
         for name, p in _unwrap(chunk).named_parameters():
-            flags.append(torch.isfinite(getattr(p, "_local_tensor", p)).all())  # a DTensor (FSDP2): this rank's shard
+            flags.append(torch.isfinite(to_local_if_dtensor(p)).all())  # a DTensor (FSDP2): this rank's shard
             names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
     bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
     return integrity.union_over_ranks(bad)

@@ -9,6 +9,7 @@ import math
 import time
 
 import torch
+from megatron.core.utils import to_local_if_dtensor
 from megatron.training.training import num_floating_point_operations
 
 from megatron_ext import platform
@@ -50,10 +51,6 @@ def peak_memory_gib() -> tuple[float, float] | None:
     return rss, rss
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor: this rank's shard
-
-
 def state_bytes(model: list, optimizer) -> dict:
     """This rank's bytes of parameters, gradients and optimizer state, each storage counted once:
     parameters = the storages the model's parameters live in (DDP's buffers; Megatron-FSDP's
@@ -66,7 +63,7 @@ def state_bytes(model: list, optimizer) -> dict:
     def add(t) -> int:
         if t is None or not torch.is_tensor(t):
             return 0
-        storage = _local(t).untyped_storage()
+        storage = to_local_if_dtensor(t).untyped_storage()  # a DTensor: this rank's shard
         if storage.data_ptr() in seen or storage.nbytes() == 0:
             return 0
         seen.add(storage.data_ptr())
