@@ -110,18 +110,20 @@ def share(row: dict) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
+    from megatron_ext.bench import fixed_width
+
     cols = [("recipe", 10), ("mode", 5), ("sums", 4), ("MB", 5), ("save_ms", 8), ("stall_ms", 8),
             ("writer_ms", 9), ("commit_ms", 9), ("sum_ms", 7), ("gather_ms", 9), ("sum_%", 6), ("load_ms", 8), ("verify_ms", 9), ("agree_ms", 8)]
-    lines = [" ".join(f"{c:>{w}}" for c, w in cols)]
+    table_rows = []
     for r in rows:
         pct = share(r)
-        vals = [r["recipe"], r["mode"], "on" if r["checksums"] else "off", f"{r['bytes'] / 1e6:.1f}",
+        table_rows.append([r["recipe"], r["mode"], "on" if r["checksums"] else "off", f"{r['bytes'] / 1e6:.1f}",
                 f"{r['save_ms']:.1f}", f"{r['stall_ms']:.1f}",
                 f"{r['writer_ms']:.1f}" if r.get("writer_ms") else "-", f"{r['commit_ms']:.1f}",
                 f"{r['sum_ms']:.2f}" if "sum_ms" in r else "-", f"{r['gather_ms']:.2f}" if "gather_ms" in r else "-",
                 f"{pct:.1f}" if pct is not None else "-", f"{r['load_ms']:.1f}",
-                f"{r['verify_ms']:.1f}", f"{r['agree_ms']:.1f}"]
-        lines.append(" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(vals, cols)))
+                f"{r['verify_ms']:.1f}", f"{r['agree_ms']:.1f}"])
+    lines = fixed_width(cols, table_rows)
     lines.append(f"device: {DEVICE}; medians over the saves after the first, and over 3 loads")
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megatron_ext.bench import fixed_width  # noqa: E402
 from megatron_ext.bench.fsdp import WRAPPERS, measure_cases  # noqa: E402
 from megatron_ext.bench.launch import run_world  # noqa: E402
 
@@ -71,14 +72,14 @@ def table(out: dict) -> str:
     cols = [("wrapper", 13), ("impl", 5), ("E", 4), ("tensors", 7), ("coll", 5), ("host_ops", 8), ("slices", 7),
             ("copies", 6), ("pg_copies", 9), ("rec_stream", 10), ("events", 6), ("host_us", 8), ("fetched", 8),
             ("released", 8)]
-    lines = [" ".join(f"{c:>{w}}" for c, w in cols)]
+    rows = []
     for c in out["cases"]:
-        row = [c["wrapper"], c["impl"], c["E"], c["param_tensors_per_layer"], f"{c['collectives_per_layer']:g}",
+        rows.append([c["wrapper"], c["impl"], c["E"], c["param_tensors_per_layer"], f"{c['collectives_per_layer']:g}",
                f"{c['host_ops_per_layer']:g}", f"{c['slices_per_layer']:g}", f"{c['copies_per_layer']:g}",
                f"{c['post_gather_copies_per_layer']:g}", f"{c['record_stream_per_layer']:g}",
                f"{c['event_calls_per_layer']:g}", f"{c['host_us_per_layer']:.0f}",
-               f"{c['bytes_after_fetch_per_layer']:.0f}", f"{c['released_bytes_per_layer']:.0f}"]
-        lines.append(" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(row, cols)))
+               f"{c['bytes_after_fetch_per_layer']:.0f}", f"{c['released_bytes_per_layer']:.0f}"])
+    lines = fixed_width(cols, rows)
     lines.append(f"per layer ({out['layers']} layers), forward + backward + gradient sync; device: {out['device']}")
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megatron_ext.bench import fixed_width  # noqa: E402
 from megatron_ext.bench.gather import measure  # noqa: E402
 from megatron_ext.bench.launch import run_world  # noqa: E402
 
@@ -117,17 +118,17 @@ def table(out: dict) -> str:
     cols = [("config", 14), ("E", 4), ("params", 8), ("tensors", 7), ("buckets", 7), ("coll/step", 9),
             ("ops/step", 8), ("syncs", 5), ("calls", 5), ("host_ms", 7), ("wall_ms", 7), ("optim_ops", 9),
             ("init_s", 6), ("ddp_copies", 10)]
-    lines = [" ".join(f"{c:>{w}}" for c, w in cols)]
+    rows = []
     groups = dict(out["baselines"])
     groups["ours"] = out["cases"]
     for name, cases in groups.items():
         for c in cases:
-            row = [name, c["experts"], c["params"], c["param_tensors_per_rank"], c["buckets_per_rank"],
+            rows.append([name, c["experts"], c["params"], c["param_tensors_per_rank"], c["buckets_per_rank"],
                    c["collectives_per_step"], c["host_ops_per_step"], c["host_syncs_per_step"],
                    c["bucket_calls_per_step"], f"{c['host_s_per_step'] * 1e3:.2f}",
                    f"{c['path_wall_s_per_step'] * 1e3:.2f}", c["optimizer_ops_per_step"], f"{c['init_s']:.3f}",
-                   c["ddp_init_copies"]]
-            lines.append(" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(row, cols)))
+                   c["ddp_init_copies"]])
+    lines = fixed_width(cols, rows)
     lines.append(f"device: {out['device']}")
     return "\n".join(lines)
 
