@@ -10,7 +10,6 @@ import megatron.core
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import optimizer as dist_ckpt_optimizer
@@ -43,7 +42,7 @@ TARGETS = {
     "fsdp.DataParallelBuffer": fsdp_buffer.DataParallelBuffer,
     "fsdp.ParamAndGradBuffer": fsdp_buffer.ParamAndGradBuffer, "fsdp.MegatronFSDP": megatron_fsdp.MegatronFSDP,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
-    "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "dcp_filesystem": dcp_filesystem,
+    "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
     "TemporaryBucketAllocator": fsdp_buffer.TemporaryBucketAllocator,
     "StorageResizeBasedBucketAllocator": fsdp_buffer.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,

@@ -15,8 +15,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
-    fsdp.py            Megatron-FSDP checkpoints (torch's dist-checkpoint writer): checksums taken as
-                       files are written
+    fsdp.py            Megatron-FSDP: its unsharded buckets counted, its optimizer state completed for
+                       checkpoints, its prefetched all-gathers waited for at teardown
     fsdp2.py           torch FSDP2: torch_dist checkpoints pair optimizer state with the DTensors'
                        local shards
     fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
@@ -45,9 +45,7 @@ from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_fsdp2_optimizer_step, restore_optimizer_step,
     set_write_results_queue, verified_reads,
 )
-from megatron_ext.seams.fsdp import (
-    checksummed_dcp_writes, complete_fsdp_optimizer_state, wait_for_prefetched_gathers,
-)
+from megatron_ext.seams.fsdp import complete_fsdp_optimizer_state, wait_for_prefetched_gathers
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped
 from megatron_ext.seams.offload import offload_fused_experts, offload_layers, offload_targets, offload_unwrap
 from megatron_ext.seams.schedules import label_plain_schedule_passes
@@ -113,7 +111,7 @@ def sharded_params_seams_installed() -> bool:
 __all__ = [
     "SEAMS", "TORCH_NORM_SEQUENCE_PARALLEL", "apply_for_run", "install", "uninstall", "without",
     "ensure_optimizer_state", "restore_optimizer_step", "set_write_results_queue", "checksummed_writes",
-    "verified_reads", "checksummed_dcp_writes", "complete_fsdp_optimizer_state", "wait_for_prefetched_gathers", "replace_token_dispatcher",
+    "verified_reads", "complete_fsdp_optimizer_state", "wait_for_prefetched_gathers", "replace_token_dispatcher",
     "reset_moe_aux_loss_scale", "run_experts_grouped", "offload_fused_experts", "offload_layers", "offload_targets", "offload_unwrap",
     "install_schedules_seams", "label_plain_schedule_passes", "install_sharded_params_seams",
     "remove_sharded_params_seams", "sharded_params_seams_installed", "reset_megatron_globals",

@@ -1,44 +1,22 @@
 """Seams of Megatron-FSDP (--use-megatron-fsdp).
 
-Megatron-FSDP checkpoints are saved as Megatron-LM saves them in the fsdp_dtensor format: the
-state dict of DTensors goes to torch.distributed.checkpoint with torch's own FileSystemWriter
-(megatron/training/checkpointing.py:888-891), not megatron-core's writer. Wrapped:
-  torch's filesystem._write_item, called by that writer by its module-global name once per item
-    of a shard file, while a save is written: each file's bytes pass through a CRC-32, as
-    checkpointing.CHECKSUMMED_WRITES does for megatron-core's writer
-The reads go through torch's FileSystemReader.read_data, which checkpointing.VERIFIED_READS
-already wraps. Reached into (complete_fsdp_optimizer_state): the torch optimizer's per-parameter
-state, so that every rank names the same optimizer keys; and (wait_for_prefetched_gathers) the
-all-gather pipeline's in-flight buckets, waited for at the end of a run. Counted (UNSHARDED_BYTES, for the log
-line's memory): the temporary buckets Megatron-FSDP allocates for the unsharded parameters and
-gradients of the layers in flight (param_and_grad_buffer.py:501-559, the allocators used without
---fsdp-double-buffer).
+Its fsdp_dtensor checkpoints are written by megatron-core's writer (training/fsdp_checkpoint.py),
+whose writes checkpointing.CHECKSUMMED_WRITES sums, and read through torch's
+FileSystemReader.read_data, which checkpointing.VERIFIED_READS wraps. Reached into
+(complete_fsdp_optimizer_state): the torch optimizer's per-parameter state, so that every rank
+names the same optimizer keys; and (wait_for_prefetched_gathers) the all-gather pipeline's in-flight
+buckets, waited for at the end of a run. Counted (UNSHARDED_BYTES, for the log line's memory): the
+temporary buckets Megatron-FSDP allocates for the unsharded parameters and gradients of the layers
+in flight (param_and_grad_buffer.py:501-559, the allocators used without --fsdp-double-buffer).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from megatron.core.utils import to_local_if_dtensor
-from torch.distributed.checkpoint import filesystem
 
 from megatron_ext.patching import Patch, set_attr
 
 
-def _install_checksummed_dcp_writes():
-    from megatron_ext.training import ckpt_integrity
-
-    return set_attr(filesystem, "_write_item", ckpt_integrity.summing_write_item(filesystem._write_item))
-
-
-CHECKSUMMED_DCP_WRITES = Patch(
-    "fsdp.checksummed_dcp_writes",
-    ["megatron/training/checkpointing.py:888", "megatron/training/checkpointing.py:889"],
-    "the fsdp_dtensor format is written by torch's FileSystemWriter, which calls torch's _write_item "
-    "by its module-global name once per item: the wrapper folds every byte into the file's CRC-32 "
-    "(megatron_ext/training/ckpt_integrity.py) on its way to the file",
-    _install_checksummed_dcp_writes,
-)
 class InFlight:
     """Bytes of Megatron-FSDP's temporary (unsharded) buckets alive now, and the peak since reset."""
 
@@ -97,19 +75,11 @@ UNSHARDED_BYTES = Patch(
     "buckets: counted as they are allocated and freed, for the per-rank memory in the log line",
     _install_unsharded_bytes,
 )
-SEAMS = [CHECKSUMMED_DCP_WRITES, UNSHARDED_BYTES]
+SEAMS = [UNSHARDED_BYTES]
 
 
 def for_run(args):
     return [UNSHARDED_BYTES] if getattr(args, "use_megatron_fsdp", False) else []
-
-
-@contextlib.contextmanager
-def checksummed_dcp_writes():
-    """CHECKSUMMED_DCP_WRITES for one save (inside seams.checksummed_writes(), which starts the
-    recording of the sums)."""
-    with CHECKSUMMED_DCP_WRITES.applied():
-        yield
 
 
 def wait_for_prefetched_gathers(chunk) -> None:

@@ -4,15 +4,16 @@ layout, atomic commit, retention and integrity (training/checkpointing.py, ckpt_
 As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's
 state dict of DTensors (each rank holds its shard of every parameter) and the optimizer's
 `fsdp_dtensor` sharded state dict, prepared by megatron's preprocess_fsdp_dtensor_state_dict
-(SwiGLU's fused fc1 split into its two halves, expert keys, uneven-shard metadata), written and read
-by torch.distributed.checkpoint. Beside them, in the same directory:
+(SwiGLU's fused fc1 split into its two halves, expert keys, uneven-shard metadata), written in
+torch.distributed.checkpoint's format by megatron-core's writer and read by torch's reader. Beside them, in the same directory:
 
     metadata.json       {"sharded_backend": "fsdp_dtensor", "megatron_ext": {iteration, consumed
                         samples, parallel layout, LR scheduler, ...}}; at commit the checksums of
                         every file are added to it, as for torch_dist checkpoints
     rng_state.<r>.pt    rank r's RNG states (Python, NumPy, torch, the model-parallel tracker)
 
-Every file is checksummed as written (torch's writer through seams.fsdp, the rest at commit) and
+Every file is checksummed as written (megatron-core's writer through seams.checksummed_writes, the
+rest at commit) and
 verified before a load reads it.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 
 from megatron_ext import seams
 from megatron_ext.training.ckpt_integrity import CONFIG
@@ -69,21 +70,20 @@ def _prepared(args, state: dict, chunk) -> dict:
 
 
 def save(ckpt, directory: str, iteration: int):
-    """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits). With
-    --async-save the tensors are planned here and written by the returned megatron-core
-    AsyncRequest (as Megatron-LM does, checkpointing.py:918-957, with megatron-core's writer, whose
-    writes seams.checksummed_writes() sums); without it they are written now and None is returned."""
+    """Write the checkpoint into `directory` (the `.partial` one the Checkpointer commits). The
+    tensors go through megatron-core's writer, as Megatron-LM's --async-save path does
+    (checkpointing.py:918-957), and as every torch_dist save here does: its writes are the ones
+    seams.checksummed_writes() sums. With --async-save they are planned here and written by the
+    returned AsyncRequest; without it the request runs now and None is returned."""
     from megatron_ext.training.checkpointing import _rng_state, common_state
 
     args, rank = ckpt.args, torch.distributed.get_rank()
     state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
     prepared = _prepared(args, state, ckpt.model[0])
-    request = None
-    if args.async_save:
-        request = _async_request(prepared, directory)
-    else:
-        with seams.checksummed_dcp_writes():
-            dcp.save(prepared, storage_writer=FileSystemWriter(directory))
+    request = _write_request(prepared, directory)
+    if not args.async_save:
+        request.execute_sync()
+        request = None
     if not args.no_save_rng:
         torch.save(_rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
@@ -95,9 +95,9 @@ def save(ckpt, directory: str, iteration: int):
     return request
 
 
-def _async_request(prepared: dict, directory: str):
-    """Plan the save now (a collective); the returned request writes the files in a forked process
-    and, on every rank once all have written, writes torch's .metadata."""
+def _write_request(prepared: dict, directory: str):
+    """Plan the save now (a collective); the returned request writes the files (in a forked process
+    under --async-save) and, on every rank once all have written, writes torch's .metadata."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
