@@ -210,7 +210,7 @@ class OffloadManager:
         # whose storage it frees and reallocates around every use, so a layer's own keys are read
         # again when its forward starts (its pre-forward unshard hook ran before ours).
         self._static_keys: set = set()
-        self._param_keys: set = set()
+        self._layer_keys: set = set()  # the current layer's, read when its forward starts
         self._layer_params: dict = {}  # id(layer) -> its parameters
         self._pass: _Pass | None = None
         # backward order, observed: passes waiting for backward (forward order); for each pass that
@@ -324,7 +324,7 @@ class OffloadManager:
             self._pending = None
         if self._pass is None or self._pass.chunk != chunk_idx:
             self._begin_pass(chunk_idx, None, None)
-        self._param_keys = self._static_keys | {_storage_key(p) for p in self._layer_params.get(id(layer), ())}
+        self._layer_keys = {_storage_key(p) for p in self._layer_params.get(id(layer), ())}
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
         self._pass.groups.append(group)
         self._group = group
@@ -374,7 +374,7 @@ class OffloadManager:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return t
-        if storage.nbytes() == 0 or storage._cdata in self._param_keys:
+        if storage.nbytes() == 0 or storage._cdata in self._static_keys or storage._cdata in self._layer_keys:
             return t
         ptr = storage.data_ptr()
         rec = group.records.get(ptr)
