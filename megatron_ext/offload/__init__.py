@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.offload.manager import ALIASES, MODULES, Options, attach, canonical_modules, current, detach
-from megatron_ext.training.features import SinceLastCall
+from megatron_ext.counters import SinceLastCall
 
 __all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
            "MODULES", "ALIASES", "Options"]

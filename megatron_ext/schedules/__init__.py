@@ -9,7 +9,7 @@ gradients are bit-identical to megatron's plain schedule. See docs/overlap.md.
 from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.features import SinceLastCall
+from megatron_ext.counters import SinceLastCall
 
 FLAG = "--overlap-tp-comm-1f1b"
 

@@ -1,4 +1,5 @@
-"""Our capabilities as seen by the builders: each package may define
+"""How the capabilities compose: the one place that says which package's hooks the builders call,
+and in which order. Each capability package may define
 
     add_arguments(parser)          its flags, declared once, with help text, in an argparse group
                                    titled "megatron_ext: <capability>"
@@ -10,19 +11,23 @@
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
-and the builders call whichever exist, in this order of packages."""
+A training step composes them as build_model (training/model.py) does: the run's seams -> the model
+chunks -> layout-invariant init -> the data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) ->
+after_model below: the dispatcher, then offload. The 1F1B overlap has nothing to attach: it is the
+schedule the step picks (schedules.forward_backward_func)."""
 from __future__ import annotations
 
-import importlib
-import weakref
+from megatron_ext import moe, offload, schedules, training
 
-# moe before offload: offload hooks the expert modules the MoE package puts in place
-PACKAGES = ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.training")
+# The order every hook runs in. moe first: it replaces the token dispatcher and the experts, and
+# offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
+# saved tensors offload already manages; training last (its checks read what the others settled).
+CAPABILITIES = (moe, offload, schedules, training)
 
 
 def _hooks(name):
-    for pkg in PACKAGES:
-        fn = getattr(importlib.import_module(pkg), name, None)
+    for package in CAPABILITIES:
+        fn = getattr(package, name, None)
         if fn is not None:
             yield fn
 
@@ -49,27 +54,8 @@ def before_model(args, config) -> None:
 
 
 def after_model(args, model) -> None:
-    for fn in _hooks("after_model"):
-        fn(args, model)
-
-
-class SinceLastCall:
-    """Running totals -> how much each grew since the previous call (a log line reports its own
-    interval). A new `run` (an object identifying it, held weakly so that a finished run can be
-    freed) starts again from zero."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self._last, self._run = {}, None
-
-    def __call__(self, totals: dict, run=None) -> dict:
-        if (self._run() if self._run is not None else None) is not run:
-            self._last, self._run = {}, (weakref.ref(run) if run is not None else None)
-        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
-        self._last = dict(totals)
-        return delta
+    moe.after_model(args, model)  # the sync-free dispatcher and grouped experts, in every MoE layer
+    offload.after_model(args, model)  # after the dispatcher: hooks the modules it put in place
 
 
 def at_log_line(args) -> None:
