@@ -10,25 +10,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import difflib
 import io
 import os
 import re
 import sys
 import warnings
 
-import yaml
-
 from megatron.training.arguments import add_megatron_arguments, validate_args
 
-import argument_rules as rules
 from megatron_ext import planner
+from megatron_ext.config import domains, megatron_checks, recipes, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
 from megatron_ext.training import features
-
-SOURCES = ("default", "recipe", "cli")
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, raised like every other refusal (not usage + exit 2 per rank)
@@ -63,10 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _actions(parser) -> dict:
-    return {a.dest: a for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)}
-
-
 def _flag_actions(parser) -> dict:
     """dest -> the first action declaring it (its flag is the one refusals name)."""
     found = {}
@@ -74,17 +64,6 @@ def _flag_actions(parser) -> dict:
         if a.option_strings and a.dest not in ("help", argparse.SUPPRESS):
             found.setdefault(a.dest, a)
     return found
-
-
-def _option_names(parser) -> dict:
-    """Recipe keys spelled as the flag (``disable_bias_linear``) where that differs from the dest."""
-    names = {}
-    for a in parser._actions:
-        for opt in a.option_strings:
-            key = opt.lstrip("-").replace("-", "_")
-            if opt.startswith("--") and key != a.dest:
-                names[key] = a
-    return names
 
 
 def _explicit_cli_dests(parser, argv) -> set:
@@ -99,85 +78,11 @@ def _explicit_cli_dests(parser, argv) -> set:
             a.default = d
 
 
-def _flag(action) -> str:
-    longs = [s for s in action.option_strings if s.startswith("--")]
-    return longs[0] if longs else action.dest
-
-
-def _coerce(key: str, value, action, where: str):
-    flag = _flag(action)
-
-    def bad(expected: str):
-        return ConfigError(f"{where}: key '{key}' ({flag}) expects {expected}, got {value!r}")
-
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        if not isinstance(value, bool):
-            raise bad("true or false")
-        return value
-    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        if value is None:
-            return None
-        if not isinstance(value, list):
-            value = [value]
-        return [_coerce_one(v, action, bad) for v in value]
-    if value is None:
-        return None
-    return _coerce_one(value, action, bad)
-
-
-def _coerce_one(value, action, bad):
-    kind = action.type
-    if isinstance(value, (dict, list)):
-        raise bad("a single value")
-    if kind in (int, float) and isinstance(value, bool):
-        raise bad(kind.__name__)
-    if kind is int and isinstance(value, float):
-        raise bad("int")
-    if kind is not None:
-        try:
-            value = kind(value) if isinstance(value, str) or kind in (int, float) else kind(str(value))
-        except (TypeError, ValueError, argparse.ArgumentTypeError):
-            raise bad(getattr(kind, "__name__", "a valid value")) from None
-    elif not isinstance(value, (str, int, float)):
-        raise bad("a scalar")
-    if action.choices is not None and value not in action.choices:
-        raise bad(f"one of {sorted(map(str, action.choices))}")
-    return value
-
-
-def load_recipe(path: str, parser) -> dict:
-    if not os.path.exists(path):
-        raise ConfigError(f"--recipe={path}: no such file")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--recipe={path}: a recipe is a mapping of flag names to values")
-    actions, options = _actions(parser), _option_names(parser)
-    resolved = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name in ("recipe", "dry_run", "all", *target.CLI_ONLY) or (name not in actions and name not in options):
-            close = difflib.get_close_matches(name, [*actions, *options], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{path}: unknown key '{key}'{hint}")
-        if name in actions:
-            dest, action = name, actions[name]
-            resolved[dest] = _coerce(key, value, action, path)
-        else:  # the flag's own spelling: `disable_bias_linear: true` means the flag is given
-            action = options[name]
-            given = _coerce(key, value, action, path)
-            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-                resolved[action.dest] = action.const if given else action.default
-            else:
-                resolved[action.dest] = given
-    return resolved
-
-
 def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     recipe_path = parser.parse_known_args(argv)[0].recipe
-    recipe = load_recipe(recipe_path, parser) if recipe_path else {}
+    recipe = recipes.load(recipe_path, parser) if recipe_path else {}
     cli = _explicit_cli_dests(parser, argv)
     parser.set_defaults(**recipe)
     args = parser.parse_args(argv)
@@ -240,7 +145,7 @@ def finalize(args, parser=None) -> None:
         )
     args.rank = int(os.environ.get("RANK", "0"))
     actions = _flag_actions(parser or build_parser())
-    _refuse_if(rules.check_domains(args, actions))
+    _refuse_if(domains.check_domains(args, actions))
     _fit_defaults_to_platform(args)
     _one_data_source(args)
     if not args.mock_data and not args.data_path:
@@ -300,7 +205,7 @@ def _megatron_refusals(args, actions):
     except (AssertionError, ValueError, RuntimeError, NotImplementedError) as e:
         if isinstance(e, ConfigError):
             raise
-        line = rules.explain(e, args, actions)
+        line = megatron_checks.explain(e, args, actions)
         if line is None:
             raise
         raise ConfigError(line) from None
@@ -311,7 +216,7 @@ def explain(exc: BaseException) -> str | None:
     build, checkpoint load), or None: then it is not about a flag and keeps its traceback."""
     if isinstance(exc, ConfigError):
         return str(exc)
-    line = rules.explain(exc, _LAST.get("args"), _flag_actions(build_parser()), strict=True)
+    line = megatron_checks.explain(exc, _LAST.get("args"), _flag_actions(build_parser()), strict=True)
     return line and f"{line}; {TRACEBACK_ENV}=1 shows the traceback"
 
 

@@ -1,4 +1,4 @@
-"""argument_rules.py: every numeric flag has a domain, cross-field rules refuse by name before any
+"""megatron_ext/config: every numeric flag has a domain, cross-field rules refuse by name before any
 compute, megatron's own checks are reported as one line naming the flags, docs/flags.md is current."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
-import argument_rules as rules
 import arguments
+from megatron_ext.config import domains, megatron_checks, rules
 from megatron_ext import errors
 from megatron_ext.errors import ConfigError
 from megatron_ext.platform import target
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE = os.path.join(ROOT, "recipes", "tiny_dense.yaml")
 MOE = os.path.join(ROOT, "recipes", "tiny_moe.yaml")
 CPU = ["--platform", "cpu"]  # a declared target: the platform rules do not depend on this machine
@@ -52,22 +52,22 @@ def megatron_parser():
 
 def test_every_numeric_flag_of_megatrons_parser_and_ours_has_a_domain():
     numeric = {a.dest for p in (megatron_parser(), arguments.build_parser()) for a in p._actions
-               if rules.is_numeric(a)}
+               if domains.is_numeric(a)}
     assert len(numeric) > 300  # the walk sees megatron's flags, not an empty list
-    missing = sorted(numeric - set(rules.DOMAINS))
-    assert not missing, f"numeric flags without a domain in argument_rules.FAMILIES: {missing}"
+    missing = sorted(numeric - set(domains.DOMAINS))
+    assert not missing, f"numeric flags without a domain in megatron_ext.config.domains.FAMILIES: {missing}"
 
 
 def test_every_domain_names_a_numeric_flag_exactly_once():
     actions = {a.dest: a for a in arguments.build_parser()._actions if a.option_strings}
-    named = [f for fam in rules.FAMILIES for f in fam.flags]
+    named = [f for fam in domains.FAMILIES for f in fam.flags]
     assert len(named) == len(set(named)), "a flag in two families"
-    assert [f for f in named if f not in actions or not rules.is_numeric(actions[f])] == []
+    assert [f for f in named if f not in actions or not domains.is_numeric(actions[f])] == []
 
 
 def test_every_default_is_inside_its_domain():
     actions = {a.dest: a for a in arguments.build_parser()._actions if a.option_strings}
-    outside = [(d, actions[d].default) for d, fam in rules.DOMAINS.items()
+    outside = [(d, actions[d].default) for d, fam in domains.DOMAINS.items()
                if actions[d].default is not None and fam.domain.refuses(actions[d].default)]
     assert outside == []
 
@@ -100,13 +100,13 @@ OUTSIDE = {
 
 
 def test_every_family_has_a_refusal_case():
-    assert set(OUTSIDE) == {fam.name for fam in rules.FAMILIES}
+    assert set(OUTSIDE) == {fam.name for fam in domains.FAMILIES}
 
 
-@pytest.mark.parametrize("family", [fam.name for fam in rules.FAMILIES])
+@pytest.mark.parametrize("family", [fam.name for fam in domains.FAMILIES])
 def test_a_value_outside_each_family_is_refused_by_name(family):
     flag, value = OUTSIDE[family]
-    fam = next(f for f in rules.FAMILIES if f.name == family)
+    fam = next(f for f in domains.FAMILIES if f.name == family)
     line = refused(*([flag] if value is None else [flag, value]))
     assert line.startswith(flag.split("=")[0] + "=") and str(fam.domain) in line and family in line
 
@@ -260,7 +260,7 @@ def _check_sites():
                oc.OptimizerConfig.__post_init__):
         filename = inspect.getsourcefile(fn)
         lines = [line for _, _, line in fn.__code__.co_lines() if line]
-        for node in ast.walk(rules._tree(filename)):
+        for node in ast.walk(megatron_checks._tree(filename)):
             if isinstance(node, (ast.Assert, ast.Raise)) and min(lines) <= node.lineno <= max(lines):
                 yield filename, node
 
@@ -270,8 +270,8 @@ def test_every_megatron_check_maps_to_flags():
     sites = list(_check_sites())
     assert len(sites) > 300
     unmapped = [f"{os.path.basename(f)}:{n.lineno} {ast.unparse(n)[:80]}" for f, n in sites
-                if not rules.site_flags(*rules.site(f, n.lineno), dests)]
-    assert unmapped == [], "add these to argument_rules.SITES or FIELD_FLAGS"
+                if not megatron_checks.site_flags(*megatron_checks.site(f, n.lineno), dests)]
+    assert unmapped == [], "add these to megatron_ext.config.megatron_checks.SITES or FIELD_FLAGS"
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -363,13 +363,22 @@ def _line_of(text: str) -> int:
 # --- docs/flags.md ------------------------------------------------------------------------------
 
 
+def _flags_doc():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flags_doc", os.path.join(ROOT, "scripts", "flags_doc.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_docs_page_is_generated_from_the_table():
     committed = open(os.path.join(ROOT, "docs", "flags.md")).read()
-    assert committed == rules.markdown(arguments.build_parser()), "run: python argument_rules.py > docs/flags.md"
+    assert committed == _flags_doc().markdown(arguments.build_parser()), "run: python scripts/flags_doc.py > docs/flags.md"
 
 
 def test_domain_text():
-    assert str(rules.Domain(int, 1)) == "an integer >= 1"
-    assert str(rules.Domain(float, 0, 1, hi_open=True)) == "a number in [0, 1)"
-    assert str(rules.Domain(int, 1, also=(-1,))) == "-1 or an integer >= 1"
-    assert math.nan not in rules.Domain(float) and math.inf not in rules.Domain(float, 0)
+    assert str(domains.Domain(int, 1)) == "an integer >= 1"
+    assert str(domains.Domain(float, 0, 1, hi_open=True)) == "a number in [0, 1)"
+    assert str(domains.Domain(int, 1, also=(-1,))) == "-1 or an integer >= 1"
+    assert math.nan not in domains.Domain(float) and math.inf not in domains.Domain(float, 0)

@@ -1,0 +1,75 @@
+"""Writes docs/flags.md from the configuration's tables (megatron_ext/config): every numeric flag's
+domain, the cross-field rules, the choice flags and megatron's own checks mapped to flags.
+
+    python scripts/flags_doc.py > docs/flags.md      (a test keeps the page equal to its source)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.config.domains import FAMILIES  # noqa: E402
+from megatron_ext.config.megatron_checks import FIELD_FLAGS, SITES  # noqa: E402
+from megatron_ext.config.naming import flag_of  # noqa: E402
+from megatron_ext.config.rules import RULES  # noqa: E402
+
+
+def markdown(parser) -> str:
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    flags = functools.partial(flag_of, actions)
+    out = [
+        "# Flags: what each accepts",
+        "",
+        "Generated from the tables of `megatron_ext/config/` by `python scripts/flags_doc.py > docs/flags.md` (a test keeps",
+        "this page equal to its source). `train.py --dry-run` refuses a value outside its domain or a",
+        "combination below before any compute, as one line naming the flags, their values and what is",
+        "allowed. A flag left unset (no default) is not checked.",
+        "",
+        "## Numeric flags, by family",
+        "",
+        "| family | allowed | meaning | flags |",
+        "|---|---|---|---|",
+    ]
+    for fam in FAMILIES:
+        names = ", ".join(f"`{flags(d)}`" for d in sorted(fam.flags, key=flags))
+        out.append(f"| {fam.name} | {fam.domain} | {fam.meaning} | {names} |")
+    out += ["", "## Cross-field rules, in the order they are checked", "",
+            "| # | family | flags | rule |", "|---|---|---|---|"]
+    for i, rule in enumerate(RULES, 1):
+        stage = " (after megatron's defaults)" if rule.stage == "resolved" else ""
+        names = ", ".join(f"`{flags(d)}`" for d in (*rule.flags, *rule.context))
+        out.append(f"| {i} | {rule.family}{stage} | {names} | {rule.allowed} |")
+    out += ["", "Platform rules ask `megatron_ext.config.rules.target(args)`: the machine running the check, or the",
+            "target a `--dry-run` names with `--platform cuda [--assume-te | --assume-no-te] [--assume-apex]`.", "",
+            "## Choice flags", "", "| flag | choices |", "|---|---|"]
+    for dest, action in sorted(actions.items(), key=lambda kv: flags(kv[0])):
+        if action.choices is not None and action.option_strings:
+            choices = ", ".join(f"`{c}`" for c in (str(getattr(c, "name", c)) for c in action.choices))
+            out.append(f"| `{flags(dest)}` | {choices} |")
+    out += ["", "## megatron's own checks", "",
+            "megatron's `validate_args` and the config classes' `__post_init__` check more; each such",
+            "check is reported with the flags its condition reads (config fields are mapped back to",
+            "their flags). These conditions name no flag directly and are mapped by their source text:",
+            "", "| condition | flags |", "|---|---|"]
+    for condition, dests in SITES.items():
+        out.append(f"| `{condition}` | {', '.join(f'`{flags(d)}`' for d in dests)} |")
+    out += ["", "| config field | flags |", "|---|---|"]
+    for name, dests in FIELD_FLAGS.items():
+        out.append(f"| `{name}` | {', '.join(f'`{flags(d)}`' for d in dests)} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    from megatron_ext import platform
+
+    platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill
+    import arguments
+
+    sys.stdout.write(markdown(arguments.build_parser()))
+
+
+if __name__ == "__main__":
+    main()
