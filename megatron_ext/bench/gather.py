@@ -260,7 +260,7 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     comparison; seams=True installs them (as train.py does through the training package's hook).
     ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
     parsing (the distributed optimizer stays on)."""
-    import train
+    import train  # bench sits above the entry points: it runs train.main under measurement
     from megatron_ext import seams as seam_mod
     from megatron_ext.training import model as models, step
 

@@ -59,10 +59,6 @@ def add_arguments(parser):
     return parser
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def validate(args) -> None:
     names = getattr(args, "activation_offload_modules", None)
     if not names:

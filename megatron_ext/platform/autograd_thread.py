@@ -105,15 +105,6 @@ _WORKER: Optional[DeviceThread] = None
 _LOCK = threading.Lock()
 
 
-def device_thread() -> DeviceThread:
-    """The worker backward calls go to now (started if none runs)."""
-    global _WORKER
-    with _LOCK:
-        if _WORKER is None or _WORKER.stopped or not _WORKER.thread.is_alive():
-            _WORKER = DeviceThread()
-        return _WORKER
-
-
 def run_on_device_thread(fn: Callable, args, kwargs):
     """fn(*args, **kwargs) on the device thread with the caller's torch thread-local state; the
     caller blocks until it returns (its exception is raised here)."""
