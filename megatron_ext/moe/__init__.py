@@ -140,6 +140,7 @@ def install(model_chunks, zero_sync: bool = False, budget_factor=None) -> int:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_ext import seams
+    from megatron_ext.moe import grouped_experts
     from megatron_ext.moe.dispatcher import MultihotTokenDispatcher
     from megatron_ext.moe.fixed_dispatch import FixedBudgetDispatcher
 
@@ -160,7 +161,7 @@ def install(model_chunks, zero_sync: bool = False, budget_factor=None) -> int:
             if isinstance(module, MoELayer) and seams.replace_token_dispatcher(module, make):
                 replaced += 1
                 if zero_sync:
-                    seams.run_experts_grouped(module)
+                    seams.run_experts_grouped(module, grouped_experts.attach)
     installed += replaced
     return replaced
 

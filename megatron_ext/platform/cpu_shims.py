@@ -287,9 +287,9 @@ def pad_reduce_scatter_pieces(output, input_list):
 #    all-reduce their grads over the TP group (megatron/core/distributed/finalize_model_grads.py).
 # --------------------------------------------------------------------------------------------
 def _install_torch_norm_sequence_parallel():
-    # Needed on CUDA too, so the patch itself is a seam (megatron_ext/seams/training.py, which
-    # training/model.py applies on CUDA); on CPU it is always on, like every shim here. One record for
-    # both: removing the shim removes the seam.
+    # Up a floor, on purpose: the patch is needed on CUDA too, so the record is a seam
+    # (megatron_ext/seams/training.py, which training/model.py applies on CUDA); on CPU it is always
+    # on, like every shim here. One record for both: removing the shim removes the seam.
     from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL as seam
 
     seam.apply()

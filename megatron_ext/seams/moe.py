@@ -52,17 +52,16 @@ def replace_token_dispatcher(moe_layer, make) -> bool:
     return True
 
 
-def run_experts_grouped(moe_layer) -> None:
-    """The layer's SequentialMLP runs through megatron_ext.moe.grouped_experts (an instance
-    attribute shadowing SequentialMLP.forward, experts.py:1318; ``del experts.forward`` undoes it)."""
+def run_experts_grouped(moe_layer, attach) -> None:
+    """The layer's SequentialMLP runs through ``attach(experts)`` (megatron_ext.moe.grouped_experts,
+    handed in by the moe package, which sits above the seams): an instance attribute shadowing
+    SequentialMLP.forward, experts.py:1318; ``del experts.forward`` undoes it."""
     from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from megatron_ext.moe import grouped_experts
 
     experts = moe_layer.experts
     if type(experts) is not SequentialMLP:
         raise ValueError(f"zero-sync dropless MoE needs SequentialMLP experts, got {type(experts).__name__}")
-    experts.forward = grouped_experts.attach(experts)
+    experts.forward = attach(experts)
 
 
 def reset_moe_aux_loss_scale() -> None:
