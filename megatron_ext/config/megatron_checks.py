@@ -223,6 +223,9 @@ def explain(exc: BaseException, args, actions: dict, *, strict: bool = False) ->
         return None
     dests = set(actions)
     flags = functools.partial(name_of, actions)
+    required = _required_value(inner, root, dests, flags)
+    if required:
+        return required
     scheduler = _scheduler_mismatch(inner[-1], args, flags)
     if scheduler:
         return scheduler
@@ -247,6 +250,18 @@ def explain(exc: BaseException, args, actions: dict, *, strict: bool = False) ->
     else:
         message = type(exc).__name__
     return f"{shown}: {message} ({where})"
+
+
+def _required_value(inner: list, root: str, dests: set, flags) -> str | None:
+    """validate_args' ``_check_arg_is_not_none(args, name)``: the flag is named by the helper's
+    argument, not by its condition; the site shown is the caller's line."""
+    frame = inner[-1].tb_frame
+    dest = frame.f_locals.get("arg") if frame.f_code.co_name == "_check_arg_is_not_none" else None
+    if dest not in dests:
+        return None
+    caller = inner[-2] if len(inner) > 1 else inner[-1]
+    where = f"{os.path.relpath(caller.tb_frame.f_code.co_filename, root)}:{caller.tb_lineno}"
+    return f"{flags(dest)}: required, megatron has no default for it ({where})"
 
 
 _SCHEDULER_FLAGS = {  # OptimizerParamScheduler.load_state_dict names -> the flags behind them

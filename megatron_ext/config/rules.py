@@ -245,6 +245,8 @@ RULES = (
          when=lambda a: a.eval_global_batch_size and a.micro_batch_size and a.world_size % _model_parallel(a) == 0,
          context=_MODEL_PARALLEL),
     # --- schedule and precision --------------------------------------------------------------
+    Rule("schedule", ("lr",), lambda a: a.lr is not None,
+         "--lr is required: megatron's learning-rate schedule starts from it (there is no default)"),
     Rule("schedule", ("min_lr", "lr"), lambda a: a.min_lr <= a.lr, "--min-lr cannot exceed --lr",
          when=lambda a: a.lr is not None),
     Rule("schedule", ("start_weight_decay", "end_weight_decay", "weight_decay_incr_style"),
@@ -310,6 +312,16 @@ RULES = (
                d == "tokenizer_model" and a.tokenizer_type == "HuggingFaceTokenizer"
                and not _path_like(a.tokenizer_model)))
       for dest in ("vocab_file", "merge_file", "tokenizer_model", "metadata_path")),
+    *(Rule("files", (dest,), lambda a, d=dest: _writable_dir(getattr(a, d)),
+           "must be a directory this user can create or write (it is written before the first step)",
+           when=lambda a, d=dest: getattr(a, d, None))
+      for dest in ("tensorboard_dir", "data_cache_path", "wandb_save_dir")),
+    Rule("files", ("yaml_cfg",), lambda a: a.yaml_cfg is None,
+         "megatron's --yaml-cfg replaces the whole command line; give a --recipe (its keys merge under "
+         "the command line's flags)"),
+    Rule("files", ("spec",), lambda a: a.spec is None,
+         "a layer-spec module is not loaded by this loop (it builds megatron's local or "
+         "transformer-engine GPT spec from --transformer-impl); drop --spec"),
     Rule("files", ("save",), lambda a: _writable_dir(a.save),
          "--save must be a directory this user can create or write", when=lambda a: a.save),
     Rule("files", ("load",), lambda a: _readable_dir(a.load) or not _exists(a.load),

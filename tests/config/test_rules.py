@@ -382,3 +382,49 @@ def test_domain_text():
     assert str(domains.Domain(float, 0, 1, hi_open=True)) == "a number in [0, 1)"
     assert str(domains.Domain(int, 1, also=(-1,))) == "-1 or an integer >= 1"
     assert math.nan not in domains.Domain(float) and math.inf not in domains.Domain(float, 0)
+
+
+# --- required values and files read before the first step -----------------------------------------
+
+def _recipe_without(tmp_path, key: str) -> str:
+    import yaml
+
+    recipe = yaml.safe_load(open(DENSE))
+    recipe.pop(key)
+    path = tmp_path / f"without_{key}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_lr_is_required(tmp_path):
+    assert refused(recipe=_recipe_without(tmp_path, "lr")) == (
+        "--lr=None: --lr is required: megatron's learning-rate schedule starts from it (there is no default)")
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "max_position_embeddings"])
+def test_values_megatron_requires_are_named(tmp_path, key):
+    line = refused(recipe=_recipe_without(tmp_path, key))
+    flag = "--" + key.replace("_", "-")
+    assert line.startswith(f"{flag}: required, megatron has no default for it (megatron/training/arguments.py:")
+
+
+def test_a_recipe_that_is_not_yaml_is_named_with_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("num_layers: 4\nhidden_size: [64\nlr: 1.0\n")
+    line = refused(recipe=str(path))
+    assert line.startswith(f"--recipe={path}: not valid YAML at line 3, column 3:"), line
+
+
+@pytest.mark.parametrize("flag", ["--tensorboard-dir", "--data-cache-path"])
+def test_directories_written_before_the_first_step_must_be_writable(tmp_path, flag):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert refused(flag, str(blocker / "below")) == (
+        f"{flag}={blocker / 'below'}: must be a directory this user can create or write "
+        "(it is written before the first step)")
+
+
+@pytest.mark.parametrize("argv, flag", [(["--yaml-cfg", "c.yaml"], "--yaml-cfg"),
+                                        (["--spec", "my.module", "layer_spec"], "--spec")])
+def test_flags_this_loop_does_not_read_are_refused(argv, flag):
+    assert refused(*argv).startswith(f"{flag}=")
