@@ -66,7 +66,7 @@ CASES = {
 
 def run_case(name: str) -> list:
     """Rows (one per pipeline stage) for one case."""
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
     from megatron_ext.bench.plan import measure
 
     n, argv = CASES[name]
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
     out = {"cases": rows}
     if opts.validate:
-        from megatron_ext.bench.launch import run_world
+        from megatron_ext.measure.launch import run_world
         from megatron_ext.bench.plan import validate_choice
 
         v = run_world(2, validate_choice)[0]

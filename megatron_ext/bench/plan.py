@@ -69,7 +69,7 @@ def measure(argv: list, tracer=None) -> dict:
     from megatron.core import parallel_state
 
     from megatron_ext import offload, planner, schedules
-    from megatron_ext.bench.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
+    from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.training import data, model as models, optimizer as optim, parallel, run, step
 
     with contextlib.redirect_stdout(io.StringIO()):

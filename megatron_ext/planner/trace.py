@@ -12,7 +12,7 @@ The tensor-parallel ranks run it on a local world (gloo on CPU), the process's o
 
 After one untracked step (what persists across steps, e.g. megatron's global buffer for
 sequence-parallel gathers, then exists and is counted once, as buffers), one micro-batch runs forward
-and backward under saved-tensor hooks and a live-bytes tracker (``megatron_ext.bench.memtrack``)
+and backward under saved-tensor hooks and a live-bytes tracker (``megatron_ext.measure.memtrack``)
 that keeps every storage's life (allocated at op i, found dead at op j, n bytes), per component
 (embedding, each layer, head = final norm + output layer + loss):
 
@@ -298,7 +298,7 @@ class _AllocTracker:
     storage re-sized."""
 
     def __new__(cls, exclude, device_type):
-        from megatron_ext.bench.memtrack import LiveBytesTracker
+        from megatron_ext.measure.memtrack import LiveBytesTracker
 
         class Tracker(LiveBytesTracker):
             def __init__(self):
@@ -380,7 +380,7 @@ def _budget_as_the_run(rows_per_token):
 
 
 def _run_built(args, kinds, seed: int) -> dict:
-    from megatron_ext.bench.memtrack import model_state_ptrs
+    from megatron_ext.measure.memtrack import model_state_ptrs
     from megatron_ext.offload.manager import MODULES, Options
     from megatron_ext.seams.planner import buffer_requests
     from megatron_ext.training import model as models
@@ -658,7 +658,7 @@ def _run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
         return run_shapes(args, shapes, kinds, recompute)
     import pickle
 
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
 
     # pickled here, unpickled by the job: the arguments hold megatron objects, which a worker may
     # import only after its platform is set up
