@@ -16,6 +16,8 @@ import sys
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, steptime
 from megatron_ext.planner import trace as tr
+from megatron_ext.planner.run import recompute_of, target_config
+from megatron_ext.planner.scale import Scaled, factors_for
 from megatron_ext.planner.hardware import EFFICIENCY, GPUS
 
 GIB = 2**30
@@ -49,7 +51,7 @@ class Tracer:
 
     def __call__(self, args, recompute: str | None) -> dict:
         """``recompute`` None: as the run has it (its own --recompute-modules)."""
-        same = recompute == tr.recompute_of(args) and (
+        same = recompute == recompute_of(args) and (
             recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
         recompute = None if same else recompute
         key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute,
@@ -92,7 +94,7 @@ def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_
         flags += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     elif recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    elif tr.recompute_of(args) != "none":
+    elif recompute_of(args) != "none":
         notes.append("recompute off (drop recompute_granularity)")
     if off.modules:
         flags += ["--activation-offload-modules", *off.modules,
@@ -103,12 +105,9 @@ def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_
     return flags, notes
 
 
-def _reparse(args, flags: list, drop_uneven: bool):
-    """The run's flags with a layout's, validated again (megatron derives values from the sizes);
-    None when refused (the reason on stderr)."""
-    from megatron_ext.errors import ConfigError
-    from megatron_ext.planner.cli import parse_run
-
+def _reparse(args, flags: list, drop_uneven: bool, parse_run):
+    """The run's flags with a layout's, validated again by ``parse_run`` (megatron derives values
+    from the sizes); None when refused (the reason on stderr)."""
     argv = list(getattr(args, "plan_argv", None) or [])
     if drop_uneven:  # first/last stage layer counts belong to the recipe's pipeline size
         flags = [*flags, "--decoder-first-pipeline-num-layers", "0", "--decoder-last-pipeline-num-layers", "0"] \
@@ -122,7 +121,7 @@ def _reparse(args, flags: list, drop_uneven: bool):
     return a
 
 
-def layouts(args) -> list:
+def layouts(args, parse_run) -> list:
     """Parallel splits of the run's world size that megatron accepts (same global batch), each
     validated as --dry-run does."""
     out = []
@@ -157,7 +156,7 @@ def layouts(args) -> list:
                             flags += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1"]
                         if tp > 1:
                             flags.append("--sequence-parallel")
-                        a = _reparse(args, flags, pp != args.pipeline_model_parallel_size)
+                        a = _reparse(args, flags, pp != args.pipeline_model_parallel_size, parse_run)
                         if a is None:
                             continue
                         out.append(a)
@@ -166,8 +165,6 @@ def layouts(args) -> list:
 
 def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dict, link: float,
               efficiency: float, recomputes=RECOMPUTE) -> list:
-    from megatron_ext.planner import target_config
-
     config = target_config(args)
     layout = memory.Layout.from_args(args)
     base = memory.Offload.from_args(args)
@@ -175,7 +172,7 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
     out = []
     for recompute in recomputes:
         traced = tracer(args, recompute)
-        scaled = tr.Scaled(traced, tr.factors_for(args, traced), ep=layout.ep)
+        scaled = Scaled(traced, factors_for(args, traced), ep=layout.ep)
         for mods in _offload_sets(scaled, min_bytes, recompute):
             for depth in ((1, 2) if mods else (1,)):
                 off = memory.Offload(mods, depth, min_bytes)
@@ -200,11 +197,10 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
-         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None) -> dict:
+         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None) -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
-    Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets."""
-    from megatron_ext.planner import target_config
-
+    Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets. ``reparse``
+    (argv -> parsed arguments) validates the layouts of ``search_parallelism``."""
     if gpu not in GPUS:
         raise ConfigError(f"{flag_prefix}gpu={gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
     g = GPUS[gpu]
@@ -213,10 +209,10 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     tracer = tracer or Tracer()
     given = tracer(args, None)  # the run as given
     layout = memory.Layout.from_args(args)
-    scaled = tr.Scaled(given, tr.factors_for(args, given), ep=layout.ep)
+    scaled = Scaled(given, factors_for(args, given), ep=layout.ep)
     as_given = memory.predict(args, target_config(args), scaled)
     candidates = []
-    for a in (layouts(args) if search_parallelism else [args]):
+    for a in (layouts(args, reparse) if search_parallelism else [args]):
         try:
             candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
         except (ValueError, AssertionError, RuntimeError) as e:  # a split megatron refuses

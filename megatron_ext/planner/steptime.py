@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+from megatron_ext.planner.run import layer_kinds
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, _factor
 
 GPUS_PER_NODE = 8
@@ -57,7 +58,7 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     m = layout.microbatches
     compute = flops / layout.world / rate * (1 + (layout.pp - 1) / (vpp * m))
     layers = args.num_layers / layout.pp
-    moe_layers = layers * (sum(1 for k in _kinds(args) if k == "moe") / max(1, args.num_layers))
+    moe_layers = layers * (sum(1 for k in layer_kinds(args) if k == "moe") / max(1, args.num_layers))
     act = s * b * h * elem
     tp = _coll(NVLINK, "all_reduce", layout.tp, act, 4 * layers * m)
     topk = getattr(args, "moe_router_topk", 0) or 0
@@ -83,9 +84,3 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     total = compute + tp + ep + dp + pp + offload
     return dict(step_time_s=total, compute_s=compute, tp_s=tp, ep_s=ep, dp_exposed_s=dp, pp_s=pp,
                 offload_exposed_s=offload, layer_forward_s=layer_fwd, model_flops=flops)
-
-
-def _kinds(args):
-    from megatron_ext.planner.trace import layer_kinds
-
-    return layer_kinds(args)

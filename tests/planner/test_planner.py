@@ -67,7 +67,7 @@ def test_predicted_peak_within_5_percent_many_experts_ep2():
     activations and the expert-parallel exchange's buffers within 5 %)."""
     from types import SimpleNamespace
 
-    from megatron_ext.planner.trace import base_shape, traced_experts
+    from megatron_ext.planner.tiny import base_shape, traced_experts
 
     routing = dict(moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4)
     assert traced_experts(SimpleNamespace(num_experts=64, **routing)) == 16
