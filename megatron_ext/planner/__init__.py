@@ -52,13 +52,12 @@ def predict_memory(args, recompute=None, offload=None, trace=None, backend: str 
     (``megatron_ext.planner.memory``), with this run's offload unless ``offload`` is given. Traces
     a tiny copy of the model on this process (needs the default process group; model-parallel
     state is set up and torn down around the trace)."""
-    from megatron_ext.planner import memory, scale
+    from megatron_ext.planner import memory
     from megatron_ext.planner import trace as tr
     from megatron_ext.planner.run import target_config
 
     traced = trace if trace is not None else tr.trace(args, recompute)
-    scaled = scale.Scaled(traced, scale.factors_for(args, traced), ep=args.expert_model_parallel_size)
-    return memory.predict(args, target_config(args), scaled, offload, backend)
+    return memory.predict(args, target_config(args), tr.scaled(args, traced), offload, backend)
 
 
 def plan(*args, **kwargs):

@@ -20,10 +20,49 @@ def local_unfused(a) -> None:
             setattr(a, name, False)
 
 
+def on_transformer_engine(args) -> bool:
+    """The run uses megatron's transformer-engine spec (megatron's default; the planner validates for
+    a cluster with transformer-engine unless --assume-no-te)."""
+    return getattr(args, "transformer_impl", "local") == "transformer_engine"
+
+
+# recompute modules the local copy cannot build: traced without them, their effect modeled
+MODELED_RECOMPUTE = ("moe_act", "layernorm")
+
+
+def modeled_saved_delta(args, kind: str) -> float:
+    """Bytes one layer of ``kind`` saves for backward on the cluster beyond (negative: below) what its
+    local-spec trace saves, for the recompute modules the local copy cannot build (docs/planner.md,
+    "modeled"), both megatron's output-discarding checkpoints:
+    - ``moe_act`` (grouped-GEMM experts only): each routed row's activation output is dropped after
+      FC2 has used it and recomputed in backward: tokens per rank x top-k x expert FFN / expert TP;
+    - ``layernorm`` (transformer-engine): on the TE spec the attention's norm (and a dense layer's
+      pre-MLP norm) is fused into the following linear (TE's LayerNormLinear keeps its normed output
+      whatever the recompute), so only a MoE layer's separate pre-MLP norm drops its output:
+      tokens per rank x hidden.
+    In the activation dtype; 0 for other kinds and recomputes."""
+    modules = getattr(args, "recompute_modules", None) or []
+    if kind != "moe" or recompute_of(args) != "selective":
+        return 0.0
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    tokens = args.seq_length * args.micro_batch_size // (tp if getattr(args, "sequence_parallel", False) else 1)
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
+    delta = 0.0
+    if "moe_act" in modules:
+        delta -= tokens * (args.moe_router_topk or 1) * ffn // etp * elem
+    if "layernorm" in modules:
+        delta -= tokens * args.hidden_size * elem
+    return float(delta)
+
+
 def buildable_here(args):
     """A copy of the arguments whose TransformerConfig this machine can build (sizes unchanged)."""
     a = copy.copy(args)
     local_unfused(a)
+    if getattr(a, "recompute_modules", None):
+        a.recompute_modules = [m for m in a.recompute_modules if m not in MODELED_RECOMPUTE] or ["core_attn"]
     return a
 
 

@@ -17,7 +17,6 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, steptime
 from megatron_ext.planner import trace as tr
 from megatron_ext.planner.run import recompute_of, target_config
-from megatron_ext.planner.scale import Scaled, factors_for
 from megatron_ext.planner.hardware import EFFICIENCY, GPUS
 
 GIB = 2**30
@@ -55,6 +54,7 @@ class Tracer:
             recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
         recompute = None if same else recompute
         key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute,
+               args.transformer_impl, tuple(getattr(args, "recompute_modules", None) or ()) if recompute is None else (),
                memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
         if key not in self.cache:
             self.cache[key] = tr.trace(args, recompute)
@@ -172,7 +172,7 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
     out = []
     for recompute in recomputes:
         traced = tracer(args, recompute)
-        scaled = Scaled(traced, factors_for(args, traced), ep=layout.ep)
+        scaled = tr.scaled(args, traced)
         for mods in _offload_sets(scaled, min_bytes, recompute):
             for depth in ((1, 2) if mods else (1,)):
                 off = memory.Offload(mods, depth, min_bytes)
@@ -209,7 +209,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     tracer = tracer or Tracer()
     given = tracer(args, None)  # the run as given
     layout = memory.Layout.from_args(args)
-    scaled = Scaled(given, factors_for(args, given), ep=layout.ep)
+    scaled = tr.scaled(args, given)
     as_given = memory.predict(args, target_config(args), scaled)
     candidates = []
     for a in (layouts(args, reparse) if search_parallelism else [args]):

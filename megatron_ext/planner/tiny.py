@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 import math
 
-from megatron_ext.planner.run import fixed_budget_rows, local_unfused, recompute_of
+from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, local_unfused, on_transformer_engine,
+                                      recompute_of)
 
 _WIDTH_FIELDS = ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "kv_channels",
                  "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
@@ -100,7 +101,11 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         modules = list(getattr(args, "recompute_modules", None) or modules)
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
     a.recompute_modules = None
-    if recompute == "selective":
+    # moe_act recompute needs grouped-GEMM experts (the local copy builds sequential ones), layernorm
+    # recompute transformer-engine: traced without them, modeled by ``run.modeled_saved_delta``
+    kept = [m for m in modules if m not in MODELED_RECOMPUTE]
+    modules = kept or (["core_attn"] if len(kept) < len(modules) else modules)
+    if recompute == "selective" and modules:
         a.recompute_granularity, a.recompute_modules = "selective", modules
     elif recompute == "full":
         a.recompute_granularity, a.recompute_method, a.recompute_num_layers = "full", "uniform", 1
@@ -110,6 +115,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a.use_distributed_optimizer = False
     a.cross_entropy_loss_fusion = False
     a.moe_layer_recompute = False
+    a.planner_fused_attention = on_transformer_engine(args)  # core attention as TE's keeps (seams.planner)
     return a
 
 

@@ -34,8 +34,8 @@ architecture: the tensors and their exponents are what megatron's modules do.
 from __future__ import annotations
 
 from megatron_ext.planner.record import run_once
-from megatron_ext.planner.run import layer_kinds, recompute_of
-from megatron_ext.planner.scale import FACTORS, buffer_items, param_items, storage_exponents
+from megatron_ext.planner.run import layer_kinds, modeled_saved_delta, recompute_of
+from megatron_ext.planner.scale import FACTORS, Scaled, buffer_items, factors_for, param_items, storage_exponents
 from megatron_ext.planner.tiny import base_shape, trace_args, traced_experts, width_divisor
 
 
@@ -95,3 +95,16 @@ def _run_pickled(payload: bytes) -> dict:
     import pickle
 
     return run_shapes(*pickle.loads(payload))
+
+
+def scaled(args, traced: dict) -> Scaled:
+    """The trace at the run's shape, per rank (expert parameters / EP), with what the local copy
+    could not build modeled on top (``run.modeled_saved_delta``; recompute as the trace had it)."""
+    out = Scaled(traced, factors_for(args, traced), ep=args.expert_model_parallel_size)
+    if traced.get("recompute") == recompute_of(args):
+        for kind in out.kinds:
+            delta = modeled_saved_delta(args, kind)
+            if delta:
+                comp = out.kind(kind)
+                out.saved[comp] = max(0.0, out.saved[comp] + delta)
+    return out
