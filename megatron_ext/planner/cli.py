@@ -116,11 +116,23 @@ def _grid(rows) -> str:
     return "\n".join(out)
 
 
+def as_given_json(c) -> dict:
+    """The run exactly as its flags say: per stage peak, step time and throughput (predicted)."""
+    return dict(peak_bytes_per_stage=[round(p) for p in c.peak_bytes_per_stage], step_time_s=c.step_time_s,
+                tokens_per_s_per_gpu=c.time["tokens_per_s_per_gpu"], model_tflops_per_gpu=c.time["model_tflops_per_gpu"],
+                fits=c.fits, time={k: v for k, v in c.time.items() if k.endswith("_s")})
+
+
+def time_line(t: dict) -> str:
+    return " + ".join(f"{k[:-2]} {v:.3g}" for k, v in t.items() if k.endswith("_s") and k != "step_time_s")
+
+
 def candidate_table(cands: list) -> str:
     rows = [("#", "fits", "step s", "largest stage GiB", "layout", "flags", "why")]
     for i, c in enumerate(cands):
         rows.append((str(i + 1), "yes" if c.fits else "no", f"{c.step_time_s:.3f}",
-                     f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout, " ".join(c.flags) or "(as given)", c.why))
+                     f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout,
+                     "(as given)" if c.as_given else (" ".join(c.flags) or "(no recompute, no offload)"), c.why))
     return _grid(rows)
 
 
@@ -154,13 +166,18 @@ def main(argv: list | None = None, prefix: str = "--", parse_run=None) -> dict:
                                in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
                           for s in result["stages"]],
                   candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
-                  budget_bytes=round(result["budget_bytes"]), layout=result["layout"])
+                  budget_bytes=round(result["budget_bytes"]), layout=result["layout"],
+                  as_given=as_given_json(result["as_given"]))
     if opts["json"]:
         print(json.dumps(report, indent=1))
         return report
     print(f"{result['layout']} on {opts['gpu']}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
           f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s, efficiency {result['efficiency']:.0%} of peak "
           "(predicted; not measured on GPU)")
+    g = result["as_given"]
+    print(f"\nAs given: {'fits' if g.fits else 'does not fit'}; {g.step_time_s:.3f} s per step = "
+          f"{time_line(g.time)} s; {g.time['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+          f"{g.time['model_tflops_per_gpu']:.0f} model TFLOP/s/GPU")
     print("\nAs given, per pipeline stage (GiB):")
     print(stage_table(result["stages"]))
     print("\nPer model chunk (GiB; activations: saved for backward):")
@@ -168,7 +185,8 @@ def main(argv: list | None = None, prefix: str = "--", parse_run=None) -> dict:
     print(f"\nBest {len(result['candidates'])} of {result['all_candidates']} candidates:")
     print(candidate_table(result["candidates"]))
     best = result["candidates"][0]
-    print("\nFlags of the winner: " + (" ".join(best.flags) or "(none: the run as given fits)"))
+    print("\nFlags of the winner: " + ("(none: the run fits as given)" if best.as_given else " ".join(best.flags)
+                                        or "(none: drop the run's recompute / offload)"))
     if opts["png"]:
         print(f"Picture: {opts['png']}")
     return report

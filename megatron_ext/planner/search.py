@@ -35,9 +35,10 @@ class Candidate:
     stages: list = dataclasses.field(default_factory=list)
     time: dict = dataclasses.field(default_factory=dict)
     layout: str = ""
+    as_given: bool = False  # the run exactly as its flags say
 
     def as_json(self) -> dict:
-        return dict(flags=self.flags, fits=self.fits, peak_bytes_per_stage=[round(p) for p in self.peak_bytes_per_stage],
+        return dict(flags=self.flags, as_given=self.as_given, fits=self.fits, peak_bytes_per_stage=[round(p) for p in self.peak_bytes_per_stage],
                     step_time_s=self.step_time_s, why=self.why, layout=self.layout,
                     time={k: v for k, v in self.time.items() if k.endswith("_s")})
 
@@ -163,6 +164,20 @@ def layouts(args, parse_run) -> list:
     return out
 
 
+def _group_bytes(scaled, stages: list, off: memory.Offload) -> list:
+    """Per stage, the bytes one layer's offloaded group copies per micro-batch."""
+    return [max((sum(v for m, v in scaled.offloadable_at(scaled.kind(k), off.min_tensor_bytes).items()
+                     if m in off.modules)
+                 for k in {x for ch in s["layers"] for x in ch} if k in scaled.kinds), default=0.0) for s in stages]
+
+
+def _why(peaks: list, budget: float) -> tuple:
+    worst = max(range(len(peaks)), key=lambda i: peaks[i])
+    fits = peaks[worst] <= budget
+    return fits, (f"fits: stage {worst} peaks at {peaks[worst] / GIB:.1f} GiB <= {budget / GIB:.1f} GiB"
+                  if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
+
+
 def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dict, link: float,
               efficiency: float, recomputes=RECOMPUTE) -> list:
     config = target_config(args)
@@ -177,16 +192,12 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
             for depth in ((1, 2) if mods else (1,)):
                 off = memory.Offload(mods, depth, min_bytes)
                 stages = memory.predict(args, config, scaled, off)
-                group = [max((sum(v for m, v in scaled.offloadable_at(scaled.kind(k), min_bytes).items() if m in mods)
-                              for k in {x for ch in s["layers"] for x in ch} if k in scaled.kinds), default=0.0) for s in stages]
+                group = _group_bytes(scaled, stages, off)
                 t = steptime.step_time(args, layout, stages, group, gpu, efficiency, link, recompute)
                 peaks = [s["peak_bytes"] for s in stages]
                 pool = max(-s["components"]["offload_removed"] for s in stages)
                 flags, notes = _flags(args, recompute, off, pool, layout_search)
-                worst = max(range(len(peaks)), key=lambda i: peaks[i])
-                fits = peaks[worst] <= budget
-                why = (f"fits: stage {worst} peaks at {peaks[worst] / GIB:.1f} GiB <= {budget / GIB:.1f} GiB"
-                       if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
+                fits, why = _why(peaks, budget)
                 if t["offload_exposed_s"] > 0:
                     why += f"; the host link cannot hide {t['offload_exposed_s']:.2f} s of copies"
                 if notes:
@@ -211,6 +222,13 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     layout = memory.Layout.from_args(args)
     scaled = tr.scaled(args, given)
     as_given = memory.predict(args, target_config(args), scaled)
+    off = memory.Offload.from_args(args)
+    t = steptime.step_time(args, layout, as_given, _group_bytes(scaled, as_given, off), g, efficiency, link,
+                           recompute_of(args))
+    peaks = [s["peak_bytes"] for s in as_given]
+    fits, why = _why(peaks, budget)
+    given_candidate = Candidate([], fits, peaks, t["step_time_s"], "as given: " + why, as_given, t,
+                                layout.describe(), as_given=True)
     candidates = []
     for a in (layouts(args, reparse) if search_parallelism else [args]):
         try:
@@ -220,12 +238,15 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
                   file=sys.stderr)
             continue
     candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage), len(c.flags)))
+    # the run as given first when it fits: nothing to change, no recompute or offload it does not need
+    candidates = [given_candidate, *candidates] if fits else [*candidates, given_candidate]
     seen, unique = set(), []
     for c in candidates:
-        key = tuple(c.flags)
+        key = (c.as_given, tuple(c.flags), c.why.split("; ", 1)[-1] if not c.as_given else "")
         if key not in seen:
             seen.add(key)
             unique.append(c)
+    unique.sort(key=lambda c: not c.fits)  # stable: the fitting ones, in the order above
     if not unique or not unique[0].fits:
         closest = unique[0] if unique else None
         what = (f"; closest: {' '.join(closest.flags) or 'as given'} ({closest.layout}) needs "
@@ -234,4 +255,5 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         raise ConfigError(f"{given_flag}: no configuration fits {budget / GIB:.1f} GiB per GPU{what}")
     return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency,
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
+                as_given=given_candidate,
                 trace_divisor=given["divisor"])

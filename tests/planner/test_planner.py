@@ -179,3 +179,52 @@ def test_dispatch_rows_follow_the_dispatchers_rules():
     fixed.moe_dropless_budget_factor = 1.25
     assert dispatch_rows(fixed, layout) == 64 * budget_rows(2048, 8, 256, 4, 1.25)[0] == 64 * 320
     assert dispatch_rows(a, Layout(2, 16, None, 1, 1, 1, 32, 32, 1, 128, 1024)) == 0
+
+
+def test_plan_help_prints_usage():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "scripts/plan.py", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "usage: scripts/plan.py" in done.stdout
+    for name in ("--gpu", "--memory-gb", "--host-link-gbps", "--search-parallelism", "--json", "--png"):
+        assert name in done.stdout
+
+
+def test_options_are_declared_once_for_flags_and_recipe_keys():
+    """scripts/plan.py's --gpu, train.py's --plan-gpu and a recipe's plan_gpu: are one option: a
+    recipe key is read (not accepted and ignored)."""
+    from megatron_ext.planner import cli
+
+    assert cli.train_flags(["--gpu", "h200", "--memory-gb=40", "--num-layers", "2"]) == [
+        "--plan-gpu", "h200", "--plan-memory-gb=40", "--num-layers", "2"]
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[*DENSE, "--plan-gpu", "x100"], prefix="--plan-")[0]
+    assert r["error"].startswith("--plan-gpu=x100: unknown GPU")
+    r = run_distributed(1, "tests.planner.jobs:plan_json_recipe", extra={"plan_gpu": "x100"})[0]
+    assert r["error"].startswith("--gpu=x100: unknown GPU")
+
+
+def test_gpt_oss_recompute_plans_on_transformer_engine():
+    """--recompute-modules layernorm moe_act --moe-grouped-gemm (the published GPT-OSS recipe's): the
+    local copy cannot build either, the cluster can; the plan models them (less saved per MoE layer
+    than without) and keeps the run's own recompute as given."""
+    te = [*MOE, "--transformer-impl", "transformer_engine", "--moe-grouped-gemm", "--memory-gb", "1"]
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[
+        *te, "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "moe_act"])[0]
+    assert "report" in r, r
+    report = r["report"]
+    assert report["as_given"]["fits"] and report["candidates"][0]["as_given"]
+    assert report["candidates"][0]["flags"] == []
+    plain = run_distributed(1, "tests.planner.jobs:plan_json", argv=te)[0]["report"]
+    moe = [ch for ch in report["stages"][0]["chunks"]][0]
+    moe_plain = plain["stages"][0]["chunks"][0]
+    assert moe["activations_per_microbatch"] < moe_plain["activations_per_microbatch"]
+
+
+def test_transformer_engine_attention_keeps_no_scores():
+    """On a transformer-engine target the trace's core attention keeps what TE's fused attention keeps
+    (no [b, heads, s, s] scores): doubling the sequence doubles what a layer saves, where the local
+    spec's softmax output grows with its square."""
+    r = run_distributed(1, "tests.planner.jobs:saved_growth", argv=DENSE)[0]
+    assert r["te"] == pytest.approx(2.0, abs=0.02), r
+    assert r["local"] > 2.2, r
