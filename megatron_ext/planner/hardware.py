@@ -17,8 +17,11 @@ _DATASHEET = {
 GPUS = {name: dict(memory_gib=_TARGETS[name][1], peak_flops=bf16, peak_fp8_flops=fp8, hbm=hbm, host_link=link)
         for name, (bf16, fp8, hbm, link) in _DATASHEET.items()}
 # fraction of the precision's peak that the step's GEMMs reach (calibrated: docs/planner.md)
-EFFICIENCY = 0.5
+EFFICIENCY = 0.55
 # bytes a MoE layer moves through HBM per routed row and hidden element, per micro-batch, forward and
 # backward together, outside the GEMMs (permute / unpermute, gating, activation, their gradients):
 # memory-bound work at the HBM bandwidth (calibrated: docs/planner.md)
-MOE_BYTES_PER_ROW_ELEMENT = 40.0
+MOE_BYTES_PER_ROW_ELEMENT = 20.0
+# seconds per MoE layer and micro-batch, forward and backward together, of work that does not scale
+# with the tokens (router, dispatcher host steps, kernel launches; calibrated: docs/planner.md)
+MOE_LAYER_S = 0.003

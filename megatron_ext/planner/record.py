@@ -153,14 +153,14 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
     Returns the storages' lives (allocs), which of them are saved (by component and offload
     module), the component phases (op ranges, forward and backward) and the parameters. A MoE
     model routes balanced (``megatron_ext.seams.planner``): every expert gets the same tokens."""
-    from megatron_ext.seams.planner import balanced_routing, fused_attention
+    from megatron_ext.seams.planner import balanced_routing, transformer_engine_saves
     from megatron_ext.training import model as models
     from megatron_ext.training import parallel
 
     parallel.initialize(tensor=args.tensor_model_parallel_size,
                         expert_tensor=getattr(args, "expert_tensor_parallel_size", None), seed=seed)
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
-    attention = fused_attention() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
+    attention = transformer_engine_saves() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
     try:
         with routing, attention, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
             return _run_built(args, kinds, seed)

@@ -8,12 +8,14 @@
   (PP - 1) / (VPP x micro-batches);
 - moe_memory: per MoE layer and micro-batch, the memory-bound work around the expert GEMMs
   (permutation, gating, activation and their gradients): routed rows x hidden x a calibrated bytes
-  factor / HBM bandwidth;
+  factor / HBM bandwidth, plus a calibrated fixed time per MoE layer and micro-batch (the router,
+  the dispatcher's host-side steps and the many small kernels a MoE layer launches);
 - tensor parallel: per layer and micro-batch, two all-reduce-sized collectives forward and two backward
   of the layer's activations (all-gather + reduce-scatter under sequence parallelism carry the same
   bus bytes), on NVLink inside a node;
 - expert parallel: per MoE layer and micro-batch, dispatch and combine all-to-alls forward and
-  backward of top-k routed tokens, on NVLink while EP x TP fits a node, else InfiniBand;
+  backward of top-k routed tokens: the share for ranks in this node over NVLink, the rest over
+  InfiniBand, concurrently;
 - data parallel: gradient reduce-scatter (or all-reduce) and, with the distributed optimizer, the
   parameter all-gather; overlapped with backward when --overlap-grad-reduce (only what exceeds the
   compute is exposed);
@@ -36,6 +38,18 @@ def _coll(link, op: str, n: int, nbytes: float, count: float) -> float:
     return count * (link.latency + _factor(op, n) * nbytes / link.bus_bandwidth)
 
 
+def _all_to_all(ep: int, etp: int, nbytes: float, count: float) -> float:
+    """``count`` all-to-alls of ``nbytes`` per rank over an expert-parallel group of ``ep`` ranks laid
+    out consecutively (expert TP inside): the share bound for ranks in this node goes over NVLink,
+    the rest over InfiniBand, at the same time; the slower share is the time."""
+    if ep <= 1 or count <= 0:
+        return 0.0
+    local = max(1, min(ep, GPUS_PER_NODE // max(1, etp)))  # group members in this node, self included
+    nvlink = (local - 1) / ep * nbytes / NVLINK.bus_bandwidth
+    ib = (ep - local) / ep * nbytes / INFINIBAND.bus_bandwidth
+    return count * ((INFINIBAND if ep > local else NVLINK).latency + max(nvlink, ib))
+
+
 def model_flops(args) -> float:
     import contextlib
     import io
@@ -56,7 +70,7 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     """Seconds per step of the slowest part, by term (each ``*_s`` key is added into ``step_time_s``).
     ``offload_bytes_per_layer``: per stage, the bytes one layer's offloaded group copies (per
     micro-batch)."""
-    from megatron_ext.planner.hardware import MOE_BYTES_PER_ROW_ELEMENT
+    from megatron_ext.planner.hardware import MOE_BYTES_PER_ROW_ELEMENT, MOE_LAYER_S
 
     elem = 2 if (args.bf16 or args.fp16) else 4
     rate = peak_flops(args, gpu) * efficiency
@@ -73,9 +87,8 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     tp = _coll(NVLINK, "all_reduce", layout.tp, act, 4 * layers * m)
     topk = getattr(args, "moe_router_topk", 0) or 0
     rows = s * b / layout.tp * topk  # routed rows per rank and MoE layer
-    ep_link = NVLINK if layout.ep * layout.etp <= GPUS_PER_NODE else INFINIBAND
-    ep = _coll(ep_link, "all_to_all", layout.ep, rows * h * elem, 4 * moe_layers * m)
-    moe = moe_layers * m * rows * h * MOE_BYTES_PER_ROW_ELEMENT / gpu["hbm"] if topk else 0.0
+    ep = _all_to_all(layout.ep, layout.etp, rows * h * elem, 4 * moe_layers * m)
+    moe = moe_layers * m * (rows * h * MOE_BYTES_PER_ROW_ELEMENT / gpu["hbm"] + MOE_LAYER_S) if topk else 0.0
     param_bytes = max(p["components"]["parameters"] for p in stage_preds)
     dp_link = NVLINK if layout.tp * layout.pp * layout.dp <= GPUS_PER_NODE else INFINIBAND
     grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else elem

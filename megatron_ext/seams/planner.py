@@ -25,6 +25,12 @@ Wrapped while the planner traces the tiny copy of a run on transformer-engine (`
       softmax statistics, fp32 [b, heads, s, 1], and the RNG state): q, k, v, the output and a
       [b, heads, s] fp32 statistic. It computes through torch's flash-attention kernel, whose scores
       never exist as a tensor (causal; dropout is not applied: the trace counts bytes, not values).
+  torch.nn.RMSNorm.forward / torch.nn.LayerNorm.forward   the local spec's norms (megatron's
+      transformer/torch_norm.py:56 WrappedTorchNorm builds them), which on CPU save fp32 copies of
+      their input for backward. Replaced by one that keeps what transformer-engine's norms keep
+      (TENorm -> te.pytorch RMSNorm / LayerNorm, ``_LayerNorm`` / ``_RMSNorm`` forward:
+      ``save_for_backward(inputmat, weight, [mu,] rsigma)``): the input in its dtype and fp32
+      statistics per row.
 """
 from __future__ import annotations
 
@@ -130,6 +136,56 @@ def _flash(q, k, v, scale):
     return out[..., :dv], lse
 
 
+class _TENorm(torch.autograd.Function):
+    """y = norm(x) as the module computes it; saves x, the weight and fp32 [rows, 1] statistics
+    (rstd, and the mean for LayerNorm), as transformer-engine's norms do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        with torch.no_grad():
+            y = module._planner_forward(x)
+            xf = x.float()
+            stats = [xf.mean(-1, keepdim=True)] if isinstance(module, torch.nn.LayerNorm) else []
+            rstd = torch.rsqrt(((xf - stats[0]) if stats else xf).pow(2).mean(-1, keepdim=True) + (module.eps or 1e-6))
+            del xf
+        ctx.save_for_backward(x, weight, *stats, rstd)
+        ctx.module = module
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors[:2]
+        module = ctx.module
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_()
+            y = module._planner_forward(x_)
+            params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+            grads = torch.autograd.grad(y, [x_, *params], grad, allow_unused=True)
+        dw = grads[1] if len(grads) > 1 else None
+        db = grads[2] if len(grads) > 2 else None
+        return grads[0], dw, db, None
+
+
+def _install_te_norms():
+    undo = []
+    for cls in (torch.nn.RMSNorm, torch.nn.LayerNorm):
+        original = cls.forward
+
+        def forward(self, x, _original=original):
+            if getattr(self, "weight", None) is None:
+                return _original(self, x)
+            return _TENorm.apply(x, self.weight, getattr(self, "bias", None), self)
+
+        undo.append(set_attr(cls, "_planner_forward", original))
+        undo.append(set_attr(cls, "forward", forward))
+
+    def restore():
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
 def _install_fused_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -146,7 +202,13 @@ FUSED_ATTENTION = Patch(
     "planner trace of a transformer-engine run only: core attention keeps what TE's fused attention keeps",
     _install_fused_attention,
 )
-SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION]
+TE_NORMS = Patch(
+    "planner.te_norms",
+    ["megatron/core/transformer/torch_norm.py:56"],
+    "planner trace of a transformer-engine run only: norms keep what TE's norms keep (input, fp32 statistics)",
+    _install_te_norms,
+)
+SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS]
 
 
 @contextlib.contextmanager
@@ -156,8 +218,9 @@ def balanced_routing():
 
 
 @contextlib.contextmanager
-def fused_attention():
-    with FUSED_ATTENTION.applied():
+def transformer_engine_saves():
+    """Core attention and norms keep for backward what transformer-engine's keep."""
+    with FUSED_ATTENTION.applied(), TE_NORMS.applied():
         yield
 
 
