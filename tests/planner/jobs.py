@@ -32,9 +32,10 @@ def plan_json_recipe(extra):
         os.unlink(f.name)
 
 
-def saved_growth(argv):
-    """Bytes one dense layer saves at twice the sequence over once, traced for the transformer-engine
-    target and for the local spec."""
+def saved_seq_exponents(argv):
+    """Per spec (transformer-engine target, local), the largest exponent in sequence length among the
+    storages one dense layer saves for backward (2: something of size s x s is kept), and that
+    layer's saved bytes at the run's shape."""
     import contextlib
     import io
 
@@ -44,12 +45,46 @@ def saved_growth(argv):
 
     out = {}
     for impl, assume in (("transformer_engine", "--assume-te"), ("local", "--assume-no-te")):
-        sizes = []
-        for seq in ("256", "512"):
-            with contextlib.redirect_stdout(io.StringIO()):
-                args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, "--seq-length",
-                                        seq, "--max-position-embeddings", "512", "--dry-run"], exit_on_dry_run=False)
-            s = tr.scaled(args, tr.trace(args))
-            sizes.append(s.saved[s.kind("dense")])
-        out["te" if impl == "transformer_engine" else "local"] = sizes[1] / sizes[0]
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, "--dry-run"],
+                                   exit_on_dry_run=False)
+        t = tr.trace(args)
+        s = tr.scaled(args, t)
+        comp = s.kind("dense")
+        exps = [t["exps"][k].get("seq", 0.0) for k, (c, _m) in t["raw"]["saved"].items() if c == comp]
+        out[impl] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
     return out
+
+
+def published_throughput():
+    """(case, predicted tokens/s/GPU, published) for every published run: the step time as given
+    (no trace needed: its terms do not depend on the activations)."""
+    import arguments
+
+    from megatron_ext.planner import cli, memory, published, steptime
+    from megatron_ext.planner.hardware import EFFICIENCY, GPUS
+
+    rows = []
+    for name, c in published.CASES.items():
+        _, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
+        layout = memory.Layout.from_args(args)
+        gpu = GPUS[c["gpu"]]
+        t = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], gpu, EFFICIENCY,
+                               gpu["host_link"], "none")
+        rows.append((name, t["tokens_per_s_per_gpu"], c["tokens_per_s_per_gpu"]))
+    return rows
+
+
+def published_plan(name):
+    """The plan of one published run (the search without recompute: one trace), as --json has it,
+    with the published figures."""
+    import arguments
+
+    from megatron_ext.planner import cli, published, search
+
+    c = published.CASES[name]
+    opts, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
+    result = search.plan(args, gpu=opts["gpu"], recomputes=("none",))
+    report = dict(as_given=cli.as_given_json(result["as_given"]),
+                  candidates=[dict(flags=x.flags, as_given=x.as_given, fits=x.fits) for x in result["candidates"]])
+    return dict(report=report, published=dict(peak_gib=c["peak_gib"], tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"]))
