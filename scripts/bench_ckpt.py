@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
 
-Runs train.py's main() on a fresh 2-process gloo world per case (megatron_ext.bench.launch), DP2
+Runs train.py's main() on a fresh 2-process gloo world per case (megatron_ext.measure.launch), DP2
 with the distributed optimizer, saving every iteration, synchronously and with --async-save, with
 checksums on (the default) and off. The first save of a run (planning, the first fork) is left out. Per save:
 
@@ -70,7 +70,7 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
 
 
 def run_case(recipe: str, saves: int, async_save: bool, checksums: bool) -> dict:
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
 
     argv = RECIPES[recipe] + ["--train-iters", str(saves)] + (["--async-save"] if async_save else [])
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     p.add_argument("--saves", type=int, default=8, help="iterations, one save each (the first is left out)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    # a fresh world of processes per case (megatron_ext.bench.launch): they log to stderr
+    # a fresh world of processes per case (megatron_ext.measure.launch): they log to stderr
     rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
             for sums in (True, False)]
     for r in rows:

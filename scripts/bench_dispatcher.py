@@ -24,7 +24,7 @@ import time
 import torch
 
 from megatron_ext import platform
-from megatron_ext.bench.launch import run_world
+from megatron_ext.measure.launch import run_world
 
 
 def device_name() -> str:
@@ -206,7 +206,7 @@ def _skew(layer, x, strength):
 def dropless_job(opts) -> list:
     """Rank 0's rows (counts summed over ranks where noted) for each dropless dispatcher."""
     from megatron_ext import seams
-    from megatron_ext.bench.memtrack import LiveBytesTracker
+    from megatron_ext.measure.memtrack import LiveBytesTracker
     from megatron_ext.moe import audit
     from megatron_ext.moe.fixed_dispatch import OVERFLOW
     from megatron_ext.moe.sync_detector import run_backward

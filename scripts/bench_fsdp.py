@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_ext.bench import fixed_width  # noqa: E402
 from megatron_ext.bench.fsdp import WRAPPERS, measure_cases  # noqa: E402
-from megatron_ext.bench.launch import run_world  # noqa: E402
+from megatron_ext.measure.launch import run_world  # noqa: E402
 
 DEVICE = "cpu (2 cores), gloo, 2 processes: not measured on GPU"
 KEYS = ("E", "impl", "wrapper", "collectives_per_layer", "host_ops_per_layer", "host_us_per_layer",

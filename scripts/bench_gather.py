@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_ext.bench import fixed_width  # noqa: E402
 from megatron_ext.bench.gather import measure  # noqa: E402
-from megatron_ext.bench.launch import run_world  # noqa: E402
+from megatron_ext.measure.launch import run_world  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "tiny_moe_many_experts.yaml")
 DDP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "ddp_num_buckets", "ddp_bucket_size",

@@ -7,7 +7,7 @@ are bit-identical, and the compute-stream time spent waiting for copies (exposed
 Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2; dense and MoE (all seven modules offloaded for MoE); every PP
 rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
 (one layer's copy takes 0.1x that layer's measured forward time) and "slow" (1.5x); peak bytes come
-from the independent tracker (megatron_ext.bench.memtrack.LiveBytesTracker). On CUDA each case runs
+from the independent tracker (megatron_ext.measure.memtrack.LiveBytesTracker). On CUDA each case runs
 once on the real link, peak bytes from torch.cuda.max_memory_allocated (reset per measured step);
 --overhead adds step times from CUDA events. R is computed for the local layer spec only (the theory
 does not model the transformer-engine spec). The table goes to stderr; --json alone prints pure JSON
@@ -145,7 +145,7 @@ def main(argv=None):
 
     import torch
 
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
     from megatron_ext.platform import faithful
 
     cuda = torch.cuda.is_available()

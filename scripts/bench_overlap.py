@@ -246,7 +246,7 @@ def main(argv=None):
     platform.setup()
     import torch
 
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
     from megatron_ext.platform import faithful
     from megatron_ext.schedules import costmodel, trace
 

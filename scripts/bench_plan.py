@@ -66,7 +66,7 @@ CASES = {
 
 def run_case(name: str) -> list:
     """Rows (one per pipeline stage) for one case."""
-    from megatron_ext.bench.launch import run_world
+    from megatron_ext.measure.launch import run_world
     from megatron_ext.bench.plan import measure
 
     n, argv = CASES[name]
@@ -92,6 +92,32 @@ def run_case(name: str) -> list:
     return rows
 
 
+def _published_names() -> list:
+    from megatron_ext.planner.published import CASES as PUBLISHED
+
+    return list(PUBLISHED)
+
+
+def published_case(name: str) -> dict:
+    """The planner on a published run (as given): predicted peak and throughput beside the published."""
+    import arguments
+
+    from megatron_ext.planner import cli
+    from megatron_ext.planner.published import CASES as PUBLISHED, GIB
+
+    c = PUBLISHED[name]
+    report = cli.main([*c["argv"], "--gpu", c["gpu"], "--json"], "--", arguments.parse)
+    g = report["as_given"]
+    row = dict(case=name, gpu=c["gpu"], source=c["source"], published_peak_gib=c["peak_gib"],
+               predicted_peak_gib=max(g["peak_bytes_per_stage"]) / GIB,
+               published_tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"],
+               predicted_tokens_per_s_per_gpu=g["tokens_per_s_per_gpu"], fits_as_given=g["fits"], time=g["time"])
+    print(f"{name}: peak {row['predicted_peak_gib']:.1f} GiB (published {c['peak_gib']}), "
+          f"{row['predicted_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (published {c['tokens_per_s_per_gpu']:.0f})",
+          file=sys.stderr)
+    return row
+
+
 def table(rows: list) -> str:
     mib = 2**20
     head = ("case", "stage", "predicted MiB", "measured MiB", "error", "act pred MiB", "act meas MiB", "act error",
@@ -115,21 +141,25 @@ def main(argv=None) -> int:
     parser.add_argument("--validate", action="store_true",
                         help="also validate the planner's choice for recipes/cluster/mixtral_8x7b.yaml scaled down "
                         "(megatron_ext.bench.plan.validate_choice); JSON key \"validation\"")
+    parser.add_argument("--published", nargs="*", default=None, metavar="CASE",
+                        help="also plan the published H100 runs (megatron_ext.planner.published; all without "
+                        "names) and compare with their published peak and throughput; JSON key \"published\"")
     opts = parser.parse_args(argv)
     os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
     from megatron_ext import platform
 
     platform.setup()
     rows = []
-    for name in opts.cases:
+    for name in ([] if opts.published is not None and opts.cases == list(CASES) else opts.cases):
         rows += run_case(name)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(table(rows), file=sys.stderr)
-    worst = max(abs(r["error"]) for r in rows)
-    print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
+    if rows:
+        worst = max(abs(r["error"]) for r in rows)
+        print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
     out = {"cases": rows}
     if opts.validate:
-        from megatron_ext.bench.launch import run_world
+        from megatron_ext.measure.launch import run_world
         from megatron_ext.bench.plan import validate_choice
 
         v = run_world(2, validate_choice)[0]
@@ -140,6 +170,8 @@ def main(argv=None) -> int:
               f"{max(v['chosen_peaks']) / gib:.1f} GiB. Scaled down: budget {v['scaled_budget_bytes'] / mib:.2f} MiB; "
               f"measured {v['measured_with_choice'] / mib:.2f} MiB with the choice, "
               f"{v['measured_without'] / mib:.2f} MiB without offload", file=sys.stderr)
+    if opts.published is not None:
+        out["published"] = [published_case(name) for name in (opts.published or _published_names())]
     if opts.json:
         print(json.dumps(out, indent=1))
     return 0

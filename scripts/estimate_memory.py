@@ -8,6 +8,10 @@ activations of the first pipeline stage with its in-flight micro-batches (megatr
 Korthikanti et al. 2022, Table 2: it counts a dense MLP of --ffn-hidden-size per layer, so for MoE
 layers it does not count the routed tokens' top-k expert activations or the dispatcher's buffers,
 and it ignores our activation offload). Not measured on GPU.
+
+How it differs from scripts/plan.py (the planner): this is megatron's closed-form estimate, its first
+stage only, no schedule, dispatch buffers or offload; the planner traces the model itself, replays
+megatron's schedule per stage and searches recompute / offload / layout (docs/planner.md).
 """
 from __future__ import annotations
 

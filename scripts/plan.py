@@ -3,19 +3,41 @@ choose the offload / prefetch / recompute (with --search-parallelism also the TP
 split) that fits a memory budget at the least step time. See docs/planner.md.
 
     PYTHONPATH=. .venv/bin/python scripts/plan.py --recipe recipes/cluster/llama3_70b.yaml --gpu h100 \
-        [--memory-gb N] [--host-link-gbps N] [--search-parallelism] [--json] [--png FILE] [megatron flags]
+        [--memory-gb N] [--host-link-gbps N] [--search-parallelism] [--json] [--png FILE] [train.py flags]
 
-Same as `train.py --recipe R --plan [--plan-gpu ...]`. Predictions only: not measured on GPU.
+Same as `train.py --recipe R --plan [--plan-gpu ...]` (recipe keys plan_gpu:, plan_memory_gb:, ...).
+The run is planned as the cluster runs it: megatron's transformer-engine spec unless --assume-no-te
+(then the local spec, traced exactly). Predictions only: not measured on GPU.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def usage_parser() -> argparse.ArgumentParser:
+    """--help: the planner's options (megatron_ext.planner.OPTIONS, spelled --NAME here) and where the
+    run's flags go. The options are parsed with the run's flags by train.py's argument table."""
+    from megatron_ext.planner import OPTIONS
+
+    p = argparse.ArgumentParser(
+        prog="scripts/plan.py", description=__doc__.split("\n\n")[0],
+        epilog="Every other flag is train.py's (its recipe, megatron's flags, --assume-no-te for the local "
+        "spec); `train.py --help` lists them. Refusals are one line naming the flag. Docs: docs/planner.md.")
+    p.add_argument("--recipe", metavar="YAML", help="the run's recipe (recipes/cluster/*.yaml)")
+    for name, kw in OPTIONS.items():
+        p.add_argument("--" + name, **kw)
+    return p
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        usage_parser().print_help()
+        return 0
     from megatron_ext import errors, platform
 
     platform.setup()  # before megatron-core is imported
@@ -23,8 +45,9 @@ def main(argv=None):
 
     from megatron_ext import planner
 
-    errors.run(lambda: planner.main(argv), explain=arguments.explain)
+    errors.run(lambda: planner.main(argv, parse=arguments.parse), explain=arguments.explain)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""megatron_ext.bench.launch.run_world, which the benchmark scripts run their ranks with: every rank's
+"""megatron_ext.measure.launch.run_world, which the benchmark scripts run their ranks with: every rank's
 result comes back in rank order, and the workers' own output goes to stderr so that a script's
 --json stdout stays pure JSON."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import json
-from megatron_ext.bench.launch import run_world
+from megatron_ext.measure.launch import run_world
 from tests.test_bench_launch import all_reduce_job
 print(json.dumps(run_world(2, all_reduce_job, timeout=100, base=10)))
 """

@@ -233,7 +233,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
     from megatron.core import parallel_state
 
     from megatron_ext import platform
-    from megatron_ext.bench.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
+    from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.offload import manager as om
     from megatron_ext.platform import faithful, streams
     from megatron_ext.training import parallel
@@ -312,7 +312,7 @@ def time_steps(modules, steps: int = 10, warmup: int = 3, offload_kw=None, **mod
     """CUDA only: step time with offload off and on (CUDA events on the compute stream), peak
     device bytes of one step each (max_memory_allocated), bytes offloaded per step and the measured
     host-link bandwidth (pinned D2H copy)."""
-    from megatron_ext.bench.memtrack import CudaPeak
+    from megatron_ext.measure.memtrack import CudaPeak
     from megatron_ext.offload import manager as om
     from megatron_ext.platform import streams
     from megatron_ext.training import parallel

@@ -69,7 +69,7 @@ def measure(argv: list, tracer=None) -> dict:
     from megatron.core import parallel_state
 
     from megatron_ext import offload, planner, schedules
-    from megatron_ext.bench.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
+    from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.training import data, model as models, optimizer as optim, parallel, run, step
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -100,7 +100,7 @@ def measure(argv: list, tracer=None) -> dict:
         step.train_step(args, model, optimizer, scheduler, iterators.train, tracked)
         if mgr is not None:
             mgr.synchronize()
-        from megatron_ext.planner.trace import global_buffer_bytes
+        from megatron_ext.planner.record import global_buffer_bytes
 
         measured = dict(parameters=sum(params.values()), gradients=sum(grads.values()), optimizer=sum(opt.values()),
                         buffers=global_buffer_bytes(), activations=tracker.peak)
@@ -185,10 +185,14 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
 
     from megatron_ext import planner
     from megatron_ext.planner import cli, search
-    from megatron_ext.planner import trace as tr
+    from megatron_ext.planner.run import recompute_of
 
-    _, full = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0"])
-    given, tracer = (tr.recompute_of(full),), search.Tracer()
+    import arguments
+
+    # the local spec (--assume-no-te): what the scaled-down run measures on this machine
+    _, full = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0", "--transformer-impl", "local",
+                         "--assume-no-te"], "--", arguments.parse)
+    given, tracer = (recompute_of(full),), search.Tracer()
     everything = planner.plan(full, gpu=gpu, memory_gb=1e6, top=10**6, recomputes=given, tracer=tracer)["candidates"]
     plain = next(c for c in everything if not any(f.startswith("--activation-offload") for f in c.flags))
     best = min((c for c in everything if c is not plain), key=lambda c: max(c.peak_bytes_per_stage))

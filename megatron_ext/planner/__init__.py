@@ -5,31 +5,45 @@ budget at the least step time. See docs/planner.md.
     scripts/plan.py --recipe R [flags] --gpu h100 [--memory-gb N] [--host-link-gbps N] [--json]
     train.py --recipe R [flags] --plan [--plan-gpu h100] [--plan-memory-gb N] ...
 
-Entry points: ``predict_memory(args)`` (per-stage bytes for parsed arguments) and ``plan(...)`` (the
-search); ``main(argv)`` is the command line of both.
+Its options are declared once, here (``OPTIONS``): train.py and recipes spell them ``--plan-NAME`` /
+``plan_NAME:``, scripts/plan.py ``--NAME``; both go through megatron_ext's argument table.
+Entry points: ``add_arguments(parser)``, ``predict_memory(args)`` (per-stage bytes for parsed
+arguments), ``plan(...)`` (the search) and ``main(argv, prefix, parse)`` (the command line of both).
+
+The package imports the runtime's vocabulary (offload options, dispatch budgets, megatron's
+schedules) and ``megatron_ext.measure``, never the argument table (``arguments``: the entry point
+hands its ``parse`` in) nor ``megatron_ext.bench``.
 """
 from __future__ import annotations
 
-__all__ = ["add_arguments", "predict_memory", "plan", "main"]
+__all__ = ["OPTIONS", "add_arguments", "predict_memory", "plan", "main"]
+
+# name: argparse keywords. train.py / recipes: --plan-NAME / plan_NAME; scripts/plan.py: --NAME
+OPTIONS = {
+    "gpu": dict(default="h100", metavar="GPU",
+                help="GPU the plan is for: a100, h100, h200, b200, gb200 (megatron_ext/planner/hardware.py)."),
+    "memory-gb": dict(type=float, default=None, metavar="GIB",
+                      help="Device memory budget per GPU in GiB (default: the GPU's memory less 10%% reserve)."),
+    "host-link-gbps": dict(type=float, default=None, metavar="GBPS",
+                           help="Host link bandwidth per GPU in GB/s, each direction (default: the GPU's PCIe)."),
+    "search-parallelism": dict(action="store_true",
+                               help="Also search the TP/PP/VPP/EP/micro-batch split for the run's world size."),
+    "json": dict(action="store_true", help="Print the plan as one JSON object."),
+    "png": dict(default=None, metavar="FILE",
+                help="Also draw per stage memory by component, as given and with the chosen configuration."),
+    "top": dict(type=int, default=5, metavar="N", help="How many candidates to print."),
+}
 
 
-def add_arguments(parser):
-    from megatron_ext.planner.hardware import GPUS
-
+def add_arguments(parser, prefix: str = "--plan-"):
+    """Declare the planner's options (``--plan`` and ``OPTIONS``) on ``parser``; their dests are
+    ``plan_NAME`` whatever the spelling."""
     g = parser.add_argument_group("megatron_ext: planner", "predict each stage's peak memory and the step time; "
                                   "choose offload / recompute / layout for a budget (docs/planner.md)")
     g.add_argument("--plan", action="store_true",
                    help="Print the plan for this recipe and flags instead of training (same as scripts/plan.py).")
-    g.add_argument("--plan-gpu", choices=sorted(GPUS), default="h100", help="GPU the plan is for.")
-    g.add_argument("--plan-memory-gb", type=float, default=None,
-                   help="Device memory budget per GPU in GiB (default: the GPU's memory less 10%% reserve).")
-    g.add_argument("--plan-host-link-gbps", type=float, default=None,
-                   help="Host link bandwidth per GPU in GB/s, each direction (default: the GPU's PCIe).")
-    g.add_argument("--plan-search-parallelism", action="store_true",
-                   help="Also search the TP/PP/VPP/EP/micro-batch split for the run's world size.")
-    g.add_argument("--plan-json", action="store_true", help="Print the plan as JSON.")
-    g.add_argument("--plan-png", default=None, metavar="FILE",
-                   help="Also draw per stage memory by component, before/after the chosen offload.")
+    for name, kw in OPTIONS.items():
+        g.add_argument(prefix + name, dest="plan_" + name.replace("-", "_"), **kw)
     return parser
 
 
@@ -40,24 +54,10 @@ def predict_memory(args, recompute=None, offload=None, trace=None, backend: str 
     state is set up and torn down around the trace)."""
     from megatron_ext.planner import memory
     from megatron_ext.planner import trace as tr
+    from megatron_ext.planner.run import target_config
 
-    config = target_config(args)
     traced = trace if trace is not None else tr.trace(args, recompute)
-    scaled = tr.Scaled(traced, tr.factors_for(args, traced), ep=args.expert_model_parallel_size)
-    return memory.predict(args, config, scaled, offload, backend)
-
-
-def target_config(args):
-    """The run's TransformerConfig, built without a model (as --dry-run does)."""
-    import contextlib
-    import io
-
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    from megatron_ext.planner.trace import buildable_here
-
-    with contextlib.redirect_stdout(io.StringIO()):  # only its layer layout is read: kernels do not matter
-        return core_transformer_config_from_args(buildable_here(args))
+    return memory.predict(args, target_config(args), tr.scaled(args, traced), offload, backend)
 
 
 def plan(*args, **kwargs):
@@ -66,9 +66,10 @@ def plan(*args, **kwargs):
     return _plan(*args, **kwargs)
 
 
-def main(argv: list | None = None, prefix: str = "--"):
+def main(argv: list | None = None, prefix: str = "--", parse=None):
     """The command line: scripts/plan.py's flags (prefix "--": --gpu, --memory-gb, ...) or
-    train.py's (prefix "--plan-": --plan-gpu, --plan-memory-gb, ...)."""
+    train.py's (prefix "--plan-": --plan-gpu, --plan-memory-gb, ...). ``parse``: the argument
+    table's parse (``arguments.parse``), handed in by the entry point."""
     from megatron_ext.planner.cli import main as _main
 
-    return _main(argv, prefix)
+    return _main(argv, prefix, parse)

@@ -2,7 +2,6 @@
 component, then the best candidates for the budget and the flags of the winner."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -12,59 +11,65 @@ import sys
 GIB = 2**30
 COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", "working_set", "moe_dispatch",
               "offload_removed")
-# scripts/plan.py's spellings -> train.py's (declared in megatron_ext.planner.add_arguments)
-SHORT = {"--gpu": "--plan-gpu", "--memory-gb": "--plan-memory-gb", "--host-link-gbps": "--plan-host-link-gbps",
-         "--search-parallelism": "--plan-search-parallelism", "--json": "--plan-json", "--png": "--plan-png"}
 
 
-def _own_parser(prefix: str) -> argparse.ArgumentParser:
+def train_flags(argv: list) -> list:
+    """scripts/plan.py's spellings (--gpu, --memory-gb=N, ...) as train.py's (--plan-gpu, ...): one
+    table (``megatron_ext.planner.OPTIONS``) for both and for recipe keys (plan_gpu: ...)."""
+    from megatron_ext.planner import OPTIONS
+
+    out = []
+    for a in argv:
+        name, eq, value = a.partition("=")
+        if name.startswith("--") and name[2:] in OPTIONS:
+            a = f"--plan-{name[2:]}{eq}{value}"
+        out.append(a)
+    return out
+
+
+def target_flags(argv: list) -> list:
+    """Validate for the GPU cluster the plan is for: --platform cuda, transformer-engine there unless
+    --assume-no-te (megatron's own default spec), the GPU named by --plan-gpu."""
+    given = {a.partition("=")[0] for a in argv}
+    out = [] if "--platform" in given else ["--platform", "cuda"]
+    if not given & {"--assume-te", "--assume-no-te"}:
+        out.append("--assume-te")
+    return out
+
+
+def parse(argv: list, prefix: str = "--", parse_run=None):
+    """(planner options as a dict, the run's parsed arguments validated for the GPU cluster). Both
+    come from one parse of the argument table (``parse_run``: ``arguments.parse``), so a recipe's
+    ``plan_gpu:`` is read as --plan-gpu is."""
     from megatron_ext.errors import ConfigError
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise ConfigError(message)
-
-    p = Parser(add_help=False)
-    p.add_argument(f"{prefix}gpu", dest="gpu", default="h100")
-    p.add_argument(f"{prefix}memory-gb", dest="memory_gb", type=float, default=None)
-    p.add_argument(f"{prefix}host-link-gbps", dest="host_link_gbps", type=float, default=None)
-    p.add_argument(f"{prefix}search-parallelism", dest="search_parallelism", action="store_true")
-    p.add_argument(f"{prefix}json", dest="json", action="store_true")
-    p.add_argument(f"{prefix}png", dest="png", default=None)
-    p.add_argument("--top", type=int, default=5)
-    if prefix != "--":
-        p.add_argument("--plan", action="store_true")
-    return p
-
-
-def parse(argv: list, prefix: str = "--"):
-    """(planner options, the run's parsed arguments validated for a CUDA cluster)."""
-    from megatron_ext.errors import ConfigError
-
-    opts, rest = _own_parser(prefix).parse_known_args(argv)
-    flag = f"{prefix}memory-gb"
-    if opts.memory_gb is not None and not opts.memory_gb > 0:
-        raise ConfigError(f"{flag}={opts.memory_gb}: must be > 0")
-    if opts.host_link_gbps is not None and not opts.host_link_gbps > 0:
-        raise ConfigError(f"{prefix}host-link-gbps={opts.host_link_gbps}: must be > 0")
+    from megatron_ext.planner import OPTIONS
     from megatron_ext.planner.hardware import GPUS
 
-    if opts.gpu not in GPUS:
-        raise ConfigError(f"{prefix}gpu={opts.gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
-    target = [] if any(a.startswith(("--platform", "--assume")) for a in rest) else ["--platform", "cuda", "--assume-te"]
-    if not any(a.startswith("--target-gpu") for a in rest) and opts.gpu in ("a100", "h100", "h200", "b200", "gb200"):
-        target += ["--target-gpu", opts.gpu]
-    args = parse_run([*rest, *target])
-    args.plan_argv = [*rest, *target]  # a layout of the search is these flags and its own, validated again
+    run_argv = list(argv) if prefix == "--plan-" else train_flags(argv)
+    run_argv += target_flags(run_argv)
+    args = _parse_run(parse_run, run_argv)
+    opts = {name.replace("-", "_"): getattr(args, "plan_" + name.replace("-", "_")) for name in OPTIONS}
+    if opts["gpu"] not in GPUS:
+        raise ConfigError(f"{prefix}gpu={opts['gpu']}: unknown GPU; known: {', '.join(sorted(GPUS))}")
+    for name in ("memory_gb", "host_link_gbps"):
+        if opts[name] is not None and not opts[name] > 0:
+            raise ConfigError(f"{prefix}{name.replace('_', '-')}={opts[name]}: must be > 0")
+    if getattr(args, "platform", None) == "cuda" and getattr(args, "target_gpu", None) is None:
+        run_argv += ["--target-gpu", opts["gpu"]]
+        args = _parse_run(parse_run, run_argv)
+    args.plan_argv = run_argv  # a layout of the search is these flags and its own, validated again
     return opts, args
 
 
-def parse_run(argv: list):
+def _parse_run(parse_run, argv: list):
     """The run's arguments, validated as --dry-run does (megatron's derived values included)."""
-    import arguments
-
     with contextlib.redirect_stdout(io.StringIO()):
-        return arguments.parse([*argv, "--dry-run"], exit_on_dry_run=False)
+        return parse_run([*argv, "--dry-run"], exit_on_dry_run=False)
+
+
+def reparse(parse_run):
+    """For the search: the run's flags with a layout's, validated again."""
+    return lambda argv: _parse_run(parse_run, argv)
 
 
 def stage_table(stages: list) -> str:
@@ -111,46 +116,68 @@ def _grid(rows) -> str:
     return "\n".join(out)
 
 
+def as_given_json(c) -> dict:
+    """The run exactly as its flags say: per stage peak, step time and throughput (predicted)."""
+    return dict(peak_bytes_per_stage=[round(p) for p in c.peak_bytes_per_stage], step_time_s=c.step_time_s,
+                tokens_per_s_per_gpu=c.time["tokens_per_s_per_gpu"], model_tflops_per_gpu=c.time["model_tflops_per_gpu"],
+                fits=c.fits, time={k: v for k, v in c.time.items() if k.endswith("_s")})
+
+
+def time_line(t: dict) -> str:
+    return " + ".join(f"{k[:-2]} {v:.3g}" for k, v in t.items() if k.endswith("_s") and k != "step_time_s")
+
+
 def candidate_table(cands: list) -> str:
     rows = [("#", "fits", "step s", "largest stage GiB", "layout", "flags", "why")]
     for i, c in enumerate(cands):
         rows.append((str(i + 1), "yes" if c.fits else "no", f"{c.step_time_s:.3f}",
-                     f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout, " ".join(c.flags) or "(as given)", c.why))
+                     f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout,
+                     "(as given)" if c.as_given else (" ".join(c.flags) or "(no recompute, no offload)"), c.why))
     return _grid(rows)
 
 
-def main(argv: list | None = None, prefix: str = "--") -> dict:
+def main(argv: list | None = None, prefix: str = "--", parse_run=None) -> dict:
     from megatron_ext import platform
     from megatron_ext.planner.search import plan
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts, args = parse(argv, prefix)
+    if parse_run is None:  # train.py --plan, until it hands arguments.parse in (an arrow back up)
+        import arguments
+
+        parse_run = arguments.parse
+    opts, args = parse(argv, prefix, parse_run)
     platform.init_distributed()  # the trace runs a tiny copy of the model on this process
     log = logging.getLogger("megatron")
     level = log.level
     log.setLevel(logging.ERROR)  # building the tiny copies warns; stdout stays the plan's
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            result = plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, host_link_gbps=opts.host_link_gbps,
-                          search_parallelism=opts.search_parallelism, top=opts.top, flag_prefix=prefix)
+            result = plan(args, gpu=opts["gpu"], memory_gb=opts["memory_gb"], host_link_gbps=opts["host_link_gbps"],
+                          search_parallelism=opts["search_parallelism"], top=opts["top"], flag_prefix=prefix,
+                          reparse=reparse(parse_run))
     finally:
         log.setLevel(level)
-    if opts.png:
+    if opts["png"]:
         from megatron_ext.planner.picture import draw
 
-        draw(result, opts.png)
+        draw(result, opts["png"])
     report = dict(stages=[dict(stage=s["stage"], peak_bytes=round(s["peak_bytes"]),
                                components={k: round(v) for k, v in s["components"].items()},
                                in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
                           for s in result["stages"]],
                   candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
-                  budget_bytes=round(result["budget_bytes"]), layout=result["layout"])
-    if opts.json:
+                  budget_bytes=round(result["budget_bytes"]), layout=result["layout"],
+                  as_given=as_given_json(result["as_given"]))
+    if opts["json"]:
         print(json.dumps(report, indent=1))
         return report
-    print(f"{result['layout']} on {opts.gpu}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
+    print(f"{result['layout']} on {opts['gpu']}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
           f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s, efficiency {result['efficiency']:.0%} of peak "
           "(predicted; not measured on GPU)")
+    g = result["as_given"]
+    print(f"\nAs given: {'fits' if g.fits else 'does not fit'}; {g.step_time_s:.3f} s per step = "
+          f"{time_line(g.time)} s; {g.time['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+          f"{g.time['model_tflops_per_gpu']:.0f} model TFLOP/s/GPU")
     print("\nAs given, per pipeline stage (GiB):")
     print(stage_table(result["stages"]))
     print("\nPer model chunk (GiB; activations: saved for backward):")
@@ -158,7 +185,8 @@ def main(argv: list | None = None, prefix: str = "--") -> dict:
     print(f"\nBest {len(result['candidates'])} of {result['all_candidates']} candidates:")
     print(candidate_table(result["candidates"]))
     best = result["candidates"][0]
-    print("\nFlags of the winner: " + (" ".join(best.flags) or "(none: the run as given fits)"))
-    if opts.png:
-        print(f"Picture: {opts.png}")
+    print("\nFlags of the winner: " + ("(none: the run fits as given)" if best.as_given else " ".join(best.flags)
+                                        or "(none: drop the run's recompute / offload)"))
+    if opts["png"]:
+        print(f"Picture: {opts['png']}")
     return report

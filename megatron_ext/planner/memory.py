@@ -32,7 +32,7 @@ import dataclasses
 import math
 
 from megatron_ext.planner import schedule
-from megatron_ext.planner.trace import layer_kinds
+from megatron_ext.planner.run import fixed_budget_rows, layer_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +44,13 @@ class Offload:
 
     @classmethod
     def from_args(cls, args) -> "Offload":
-        mods = tuple(getattr(args, "activation_offload_modules", None) or ())
-        if not mods:
+        """The run's offload, as the offload package reads its validated options."""
+        if not getattr(args, "activation_offload_modules", None):
             return cls()
-        from megatron_ext.offload.manager import canonical_modules
+        from megatron_ext.offload import options_from_args
 
-        return cls(canonical_modules(mods), args.activation_offload_prefetch_depth,
-                   int(args.activation_offload_min_tensor_kb * 1024), args.activation_offload_pool_mb * 2**20)
+        o = options_from_args(args)
+        return cls(tuple(o.modules), o.prefetch_depth, o.min_tensor_bytes, float(o.pool_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,20 +167,6 @@ def dispatch_rows(args, layout: Layout) -> float:
     if factor is not None and getattr(args, "moe_pad_expert_input_to_capacity", False):
         routed = args.num_experts * math.ceil(routed / args.num_experts * factor)
     return float(routed * layout.etp)
-
-
-def fixed_budget_rows(args, ep: int, tp: int):
-    """Rows a rank's experts compute on per MoE layer under --moe-zero-sync-dropless over all-to-all:
-    EP x the fixed budget per destination (``megatron_ext.moe.fixed_dispatch.budget_rows``; padding
-    rows included). None for other dispatchers."""
-    if not (getattr(args, "moe_zero_sync_dropless", False) and getattr(args, "moe_sync_free_dispatcher", False)
-            and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
-        return None
-    from megatron_ext.moe.fixed_dispatch import budget_rows
-
-    tokens = args.seq_length * args.micro_batch_size // tp
-    return ep * budget_rows(tokens, args.moe_router_topk or 1, args.num_experts, args.num_experts // ep,
-                            getattr(args, "moe_dropless_budget_factor", None))[0]
 
 
 def dispatch_bytes(args, layout: Layout) -> float:

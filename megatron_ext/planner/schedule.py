@@ -1,6 +1,6 @@
 """The order of forward and backward passes on one pipeline rank, from megatron's own schedule
 functions (forward_backward_pipelining_without_interleaving / _with_interleaving), run without a
-model on the stand-ins of ``megatron_ext.bench.p2p_programs`` (a process group that only knows its
+model on the stand-ins of ``megatron_ext.measure.p2p_programs`` (a process group that only knows its
 size and rank, passes that return placeholders, point-to-point calls recorded instead of sent).
 Which micro-batches are in flight at any moment follows from that order: nothing here restates the
 schedule's warm-up arithmetic."""
@@ -19,7 +19,7 @@ def passes(pp: int, vpp: int | None, num_microbatches: int, rank: int) -> tuple:
     import torch
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_ext.bench import p2p_programs as pg
+    from megatron_ext.measure import p2p_programs as pg
 
     interleaved = bool(vpp) and vpp > 1
     events: list = []

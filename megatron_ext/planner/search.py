@@ -16,6 +16,7 @@ import sys
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, steptime
 from megatron_ext.planner import trace as tr
+from megatron_ext.planner.run import recompute_of, target_config
 from megatron_ext.planner.hardware import EFFICIENCY, GPUS
 
 GIB = 2**30
@@ -34,9 +35,10 @@ class Candidate:
     stages: list = dataclasses.field(default_factory=list)
     time: dict = dataclasses.field(default_factory=dict)
     layout: str = ""
+    as_given: bool = False  # the run exactly as its flags say
 
     def as_json(self) -> dict:
-        return dict(flags=self.flags, fits=self.fits, peak_bytes_per_stage=[round(p) for p in self.peak_bytes_per_stage],
+        return dict(flags=self.flags, as_given=self.as_given, fits=self.fits, peak_bytes_per_stage=[round(p) for p in self.peak_bytes_per_stage],
                     step_time_s=self.step_time_s, why=self.why, layout=self.layout,
                     time={k: v for k, v in self.time.items() if k.endswith("_s")})
 
@@ -49,10 +51,11 @@ class Tracer:
 
     def __call__(self, args, recompute: str | None) -> dict:
         """``recompute`` None: as the run has it (its own --recompute-modules)."""
-        same = recompute == tr.recompute_of(args) and (
+        same = recompute == recompute_of(args) and (
             recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
         recompute = None if same else recompute
         key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute,
+               args.transformer_impl, tuple(getattr(args, "recompute_modules", None) or ()) if recompute is None else (),
                memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
         if key not in self.cache:
             self.cache[key] = tr.trace(args, recompute)
@@ -92,7 +95,7 @@ def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_
         flags += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     elif recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    elif tr.recompute_of(args) != "none":
+    elif recompute_of(args) != "none":
         notes.append("recompute off (drop recompute_granularity)")
     if off.modules:
         flags += ["--activation-offload-modules", *off.modules,
@@ -103,12 +106,9 @@ def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_
     return flags, notes
 
 
-def _reparse(args, flags: list, drop_uneven: bool):
-    """The run's flags with a layout's, validated again (megatron derives values from the sizes);
-    None when refused (the reason on stderr)."""
-    from megatron_ext.errors import ConfigError
-    from megatron_ext.planner.cli import parse_run
-
+def _reparse(args, flags: list, drop_uneven: bool, parse_run):
+    """The run's flags with a layout's, validated again by ``parse_run`` (megatron derives values
+    from the sizes); None when refused (the reason on stderr)."""
     argv = list(getattr(args, "plan_argv", None) or [])
     if drop_uneven:  # first/last stage layer counts belong to the recipe's pipeline size
         flags = [*flags, "--decoder-first-pipeline-num-layers", "0", "--decoder-last-pipeline-num-layers", "0"] \
@@ -122,7 +122,7 @@ def _reparse(args, flags: list, drop_uneven: bool):
     return a
 
 
-def layouts(args) -> list:
+def layouts(args, parse_run) -> list:
     """Parallel splits of the run's world size that megatron accepts (same global batch), each
     validated as --dry-run does."""
     out = []
@@ -157,17 +157,29 @@ def layouts(args) -> list:
                             flags += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1"]
                         if tp > 1:
                             flags.append("--sequence-parallel")
-                        a = _reparse(args, flags, pp != args.pipeline_model_parallel_size)
+                        a = _reparse(args, flags, pp != args.pipeline_model_parallel_size, parse_run)
                         if a is None:
                             continue
                         out.append(a)
     return out
 
 
+def _group_bytes(scaled, stages: list, off: memory.Offload) -> list:
+    """Per stage, the bytes one layer's offloaded group copies per micro-batch."""
+    return [max((sum(v for m, v in scaled.offloadable_at(scaled.kind(k), off.min_tensor_bytes).items()
+                     if m in off.modules)
+                 for k in {x for ch in s["layers"] for x in ch} if k in scaled.kinds), default=0.0) for s in stages]
+
+
+def _why(peaks: list, budget: float) -> tuple:
+    worst = max(range(len(peaks)), key=lambda i: peaks[i])
+    fits = peaks[worst] <= budget
+    return fits, (f"fits: stage {worst} peaks at {peaks[worst] / GIB:.1f} GiB <= {budget / GIB:.1f} GiB"
+                  if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
+
+
 def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dict, link: float,
               efficiency: float, recomputes=RECOMPUTE) -> list:
-    from megatron_ext.planner import target_config
-
     config = target_config(args)
     layout = memory.Layout.from_args(args)
     base = memory.Offload.from_args(args)
@@ -175,21 +187,17 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
     out = []
     for recompute in recomputes:
         traced = tracer(args, recompute)
-        scaled = tr.Scaled(traced, tr.factors_for(args, traced), ep=layout.ep)
+        scaled = tr.scaled(args, traced)
         for mods in _offload_sets(scaled, min_bytes, recompute):
             for depth in ((1, 2) if mods else (1,)):
                 off = memory.Offload(mods, depth, min_bytes)
                 stages = memory.predict(args, config, scaled, off)
-                group = [max((sum(v for m, v in scaled.offloadable_at(scaled.kind(k), min_bytes).items() if m in mods)
-                              for k in {x for ch in s["layers"] for x in ch} if k in scaled.kinds), default=0.0) for s in stages]
+                group = _group_bytes(scaled, stages, off)
                 t = steptime.step_time(args, layout, stages, group, gpu, efficiency, link, recompute)
                 peaks = [s["peak_bytes"] for s in stages]
                 pool = max(-s["components"]["offload_removed"] for s in stages)
                 flags, notes = _flags(args, recompute, off, pool, layout_search)
-                worst = max(range(len(peaks)), key=lambda i: peaks[i])
-                fits = peaks[worst] <= budget
-                why = (f"fits: stage {worst} peaks at {peaks[worst] / GIB:.1f} GiB <= {budget / GIB:.1f} GiB"
-                       if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
+                fits, why = _why(peaks, budget)
                 if t["offload_exposed_s"] > 0:
                     why += f"; the host link cannot hide {t['offload_exposed_s']:.2f} s of copies"
                 if notes:
@@ -200,11 +208,10 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
-         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None) -> dict:
+         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None) -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
-    Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets."""
-    from megatron_ext.planner import target_config
-
+    Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets. ``reparse``
+    (argv -> parsed arguments) validates the layouts of ``search_parallelism``."""
     if gpu not in GPUS:
         raise ConfigError(f"{flag_prefix}gpu={gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
     g = GPUS[gpu]
@@ -213,10 +220,17 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     tracer = tracer or Tracer()
     given = tracer(args, None)  # the run as given
     layout = memory.Layout.from_args(args)
-    scaled = tr.Scaled(given, tr.factors_for(args, given), ep=layout.ep)
+    scaled = tr.scaled(args, given)
     as_given = memory.predict(args, target_config(args), scaled)
+    off = memory.Offload.from_args(args)
+    t = steptime.step_time(args, layout, as_given, _group_bytes(scaled, as_given, off), g, efficiency, link,
+                           recompute_of(args))
+    peaks = [s["peak_bytes"] for s in as_given]
+    fits, why = _why(peaks, budget)
+    given_candidate = Candidate([], fits, peaks, t["step_time_s"], "as given: " + why, as_given, t,
+                                layout.describe(), as_given=True)
     candidates = []
-    for a in (layouts(args) if search_parallelism else [args]):
+    for a in (layouts(args, reparse) if search_parallelism else [args]):
         try:
             candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
         except (ValueError, AssertionError, RuntimeError) as e:  # a split megatron refuses
@@ -224,12 +238,15 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
                   file=sys.stderr)
             continue
     candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage), len(c.flags)))
+    # the run as given first when it fits: nothing to change, no recompute or offload it does not need
+    candidates = [given_candidate, *candidates] if fits else [*candidates, given_candidate]
     seen, unique = set(), []
     for c in candidates:
-        key = tuple(c.flags)
+        key = (c.as_given, tuple(c.flags), c.why.split("; ", 1)[-1] if not c.as_given else "")
         if key not in seen:
             seen.add(key)
             unique.append(c)
+    unique.sort(key=lambda c: not c.fits)  # stable: the fitting ones, in the order above
     if not unique or not unique[0].fits:
         closest = unique[0] if unique else None
         what = (f"; closest: {' '.join(closest.flags) or 'as given'} ({closest.layout}) needs "
@@ -238,4 +255,5 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         raise ConfigError(f"{given_flag}: no configuration fits {budget / GIB:.1f} GiB per GPU{what}")
     return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency,
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
+                as_given=given_candidate,
                 trace_divisor=given["divisor"])

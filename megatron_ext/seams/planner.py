@@ -16,6 +16,21 @@ Wrapped while the planner traces (``buffer_requests()``):
       The buffer is the largest request per key, and different requests scale differently (a
       gather with the hidden size, the attention scores with the sequence squared), so the planner
       scales each request and takes the largest at the target.
+Wrapped while the planner traces the tiny copy of a run on transformer-engine (``fused_attention()``):
+  DotProductAttention.forward   transformer/dot_product_attention.py:142 (the local spec's core
+      attention, which materialises [b, heads, s, s] scores and keeps its softmax for backward).
+      Replaced by a stand-in that keeps for backward what transformer-engine's fused attention keeps
+      (FusedAttnFunc.forward, transformer_engine/pytorch/attention/dot_product_attention/backends.py:
+      ``save_for_backward(q, k, v, out, cu_seqlens..., *aux_ctx_tensors)``, the aux tensors being the
+      softmax statistics, fp32 [b, heads, s, 1], and the RNG state): q, k, v, the output and a
+      [b, heads, s] fp32 statistic. It computes through torch's flash-attention kernel, whose scores
+      never exist as a tensor (causal; dropout is not applied: the trace counts bytes, not values).
+  torch.nn.RMSNorm.forward / torch.nn.LayerNorm.forward   the local spec's norms (megatron's
+      transformer/torch_norm.py:56 WrappedTorchNorm builds them), which on CPU save fp32 copies of
+      their input for backward. Replaced by one that keeps what transformer-engine's norms keep
+      (TENorm -> te.pytorch RMSNorm / LayerNorm, ``_LayerNorm`` / ``_RMSNorm`` forward:
+      ``save_for_backward(inputmat, weight, [mu,] rsigma)``): the input in its dtype and fp32
+      statistics per row.
 """
 from __future__ import annotations
 
@@ -86,12 +101,126 @@ BUFFER_REQUESTS = Patch(
     "planner trace only: the global memory buffer's requests, each scaled on its own",
     _install_buffer_requests,
 )
-SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS]
+class _FusedAttention(torch.autograd.Function):
+    """q [sq, b, heads, d], k / v [sk, b, groups, d(v)] -> [sq, b, heads x dv]; saves q, k, v, out and
+    the [b, heads, sq] fp32 log-sum-exp (TE's softmax statistics), nothing of size s x s."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        with torch.no_grad():
+            out, lse = _flash(q, k, v, scale)
+            out = out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)  # [sq, b, heads x dv]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _out, _lse = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            out = _flash(q_, k_, v_, ctx.scale)[0].permute(2, 0, 1, 3).reshape(grad.shape)
+            dq, dk, dv = torch.autograd.grad(out, (q_, k_, v_), grad)
+        return dq, dk, dv, None
+
+
+def _flash(q, k, v, scale):
+    """(out [b, heads, sq, dv], lse [b, heads, sq]) through the flash kernel (no score tensor)."""
+    heads, groups, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if groups != heads:
+        kb, vb = (t.repeat_interleave(heads // groups, dim=1) for t in (kb, vb))
+    if dv != d:  # multi-latent attention: values narrower than queries and keys
+        vb = torch.nn.functional.pad(vb, (0, d - dv))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, True, scale=scale)[:2]
+    return out[..., :dv], lse
+
+
+class _TENorm(torch.autograd.Function):
+    """y = norm(x) as the module computes it; saves x, the weight and fp32 [rows, 1] statistics
+    (rstd, and the mean for LayerNorm), as transformer-engine's norms do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        with torch.no_grad():
+            y = module._planner_forward(x)
+            xf = x.float()
+            stats = [xf.mean(-1, keepdim=True)] if isinstance(module, torch.nn.LayerNorm) else []
+            rstd = torch.rsqrt(((xf - stats[0]) if stats else xf).pow(2).mean(-1, keepdim=True) + (module.eps or 1e-6))
+            del xf
+        ctx.save_for_backward(x, weight, *stats, rstd)
+        ctx.module = module
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors[:2]
+        module = ctx.module
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_()
+            y = module._planner_forward(x_)
+            params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+            grads = torch.autograd.grad(y, [x_, *params], grad, allow_unused=True)
+        dw = grads[1] if len(grads) > 1 else None
+        db = grads[2] if len(grads) > 2 else None
+        return grads[0], dw, db, None
+
+
+def _install_te_norms():
+    undo = []
+    for cls in (torch.nn.RMSNorm, torch.nn.LayerNorm):
+        original = cls.forward
+
+        def forward(self, x, _original=original):
+            if getattr(self, "weight", None) is None:
+                return _original(self, x)
+            return _TENorm.apply(x, self.weight, getattr(self, "bias", None), self)
+
+        undo.append(set_attr(cls, "_planner_forward", original))
+        undo.append(set_attr(cls, "forward", forward))
+
+    def restore():
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
+def _install_fused_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        return _FusedAttention.apply(query, key, value, self.softmax_scale)
+
+    return set_attr(DotProductAttention, "forward", forward)
+
+
+FUSED_ATTENTION = Patch(
+    "planner.fused_attention",
+    ["megatron/core/transformer/dot_product_attention.py:142"],
+    "planner trace of a transformer-engine run only: core attention keeps what TE's fused attention keeps",
+    _install_fused_attention,
+)
+TE_NORMS = Patch(
+    "planner.te_norms",
+    ["megatron/core/transformer/torch_norm.py:56"],
+    "planner trace of a transformer-engine run only: norms keep what TE's norms keep (input, fp32 statistics)",
+    _install_te_norms,
+)
+SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS]
 
 
 @contextlib.contextmanager
 def balanced_routing():
     with BALANCED_ROUTING.applied():
+        yield
+
+
+@contextlib.contextmanager
+def transformer_engine_saves():
+    """Core attention and norms keep for backward what transformer-engine's keep."""
+    with FUSED_ATTENTION.applied(), TE_NORMS.applied():
         yield
 
 

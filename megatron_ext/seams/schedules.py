@@ -24,7 +24,7 @@ waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
     buffer per lane, since the "mpu" scratch buffer (layers.py:570/614, mappings.py:143-192)
     is held across a collective and the other lane would overwrite it.
 Benchmark and test only (scoped): megatron's per-micro-batch passes, labelled for the plain
-schedule's timeline, or replaced by stand-ins that let megatron_ext.bench.p2p_programs run a plain
+schedule's timeline, or replaced by stand-ins that let megatron_ext.measure.p2p_programs run a plain
 schedule without a model and record its pipeline messages.
 """
 from __future__ import annotations
@@ -258,7 +258,7 @@ PLAIN_SCHEDULE_STEPS = Patch(
 @contextlib.contextmanager
 def plain_schedule_steps(forward_step, backward_step):
     """Scoped: megatron's plain schedules call these instead of their per-micro-batch passes, so
-    that megatron_ext.bench.p2p_programs can run one without a model and record its messages."""
+    that megatron_ext.measure.p2p_programs can run one without a model and record its messages."""
     _STAND_INS.update(forward_step=forward_step, backward_step=backward_step)
     try:
         with PLAIN_SCHEDULE_STEPS.applied():

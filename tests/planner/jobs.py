@@ -2,12 +2,89 @@
 from __future__ import annotations
 
 
-def plan_json(argv):
-    """scripts/plan.py's report for argv, or the one-line refusal."""
+def plan_json(argv, prefix="--"):
+    """scripts/plan.py's report for argv (train.py's with prefix "--plan-"), or the one-line refusal."""
+    import arguments
+
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner import cli
 
     try:
-        return dict(report=cli.main([*argv, "--json"]))
+        return dict(report=cli.main([*argv, f"{prefix}json"], prefix, arguments.parse))
     except ConfigError as e:
         return dict(error=str(e))
+
+
+def plan_json_recipe(extra):
+    """plan_json for recipes/tiny_dense.yaml with ``extra`` keys added to the recipe."""
+    import os
+    import tempfile
+
+    import yaml
+
+    with open("recipes/tiny_dense.yaml") as f:
+        recipe = dict(yaml.safe_load(f), **extra)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(recipe, f)
+    try:
+        return plan_json(["--recipe", f.name])
+    finally:
+        os.unlink(f.name)
+
+
+def saved_seq_exponents(argv):
+    """Per spec (transformer-engine target, local), the largest exponent in sequence length among the
+    storages one dense layer saves for backward (2: something of size s x s is kept), and that
+    layer's saved bytes at the run's shape."""
+    import contextlib
+    import io
+
+    import arguments
+
+    from megatron_ext.planner import trace as tr
+
+    out = {}
+    for impl, assume in (("transformer_engine", "--assume-te"), ("local", "--assume-no-te")):
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, "--dry-run"],
+                                   exit_on_dry_run=False)
+        t = tr.trace(args)
+        s = tr.scaled(args, t)
+        comp = s.kind("dense")
+        exps = [t["exps"][k].get("seq", 0.0) for k, (c, _m) in t["raw"]["saved"].items() if c == comp]
+        out[impl] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
+    return out
+
+
+def published_throughput():
+    """(case, predicted tokens/s/GPU, published) for every published run: the step time as given
+    (no trace needed: its terms do not depend on the activations)."""
+    import arguments
+
+    from megatron_ext.planner import cli, memory, published, steptime
+    from megatron_ext.planner.hardware import EFFICIENCY, GPUS
+
+    rows = []
+    for name, c in published.CASES.items():
+        _, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
+        layout = memory.Layout.from_args(args)
+        gpu = GPUS[c["gpu"]]
+        t = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], gpu, EFFICIENCY,
+                               gpu["host_link"], "none")
+        rows.append((name, t["tokens_per_s_per_gpu"], c["tokens_per_s_per_gpu"]))
+    return rows
+
+
+def published_plan(name):
+    """The plan of one published run (the search without recompute: one trace), as --json has it,
+    with the published figures."""
+    import arguments
+
+    from megatron_ext.planner import cli, published, search
+
+    c = published.CASES[name]
+    opts, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
+    result = search.plan(args, gpu=opts["gpu"], recomputes=("none",))
+    report = dict(as_given=cli.as_given_json(result["as_given"]),
+                  candidates=[dict(flags=x.flags, as_given=x.as_given, fits=x.fits) for x in result["candidates"]])
+    return dict(report=report, published=dict(peak_gib=c["peak_gib"], tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"]))

@@ -1,12 +1,12 @@
 """Pipeline messages under NCCL's rules: the p2p checker, megatron's plain schedules and ours.
 
-Pure (no processes): megatron's schedules run on stand-ins (megatron_ext.bench.p2p_programs), ours
+Pure (no processes): megatron's schedules run on stand-ins (megatron_ext.measure.p2p_programs), ours
 is the same `steps` the schedule executes."""
 from __future__ import annotations
 
 import pytest
 
-from megatron_ext.bench.p2p_programs import megatron_program
+from megatron_ext.measure.p2p_programs import megatron_program
 from megatron_ext.schedules import overlap_1f1b
 from megatron_ext.schedules.p2p import Op, Wait, check
 

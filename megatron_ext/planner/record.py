@@ -1,0 +1,257 @@
+"""One traced micro-batch of the tiny model: every storage's life (allocated at op i, found dead at op
+j, n bytes), which storages are saved for backward (by component and offload module), the
+components' forward / backward op ranges, the parameters and megatron's global buffer requests.
+See megatron_ext/planner/trace.py."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+class _Tagger:
+    """Which component runs, forward and backward; every storage saved outside the offload
+    manager's hooks is recorded with it."""
+
+    def __init__(self, model, exclude):
+        from megatron_ext.seams import offload_layers
+
+        self.exclude = exclude
+        self.current = "embedding"
+        self.saved: dict = {}  # the tracker's storage index -> [component, offload module]
+        self.handles = []
+        self.marks: list = []  # (tracker op index, component, "F"/"B")
+        self.tracker = None
+        self.layers = offload_layers(model)
+        for i, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(f"layer{i}")))
+            self.handles.append(layer.register_forward_hook(lambda m, a, o, i=i: self._leave_layer(i, o)))
+        emb = getattr(model, "embedding", None)
+        if emb is not None:
+            self.handles.append(emb.register_forward_hook(lambda m, a, o: self._grad_mark(o, "embedding")))
+
+    def _enter(self, name):
+        self.current = name
+        self.marks.append((self.tracker.ops, name, "F"))
+
+    def _leave_layer(self, i, out):
+        nxt = "head" if i == len(self.layers) - 1 else f"layer{i + 1}"
+        self._grad_mark(out, f"layer{i}")
+        self.current = nxt
+        self.marks.append((self.tracker.ops, nxt, "F"))
+
+    def _grad_mark(self, out, name):
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda g: self.marks.append((self.tracker.ops, name, "B")))
+
+    def pack(self, t):
+        if isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        self.record(ptr, None)
+        return t
+
+    def record(self, ptr, module) -> None:
+        """A storage saved for backward (keyed by the tracker's index: a freed address may be reused)."""
+        k = self.tracker.ids.get(ptr)
+        if k is None:  # not allocated by the step (its inputs) or excluded (parameters)
+            return
+        rec = self.saved.get(k)
+        if rec is None:
+            self.saved[k] = [self.current, module]
+        elif rec[1] != module:
+            rec[1] = "shared"  # saved by two places: offloading one frees nothing
+
+    def remove(self):
+        """Unhook, and drop what the hooks reach: a model keeps tensors of its last forward (the MoE
+        dispatcher's probabilities), whose graph holds the tensor hooks and, through them, this
+        object; the model and its process groups must not be reachable from there."""
+        for h in self.handles:
+            h.remove()
+        self.handles, self.layers, self.tracker = [], [], None
+
+
+def _trace_manager_class():
+    from megatron_ext.offload.manager import OffloadManager
+
+    class _SeeingManager(OffloadManager):
+        """The offload manager's hook placement, recording instead of offloading."""
+
+        tagger: _Tagger = None
+
+        def _pack(self, t):
+            if self._group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+                return t
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            self.tagger.record(ptr, self._saving[-1][0] if self._saving else None)
+            return t
+
+    return _SeeingManager
+
+
+def _component_of(param_name: str) -> str:
+    if ".layers." in param_name:
+        return "layer" + param_name.split(".layers.")[1].split(".")[0]
+    if param_name.startswith("embedding"):
+        return "embedding"
+    return "head"
+
+
+class _AllocTracker:
+    """The live-bytes tracker, also keeping every storage's life as [first op, op at which it was
+    found dead, bytes] in the order storages appear, so that the timeline can be replayed with each
+    storage re-sized."""
+
+    def __new__(cls, exclude, device_type):
+        from megatron_ext.measure.memtrack import LiveBytesTracker
+
+        class Tracker(LiveBytesTracker):
+            def __init__(self):
+                super().__init__(exclude, device_type)
+                self.allocs: list = []
+                self.ids: dict = {}  # ptr -> index in allocs, while alive
+
+            def _sweep(self):
+                for ptr, (ref, _n) in list(self.live.items()):
+                    if ref.expired():
+                        self.current -= self.live.pop(ptr)[1]
+                        k = self.ids.pop(ptr, None)
+                        if k is not None:
+                            self.allocs[k][1] = self.ops
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.func = func.__name__
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+            def _see(self, t):
+                before = len(self.live)
+                super()._see(t)
+                if len(self.live) > before:
+                    ptr = t.untyped_storage().data_ptr()
+                    self.ids[ptr] = len(self.allocs)
+                    self.allocs.append([self.ops, None, self.live[ptr][1], self.func])
+
+        return Tracker()
+
+
+def global_buffer_bytes() -> int:
+    """Bytes of megatron's global memory buffer (sequence-parallel all-gathers reuse it; it stays)."""
+    from megatron.core import parallel_state
+
+    try:
+        buf = parallel_state.get_global_memory_buffer()
+    except AssertionError:
+        return 0
+    return sum(t.untyped_storage().nbytes() for t in buf.buffer.values())
+
+
+def run_once(args, kinds, seed: int = 1234) -> dict:
+    """Build the tiny model from ``args`` (already shrunk), run one micro-batch forward and backward.
+    Returns the storages' lives (allocs), which of them are saved (by component and offload
+    module), the component phases (op ranges, forward and backward) and the parameters. A MoE
+    model routes balanced (``megatron_ext.seams.planner``): every expert gets the same tokens."""
+    from megatron_ext.seams.planner import balanced_routing, transformer_engine_saves
+    from megatron_ext.training import model as models
+    from megatron_ext.training import parallel
+
+    parallel.initialize(tensor=args.tensor_model_parallel_size,
+                        expert_tensor=getattr(args, "expert_tensor_parallel_size", None), seed=seed)
+    routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
+    attention = transformer_engine_saves() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
+    try:
+        with routing, attention, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
+            return _run_built(args, kinds, seed)
+    finally:
+        models.release_models()
+        parallel.destroy()
+
+
+@contextlib.contextmanager
+def _budget_as_the_run(rows_per_token):
+    """The fixed-budget dispatcher's buffer rows per token as the run's (None: unchanged)."""
+    if rows_per_token is None:
+        yield
+        return
+    from megatron_ext.moe import fixed_dispatch
+    from megatron_ext.patching import set_attr
+
+    def budget_rows(tokens, topk, num_experts, num_local, factor):
+        return max(1, math.ceil(rows_per_token * tokens)), tokens * topk * num_local / num_experts
+
+    undo = set_attr(fixed_dispatch, "budget_rows", budget_rows)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _run_built(args, kinds, seed: int) -> dict:
+    from megatron_ext.measure.memtrack import model_state_ptrs
+    from megatron_ext.offload.manager import MODULES, Options
+    from megatron_ext.seams.planner import buffer_requests
+    from megatron_ext.training import model as models
+
+    config = models.transformer_config(args)
+    chunks = models.build_model(args, config, wrap_with_ddp=False)
+    model = chunks[0]
+    root = model
+    while hasattr(root, "module") and isinstance(root.module, torch.nn.Module):
+        root = root.module
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    exclude = model_state_ptrs(chunks)
+    params = {}
+    for name, p in root.named_parameters():
+        params.setdefault(_component_of(name), []).append(
+            (name, p.numel() * p.element_size(), ".experts." in name and "shared_experts" not in name))
+    g = torch.Generator().manual_seed(seed)
+    s, b = args.seq_length, args.micro_batch_size
+    dev = next(model.parameters()).device
+    tokens = torch.randint(0, args.padded_vocab_size, (b, s + 1), generator=g).to(dev)
+    pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, -1).contiguous()
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    tagger = _Tagger(root, exclude)
+    manager = _trace_manager_class()(Options(modules=MODULES, min_tensor_bytes=0))
+    manager.tagger = tagger
+    manager.attach(chunks)
+    tracker = _AllocTracker(exclude, dev.type)
+    tagger.tracker = tracker
+    # a first step untracked, as a run's measured step follows others: what persists across
+    # steps (megatron's global buffer for sequence-parallel gathers, cached rotary tables) exists
+    # before it and is counted once, as buffers
+    model(inputs, pos, mask, labels=labels).float().mean().backward()
+    for p in model.parameters():
+        p.grad.zero_()
+    tagger.marks.clear()
+    try:
+        with tracker, buffer_requests() as requests:
+            with torch.autograd.graph.saved_tensors_hooks(tagger.pack, lambda x: x):
+                tagger.marks.append((0, "embedding", "F"))
+                out = model(inputs, pos, mask, labels=labels)
+                loss = out.float().mean()
+            end_fwd = tracker.ops
+            tagger.marks.append((end_fwd, "head", "B"))
+            del out
+            loss.backward()
+            tracker._sweep()
+            end = tracker.ops
+    finally:
+        manager.detach()
+        manager.tagger = None
+        tagger.remove()
+    comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
+    saved = {}  # alloc index -> (component, offload module or None)
+    saved = {k: (comp, None if module == "shared" else module) for k, (comp, module) in tagger.saved.items()}
+    phases = {(w, c): [] for w in "FB" for c in comps}
+    for which, stop in (("F", end_fwd), ("B", end)):
+        marks = [(i, c) for i, c, k in tagger.marks if k == which] + [(stop, None)]
+        for (i0, c), (i1, _) in zip(marks, marks[1:]):
+            if c is not None and i1 > i0:
+                phases[(which, c)].append((i0, i1))
+    return dict(allocs=[tuple(a) for a in tracker.allocs], saved=saved, phases=phases, params=params,
+                comps=comps, ops=end, peak=tracker.peak, kinds=list(kinds), buffers=global_buffer_bytes(),
+                requests=list(requests))
