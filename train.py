@@ -15,11 +15,12 @@ from megatron_ext import platform  # noqa: E402
 
 def main(argv: list[str] | None = None) -> list[dict]:
     platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
+    import arguments
+
     if "--plan" in (sys.argv[1:] if argv is None else argv):  # predict memory and step time instead
         from megatron_ext import planner
 
-        return planner.main(argv, prefix="--plan-")
-    import arguments
+        return planner.main(argv, prefix="--plan-", parse=arguments.parse)
 
     args = arguments.parse(argv)  # every check happens here; --dry-run exits here
     platform.init_distributed(args.distributed_timeout_minutes * 60)

@@ -136,15 +136,11 @@ def candidate_table(cands: list) -> str:
     return _grid(rows)
 
 
-def main(argv: list | None = None, prefix: str = "--", parse_run=None) -> dict:
+def main(argv: list | None, prefix: str, parse_run) -> dict:
     from megatron_ext import platform
     from megatron_ext.planner.search import plan
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if parse_run is None:  # train.py --plan, until it hands arguments.parse in (an arrow back up)
-        import arguments
-
-        parse_run = arguments.parse
     opts, args = parse(argv, prefix, parse_run)
     platform.init_distributed()  # the trace runs a tiny copy of the model on this process
     log = logging.getLogger("megatron")
