@@ -117,12 +117,12 @@ def write_recipe(path: str, flags: dict, model_type: str) -> None:
 
 
 def _progress(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
+    """A progress bar over one shard file's tensors, on a terminal (or with MEGATRON_EXT_PROGRESS=1)."""
+    if not (sys.stderr.isatty() or os.environ.get("MEGATRON_EXT_PROGRESS")):
         return contextlib.nullcontext(None)
-    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False,
-                disable=not sys.stderr.isatty() and not os.environ.get("MEGATRON_EXT_PROGRESS"))
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def parse_args(recipe: str, extra: list[str]):
     platform.setup()
     import arguments
 
-    argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", *extra]
+    argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--num-workers", "0", *extra]
     if "--global-batch-size" not in extra:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         argv += ["--global-batch-size", "1"] if world == 1 else []

@@ -177,7 +177,8 @@ def flags(model_type: str, c: Config) -> dict:
     if model_type == "qwen3_moe":
         out = {**_dense(c), "qk_layernorm": True}
         # HF: norm_topk_prob=False keeps the softmax over all experts (megatron's pre-softmax)
-        out.update(_moe(c, "num_experts", "moe_intermediate_size", pre_softmax=not c.get("norm_topk_prob", False)))
+        experts = "num_experts" if "num_experts" in c.raw else "num_local_experts"  # transformers 5 writes the latter
+        out.update(_moe(c, experts, "moe_intermediate_size", pre_softmax=not c.get("norm_topk_prob", False)))
         step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
         pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(out["num_layers"])]
         if not all(pattern):
