@@ -68,10 +68,17 @@ def main(argv: list[str] | None = None):
             torch.save(out, args.out)
 
 
+def _explain(exc: BaseException) -> str | None:
+    from megatron_ext.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    import arguments  # megatron's own refusals of a flag (logits' layout flags)
+
+    return arguments.explain(exc)
+
+
 if __name__ == "__main__":
-    from megatron_ext import errors, platform
+    from megatron_ext import errors
 
-    platform.setup()
-    import arguments
-
-    errors.run(main, explain=arguments.explain)
+    errors.run(main, explain=_explain)

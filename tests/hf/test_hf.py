@@ -84,6 +84,13 @@ def _layout(family):
 @pytest.mark.parametrize("family", list(models.FAMILIES))
 def test_forward_equals_transformers_single_and_tp2(workdir, family):
     r = imported(workdir, family)
+    if family == "llama":  # too few positions for the forward to tell the llama3 factor: the recipe carries it
+        import yaml
+
+        with open(os.path.join(r["ckpt"], "recipe.yaml")) as f:
+            recipe = yaml.safe_load(f)
+        assert recipe["use_rope_scaling"] and recipe["rope_scaling_factor"] == 32.0, recipe
+        assert recipe["untie_embeddings_and_output_weights"] is False
     ref = models.hf_logits(r["hf"])
     single = run_distributed(1, "tests.hf.jobs:logits", load=r["ckpt"], ids=models.IDS, flags=[])[0]
     models.assert_close(single, ref)
@@ -101,7 +108,7 @@ def test_finetune_three_iterations_then_export_equals_ours(workdir):
     r = imported(workdir, "qwen3_moe")
     run = str(workdir / "qwen3_moe_run")
     recipe = os.path.join(r["ckpt"], "recipe.yaml")
-    argv = ["--recipe", recipe, "--load", r["ckpt"], "--finetune", "--save", run, "--mock-data",
+    argv = ["--recipe", recipe, "--load", r["ckpt"], "--finetune", "--save", run, "--save-interval", "3", "--mock-data", "--num-workers", "0",
             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
             "--lr", "1e-2", "--world-size", "2", "--use-distributed-optimizer", "--log-interval", "1",
             "--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj",
@@ -178,7 +185,8 @@ def _refused_in_build(shape, dtype, bad, ckpt):
             out[name] = str(e)
     try:
         train.main(["--recipe", os.path.join(ckpt, "recipe.yaml"), "--load", ckpt, "--mock-data", "--lr", "1e-3",
-                    "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1", "--world-size", "1"])
+                    "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1", "--world-size", "1",
+                    "--num-workers", "0"])
     except ConfigError as e:
         out["no_finetune"] = str(e)
     return out
