@@ -185,7 +185,7 @@ class _NoScheduler:
 def expand(model_type: str, c: families.Config, names) -> list[tuple[str, list[str], str]]:
     """The family's table with {L} and {E} filled in, kept where the model has the megatron name."""
     layers = c["num_hidden_layers"]
-    experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or 0
+    experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
     rows = []
     for mg, hf, kind in families.TABLES[model_type]:
         for layer in range(layers) if "{L}" in mg else [None]:
@@ -382,6 +382,9 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
 def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
     """The model's fp32 logits [seq, vocab] on `ids` under this process's layout (every rank calls;
     rank 0 returns them, the others None)."""
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region

@@ -52,6 +52,25 @@ TABLES = {
         (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
         (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
     ],
+    "deepseek_v3": _EMBEDDING + [  # MLA with query LoRA; dense first layers, then routed + shared experts
+        (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
+        (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
+        (M + "self_attention.linear_kv_down_proj.weight", [L + "self_attn.kv_a_proj_with_mqa.weight"], "copy"),
+        (M + "self_attention.kv_layernorm.weight", [L + "self_attn.kv_a_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_kv_up_proj.weight", [L + "self_attn.kv_b_proj.weight"], "copy"),
+        (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
+        (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
+        *_DENSE_MLP,  # the first_k_dense_replace layers
+        (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
+        (M + "mlp.router.expert_bias", [L + "mlp.gate.e_score_correction_bias"], "copy"),
+        (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
+        (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
+        (M + "mlp.shared_experts.linear_fc1.weight",
+         [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
+        (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
+    ],
     "mixtral": _EMBEDDING + _ATTENTION + [
         (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
         (_E + "linear_fc1.weight",
@@ -61,9 +80,8 @@ TABLES = {
 }
 
 # model_types of the zoo's other families: the project trains them, this converter does not map them yet
-NOT_YET = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-           "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
-           "kimi_k2": "DeepseekV3ForCausalLM"}
+NOT_YET = {"deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
+           "nemotron": "NemotronForCausalLM"}
 
 # config fields that say nothing about the weights or the forward pass
 IGNORED = {
@@ -189,4 +207,68 @@ def flags(model_type: str, c: Config) -> dict:
         c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
         out.update(_moe(c, "num_local_experts", "intermediate_size", pre_softmax=False))
         return out
+    if model_type == "deepseek_v3":
+        return _deepseek_v3(c)
     raise ConfigError(f"architecture {model_type} is not supported")
+
+
+def _deepseek_v3(c: Config) -> dict:
+    heads = c["num_attention_heads"]
+    c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
+    c.expect("attention_bias", [False], "attention biases are not mapped")
+    c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
+    c.expect("rope_interleave", [True], "megatron's multi-latent attention rotates interleaved pairs")
+    c.expect("norm_topk_prob", [True], "megatron normalises the top-k sigmoid scores")
+    if c.get("num_key_value_heads", heads) != heads:
+        raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
+    if c.get("q_lora_rank") is None:
+        raise refuse("q_lora_rank", None, "multi-latent attention without query LoRA is not mapped")
+    c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
+    c.get("num_nextn_predict_layers")  # transformers has no MTP layers: their weights, if present, are refused
+    topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1)
+    if groups > 1 and topk != 2 * group_topk:
+        raise refuse("topk_group", group_topk, f"megatron scores a group by its top num_experts_per_tok/topk_group "
+                     "experts, transformers by its top 2: they agree when num_experts_per_tok = 2 x topk_group")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or c["rope_theta"]
+    if float(theta) != int(theta):
+        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    flags = {"rope_type": "rope", "rotary_base": int(theta)}
+    if kind == "yarn":
+        # megatron's MLA yarn takes factor and both mscales; the rest are MLATransformerConfig's fixed values
+        for key, fixed in (("original_max_position_embeddings", 4096), ("beta_fast", 32.0), ("beta_slow", 1.0),
+                           ("truncate", True)):
+            if rope.pop(key, fixed) != fixed:
+                raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's MLA yarn fixes it at {fixed}")
+        flags = {"rope_type": "yarn", "rotary_base": int(theta), "rotary_scaling_factor": float(rope.pop("factor")),
+                 "mscale": float(rope.pop("mscale", 1.0)), "mscale_all_dim": float(rope.pop("mscale_all_dim", 0.0))}
+    elif kind != "default":
+        raise refuse("rope_parameters.rope_type", kind, "supported: default, yarn")
+    if rope:
+        key = sorted(rope)[0]
+        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+    layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
+    out = {
+        "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
+        "num_attention_heads": heads, "multi_latent_attention": True, "q_lora_rank": c["q_lora_rank"],
+        "kv_lora_rank": c["kv_lora_rank"], "qk_head_dim": c["qk_nope_head_dim"],
+        "qk_pos_emb_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"], "kv_channels": c["v_head_dim"],
+        "qk_layernorm": True, "normalization": "RMSNorm", "norm_epsilon": float(c["rms_norm_eps"]), "swiglu": True,
+        "disable_bias_linear": True, "max_position_embeddings": c["max_position_embeddings"],
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
+        "transformer_impl": "local", "position_embedding_type": "rope", **flags,
+        "num_experts": c["n_routed_experts"], "moe_router_topk": topk, "moe_ffn_hidden_size": c["moe_intermediate_size"],
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": float(c.get("routed_scaling_factor", 1.0)), "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+    if groups > 1:
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    if c.get("n_shared_experts"):
+        out["moe_shared_expert_intermediate_size"] = c["n_shared_experts"] * c["moe_intermediate_size"]
+    if dense:
+        out["moe_layer_freq"] = "[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]"
+    return out

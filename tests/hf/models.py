@@ -21,6 +21,16 @@ FAMILIES = {
     "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                       num_hidden_layers=3, head_dim=16, mlp_only_layers=[0], norm_topk_prob=False,
                       tie_word_embeddings=False),
+    # DeepSeek-V3: MLA with query LoRA, yarn rope (factor 40, mscale 1.0 / 1.0), a dense first layer, 8 routed
+    # experts top-4 in 4 groups (top-2 groups) with sigmoid scores, a score-correction bias and scaling 2.5,
+    # one shared expert
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+                        q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4,
+                        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     # Mixtral: 4 experts top-2, renormalised
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     tie_word_embeddings=False),
@@ -42,12 +52,14 @@ def make(root, family: str, shard_size: str = "40KB") -> str:
         local_tokenizers.make(tok_dir)  # 600 ids
     out = os.path.join(root, family)
     torch.manual_seed(7)
-    config = AutoConfig.for_model(family, **_COMMON, **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms away from their initial ones
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # norms away from their initial ones, score-correction biases away from 0
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out, max_shard_size=shard_size)
     AutoTokenizer.from_pretrained(os.path.join(tok_dir, "hf")).save_pretrained(out)
     return out

@@ -78,7 +78,7 @@ LAYOUTS = {  # world 2: TP2 with sequence parallelism; MoE models also EP2
 
 
 def _layout(family):
-    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral") else "dense"]
+    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3") else "dense"]
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES))
@@ -148,8 +148,8 @@ def test_refusals_are_one_line_naming_what(workdir):
             os.remove(os.path.join(d, drop))
         return d
 
-    with pytest.raises(ConfigError, match=r"architecture DeepseekV3ForCausalLM \(model_type deepseek_v3\) is not supported"):
-        hf.import_hf(variant("ds", lambda c: c.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])), str(bad))
+    with pytest.raises(ConfigError, match=r"architecture Llama4ForCausalLM \(model_type llama4\) is not supported"):
+        hf.import_hf(variant("l4", lambda c: c.update(model_type="llama4", architectures=["Llama4ForCausalLM"])), str(bad))
     with pytest.raises(ConfigError, match=r"missing shard model-00002-of-"):
         hf.import_hf(variant("noshard", drop=_hf_shards(r["hf"])[1]), str(bad))
     with pytest.raises(ConfigError, match=r"attention_bias=True: attention biases are not mapped"):
@@ -199,4 +199,4 @@ def test_cli_refuses_in_one_line(tmp_path):
     assert p.returncode == 1, p
     assert p.stderr.strip().splitlines()[-1:] == [
         f"error: --hf={tmp_path}: architecture GptOssForCausalLM (model_type gpt_oss) is not supported "
-        "(supported: llama, mixtral, qwen3, qwen3_moe)"], p.stderr
+        "(supported: deepseek_v3, llama, mixtral, qwen3, qwen3_moe)"], p.stderr
