@@ -79,10 +79,6 @@ TABLES = {
     ],
 }
 
-# model_types of the zoo's other families: the project trains them, this converter does not map them yet
-NOT_YET = {"deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
-           "nemotron": "NemotronForCausalLM"}
-
 # config fields that say nothing about the weights or the forward pass
 IGNORED = {
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
