@@ -333,7 +333,7 @@ class Checkpointer:
                         f"{lost} iteration{'s' if lost != 1 else ''} lost ({iterations[-1]} -> {iteration})"
                     )
                 self._print(loaded)
-                return iteration
+                return 0 if args.finetune else iteration  # --finetune: megatron's iteration 0
             line = f"damaged checkpoint {path}: {damage}"
             if args.no_ckpt_fallback or args.ckpt_step is not None:
                 why = "--no-ckpt-fallback" if args.no_ckpt_fallback else f"--ckpt-step={args.ckpt_step}"
@@ -381,9 +381,13 @@ class Checkpointer:
             common = fsdp_checkpoint.load(self, path, iteration, verifier)
             return self._loaded(path, iteration, t0, verifier, common, common["layout"] == _layout(args))
         common = dist_checkpointing.load_common_state_dict(path)
+        if common.get("scheduler") is None and not args.finetune:  # an import (megatron_ext/hf): weights only
+            raise ConfigError(f"--load={args.load}: {path} holds model weights only (an imported model): "
+                              "load it with --finetune")
         same_layout = common["layout"] == _layout(args)
-        with_rng = same_layout and not args.no_load_rng and common.get("has_rng", False)
-        with_optimizer = not args.no_load_optim and "optimizer" in common
+        # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
+        with_rng = same_layout and not args.no_load_rng and not args.finetune and common.get("has_rng", False)
+        with_optimizer = not args.no_load_optim and not args.finetune and "optimizer" in common
         template = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration,
             loading=True, with_optimizer=with_optimizer, with_rng=with_rng,
@@ -410,7 +414,8 @@ class Checkpointer:
             elif with_optimizer:
                 self.optimizer.load_state_dict(state["optimizer"])
                 seams.restore_optimizer_step(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if not args.finetune:
+            self.scheduler.load_state_dict(state["scheduler"])
         self._pending_rng = state["rng_state"] if with_rng else None
         return self._loaded(path, iteration, t0, verifier, common, same_layout)
 

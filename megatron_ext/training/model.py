@@ -127,6 +127,7 @@ def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
         vp_stage=stage,
     )

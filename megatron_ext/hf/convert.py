@@ -1,0 +1,442 @@
+"""Hugging Face <-> megatron checkpoints, through the model megatron-core builds from the recipe.
+
+import: HF directory -> CKPT/recipe.yaml (every architecture flag the config implies), CKPT/tokenizer/
+        (the HF directory without its weights: tokenizer files, config.json, generation_config.json),
+        CKPT/iter_0000000 (the project's torch_dist checkpoint, model weights only; dist_checkpointing
+        reshards it into any layout). The model is built once in this process (one rank) and the HF
+        shards stream into it one file at a time, one tensor at a time: peak host memory is the model
+        plus the largest tensor group of one row (a layer's q/k/v, an expert's gate/up).
+export: CKPT (any layout it was trained on, resharded to one rank on load) -> config.json, safetensors
+        shards (and their index above one shard), tokenizer files; written one shard at a time.
+logits: the fp32 logits [seq, vocab] of the model's forward on given ids, on any layout (torchrun).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.hf import families
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+RECIPE = "recipe.yaml"
+TOKENIZER = "tokenizer"
+SIDE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", WEIGHTS_INDEX)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_FLAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the HF directory
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(hf_dir: str) -> tuple[str, families.Config]:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"--hf={hf_dir}: no such directory")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--hf={hf_dir}: no config.json (not a Hugging Face model directory)")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"--hf={hf_dir}: config.json is not JSON ({e})") from None
+    model_type = raw.get("model_type")
+    if model_type not in families.TABLES:
+        arch = (raw.get("architectures") or [model_type])[0]
+        raise ConfigError(f"--hf={hf_dir}: architecture {arch} (model_type {model_type}) is not supported "
+                          f"(supported: {', '.join(sorted(families.TABLES))})")
+    return model_type, families.Config(raw)
+
+
+def shard_files(hf_dir: str) -> list[str]:
+    index = os.path.join(hf_dir, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        raise ConfigError(f"--hf={hf_dir}: no {WEIGHTS} or {WEIGHTS_INDEX} (only safetensors weights are read)")
+    missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+    if missing:
+        raise ConfigError(f"--hf={hf_dir}: missing shard {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return files
+
+
+def config_dtype(c: families.Config) -> torch.dtype:
+    name = c.get("dtype") or c.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise families.refuse("dtype", name, f"supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def vocab_divisor(vocab: int, tokenizer_vocab: int) -> tuple[int, int]:
+    """(make_vocab_size_divisible_by, the largest TP it holds for) such that megatron pads the
+    tokenizer's vocabulary to exactly the HF embedding's rows under every TP dividing that size:
+    D = V / K gives ceil(T / (D tp)) D tp = V for tp | K whenever V - D < T <= V."""
+    for k in (64, 32, 16, 8, 4, 2, 1):
+        if vocab % k == 0 and vocab - vocab // k < tokenizer_vocab <= vocab:
+            return vocab // k, k
+    raise ConfigError(f"config.json: vocab_size={vocab}: below the tokenizer's {tokenizer_vocab} ids")
+
+
+def recipe_for(model_type: str, c: families.Config, ckpt: str, tokenizer_vocab: int) -> dict:
+    out = families.flags(model_type, c)
+    dtype = config_dtype(c)
+    if dtype in DTYPE_FLAG:
+        out[DTYPE_FLAG[dtype]] = True
+    vocab = c["vocab_size"]
+    divisor, max_tp = vocab_divisor(vocab, tokenizer_vocab)
+    out.update(make_vocab_size_divisible_by=divisor, tokenizer_type="HuggingFaceTokenizer",
+               tokenizer_model=os.path.abspath(os.path.join(ckpt, TOKENIZER)),
+               seq_length=min(out["max_position_embeddings"], 4096))
+    unread = c.unread()
+    if unread:
+        raise families.refuse(unread[0], c.raw[unread[0]], "this field is not representable in megatron_ext "
+                              f"(model_type {model_type})")
+    out["_max_tp"] = max_tp
+    return out
+
+
+def write_recipe(path: str, flags: dict, model_type: str) -> None:
+    import yaml
+
+    max_tp = flags.pop("_max_tp")
+    with open(path, "w") as f:
+        f.write(f"# Imported from a Hugging Face {model_type} model by scripts/convert.py: its architecture and tokenizer.\n"
+                f"# Add data, batch sizes, schedule and layout flags. The embedding keeps vocab_size rows\n"
+                f"# under any tensor-parallel size dividing {max_tp}.\n")
+        yaml.safe_dump(flags, f, sort_keys=False)
+
+
+def _progress(total: int, desc: str):
+    """A progress bar over one shard file's tensors, on a terminal (or with MEGATRON_EXT_PROGRESS=1)."""
+    if not (sys.stderr.isatty() or os.environ.get("MEGATRON_EXT_PROGRESS")):
+        return contextlib.nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the megatron model of a recipe, on one rank (import, export) or under torchrun (logits)
+# ---------------------------------------------------------------------------------------------
+def parse_args(recipe: str, extra: list[str]):
+    from megatron_ext import platform
+
+    platform.setup()
+    import arguments
+
+    argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--num-workers", "0", *extra]
+    if "--global-batch-size" not in extra:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        argv += ["--global-batch-size", "1"] if world == 1 else []
+    return arguments.parse(argv)
+
+
+def build(args) -> list:
+    from megatron_ext import platform
+    from megatron_ext.training import model as models, run
+
+    platform.init_distributed(args.distributed_timeout_minutes * 60)
+    run.initialize_parallel(args)
+    config = models.transformer_config(args)
+    return models.build_model(args, config, wrap_with_ddp=False)
+
+
+def teardown() -> None:
+    from megatron_ext.training import parallel
+
+    parallel.destroy()
+
+
+def unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_tensors(chunk) -> dict[str, torch.Tensor]:
+    """Parameter and persistent-buffer tensors of one model chunk by state-dict name."""
+    return {k: v for k, v in unwrap(chunk).state_dict(keep_vars=True).items()
+            if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+
+
+class _NoScheduler:
+    """An imported checkpoint has no schedule yet: it loads with --finetune, which starts one."""
+
+    def state_dict(self):
+        return None
+
+    def load_state_dict(self, state):  # pragma: no cover - --finetune skips it
+        raise ConfigError("an imported checkpoint holds model weights only: load it with --finetune")
+
+
+# ---------------------------------------------------------------------------------------------
+# the table, expanded for one model
+# ---------------------------------------------------------------------------------------------
+def expand(model_type: str, c: families.Config, names) -> list[tuple[str, list[str], str]]:
+    """The family's table with {L} and {E} filled in, kept where the model has the megatron name."""
+    layers = c["num_hidden_layers"]
+    experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
+    rows = []
+    for mg, hf, kind in families.TABLES[model_type]:
+        for layer in range(layers) if "{L}" in mg else [None]:
+            for expert in range(experts) if "{E}" in mg else [None]:
+                fill = lambda s: s.replace("{L}", str(layer)).replace("{E}", str(expert))  # noqa: E731
+                if fill(mg) in names:
+                    rows.append((fill(mg), [fill(h) for h in hf], kind))
+    covered = {r[0] for r in rows}
+    uncovered = sorted(n for n in names if n not in covered)
+    if uncovered:
+        raise ConfigError(f"the {model_type} table maps no HF tensor to {uncovered[0]} (the recipe builds a model "
+                          "this family's table does not describe)")
+    return rows
+
+
+def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> torch.Tensor:
+    if kind == "copy":
+        return parts[0]
+    if kind == "glu":
+        return torch.cat(parts, 0)
+    q, k, v = parts  # kind == "qkv"
+    groups = k.shape[0] // _head_dim(c)
+    return torch.cat([q.reshape(groups, -1, *q.shape[1:]), k.reshape(groups, -1, *k.shape[1:]),
+                      v.reshape(groups, -1, *v.shape[1:])], 1).reshape(-1, *q.shape[1:])
+
+
+def to_hf(kind: str, t: torch.Tensor, c: families.Config) -> list[torch.Tensor]:
+    if kind == "copy":
+        return [t]
+    if kind == "glu":
+        return [p.clone() for p in t.chunk(2, 0)]
+    d = _head_dim(c)
+    heads, groups = c.raw["num_attention_heads"], c.raw.get("num_key_value_heads") or c.raw["num_attention_heads"]
+    g = t.reshape(groups, (heads // groups + 2) * d, *t.shape[1:])
+    q, k, v = g.split([heads // groups * d, d, d], 1)
+    return [x.reshape(-1, *t.shape[1:]).clone() for x in (q, k, v)]
+
+
+def _head_dim(c: families.Config) -> int:
+    return c.raw.get("head_dim") or c.raw["hidden_size"] // c.raw["num_attention_heads"]
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------
+def import_hf(hf_dir: str, save: str) -> str:
+    """HF directory -> megatron checkpoint under `save`; returns the recipe's path."""
+    from safetensors import safe_open
+
+    model_type, c = read_hf_config(hf_dir)
+    files = shard_files(hf_dir)
+    os.makedirs(save, exist_ok=True)
+    tok_dir = os.path.join(save, TOKENIZER)
+    if os.path.isdir(tok_dir):
+        shutil.rmtree(tok_dir)
+    shutil.copytree(hf_dir, tok_dir, ignore=lambda d, names: [n for n in names if n.endswith(SIDE_FILES_SKIPPED)])
+    tokenizer_vocab = _tokenizer_vocab(tok_dir)
+    flags = recipe_for(model_type, c, save, tokenizer_vocab)
+    recipe = os.path.join(save, RECIPE)
+    write_recipe(recipe, flags, model_type)
+
+    args = parse_args(recipe, ["--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--world-size", "1"])
+    try:
+        model = build(args)
+        if args.padded_vocab_size != c["vocab_size"]:
+            raise ConfigError(f"config.json: vocab_size={c['vocab_size']}: megatron pads the tokenizer's "
+                              f"{tokenizer_vocab} ids to {args.padded_vocab_size}")
+        tensors = model_tensors(model[0])
+        rows = expand(model_type, c, tensors)
+        wanted = {h: row for row in rows for h in row[1]}
+        pending: dict[str, dict] = {}
+        filled = set()
+        for name in files:
+            path = os.path.join(hf_dir, name)
+            with safe_open(path, "pt") as f, _progress(len(f.keys()), name) as bar, torch.no_grad():
+                for key in f.keys():
+                    if key not in wanted:
+                        raise ConfigError(f"{path}: tensor {key} is not part of a {model_type} model with this config")
+                    mg, hf_names, kind = wanted[key]
+                    parts = pending.setdefault(mg, {})
+                    parts[key] = f.get_tensor(key)
+                    if len(parts) == len(hf_names):
+                        _fill(tensors[mg], to_megatron(kind, [parts[h] for h in hf_names], c), mg, hf_names, path)
+                        del pending[mg]
+                        filled.add(mg)
+                    if bar is not None:
+                        bar.update(1)
+        missing = [h for mg, hf_names, _ in rows if mg not in filled for h in hf_names
+                   if h not in pending.get(mg, {})]
+        if missing:
+            raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
+        from megatron_ext.training import checkpointing
+
+        ckpt = checkpointing.Checkpointer(args, model, None, _NoScheduler())
+        ckpt.checksums = True
+        ckpt.save(0)
+    finally:
+        teardown()
+    return recipe
+
+
+def _fill(param: torch.Tensor, value: torch.Tensor, mg: str, hf_names: list[str], path: str) -> None:
+    if value.shape != param.shape:
+        raise ConfigError(f"{path}: {', '.join(hf_names)}: shape {tuple(value.shape)} does not match the config's "
+                          f"{tuple(param.shape)} ({mg})")
+    if value.dtype != param.dtype:
+        raise ConfigError(f"{path}: {hf_names[0]}: dtype {str(value.dtype).replace('torch.', '')} does not match "
+                          f"the config's {str(param.dtype).replace('torch.', '')}")
+    param.data.copy_(value)
+
+
+def _tokenizer_vocab(tok_dir: str) -> int:
+    """The vocabulary size megatron's HuggingFaceTokenizer reports for these files (len(tokenizer))."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(tok_dir))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise ConfigError(f"--hf: the tokenizer files do not load with AutoTokenizer ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+def load_model(load: str, recipe: str | None, extra: list[str]):
+    """The model of `recipe` (default LOAD/recipe.yaml) with the newest checkpoint under `load`,
+    weights only, as --finetune loads them."""
+    recipe = recipe or os.path.join(load, RECIPE)
+    if not os.path.isfile(recipe):
+        raise ConfigError(f"--load={load}: no {RECIPE} there (pass --recipe, the imported checkpoint's recipe)")
+    args = parse_args(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint", *extra])
+    model = build(args)
+    from megatron_ext.training import checkpointing
+
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet):
+        checkpointing.Checkpointer(args, model, None, _NoScheduler()).load()
+    return args, model
+
+
+def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Megatron checkpoint -> HF directory `out`; returns the shard file names."""
+    from safetensors.torch import save_file
+
+    recipe = recipe or os.path.join(load, RECIPE)
+    try:
+        args, model = load_model(load, recipe, ["--world-size", "1"])
+        tok_dir = args.tokenizer_model
+        model_type, c = read_hf_config(tok_dir)
+        tensors = model_tensors(model[0])
+        rows = expand(model_type, c, tensors)
+        # shards: consecutive rows until the next would pass max_shard_bytes
+        shards, size = [[]], 0
+        for row in rows:
+            nbytes = tensors[row[0]].numel() * tensors[row[0]].element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(row)
+            size += nbytes
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(tok_dir):
+            if os.path.isfile(os.path.join(tok_dir, name)):
+                shutil.copy2(os.path.join(tok_dir, name), os.path.join(out, name))
+        names = [WEIGHTS] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map, total = {}, 0
+        for name, shard in zip(names, shards):
+            with _progress(len(shard), name) as bar, torch.no_grad():
+                out_tensors = {}
+                for mg, hf_names, kind in shard:
+                    for h, t in zip(hf_names, to_hf(kind, tensors[mg].detach(), c)):
+                        out_tensors[h] = t.contiguous()
+                        weight_map[h] = name
+                        total += t.numel() * t.element_size()
+                    if bar is not None:
+                        bar.update(1)
+                save_file(out_tensors, os.path.join(out, name), metadata={"format": "pt"})
+                del out_tensors
+        if len(names) > 1:
+            with open(os.path.join(out, WEIGHTS_INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        elif os.path.exists(os.path.join(out, WEIGHTS_INDEX)):
+            os.remove(os.path.join(out, WEIGHTS_INDEX))
+        return names
+    finally:
+        teardown()
+
+
+# ---------------------------------------------------------------------------------------------
+# logits
+# ---------------------------------------------------------------------------------------------
+def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
+    """The model's fp32 logits [seq, vocab] on `ids` under this process's layout (every rank calls;
+    rank 0 returns them, the others None)."""
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    seq = len(ids)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args, model = load_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
+                                                 "--global-batch-size", str(parallel_dp(world, extra)), *extra])
+        vocab = read_hf_config(args.tokenizer_model)[1]["vocab_size"]
+        tokens = torch.tensor([ids], dtype=torch.long)
+        positions = torch.arange(seq).unsqueeze(0)
+        for chunk in model:
+            chunk.eval()
+
+        def forward_step(_iterator, chunk):
+            out = chunk(tokens, positions, None)
+
+            def keep(output, non_loss_data=False):
+                return output
+
+            return out, keep
+
+        with torch.no_grad():
+            collected = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=[iter([None])] * len(model) if len(model) > 1 else iter([None]),
+                model=model if len(model) > 1 else model[0], num_microbatches=1, seq_length=seq,
+                micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+        result = None
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            full = gather_from_tensor_model_parallel_region(collected[0].float())  # [1, seq, vocab]
+            result = full[0, :, :vocab].contiguous()
+        # the lowest rank of the last pipeline stage sends them to global rank 0
+        holder = torch.tensor([torch.distributed.get_rank() if result is not None else world])
+        torch.distributed.all_reduce(holder, op=torch.distributed.ReduceOp.MIN)
+        src = int(holder.item())
+        if src != 0:
+            box = [result]
+            torch.distributed.broadcast_object_list(box, src=src)
+            result = box[0]
+        return result if torch.distributed.get_rank() == 0 else None
+    finally:
+        teardown()
+
+
+def parallel_dp(world: int, extra: list[str]) -> int:
+    """The data-parallel size of a layout given as flags (the global batch must be a multiple)."""
+    def flag(name, default=1):
+        return int(extra[extra.index(name) + 1]) if name in extra else default
+
+    return max(1, world // (flag("--tensor-model-parallel-size") * flag("--pipeline-model-parallel-size")
+                            * flag("--context-parallel-size")))
+
+
+__all__ = ["import_hf", "export_hf", "logits"]

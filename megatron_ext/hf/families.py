@@ -1,0 +1,270 @@
+"""The families, as data: for each Hugging Face ``model_type``, the megatron flags its config implies
+(``flags(cfg)``) and ONE weight table.
+
+A table row is ``(megatron name, [HF names], transform)``: ``{L}`` is the layer index (HF
+``model.layers.L`` = megatron ``decoder.layers.L``), ``{E}`` the expert index. Names are those of
+megatron-core's *local* spec (``--transformer-impl local``), as the unwrapped GPTModel's state dict
+holds them and as the torch_dist checkpoint keys them. Transforms (import direction; export inverts):
+
+  copy   the tensor as it is
+  qkv    q [heads*d, h], k [groups*d, h], v [groups*d, h] -> linear_qkv, interleaved by GQA group:
+         for each group its heads/groups query heads, then its key head, then its value head
+  glu    gate [f, h], up [f, h] -> linear_fc1 = cat(gate, up) (megatron's --swiglu: first half is gated)
+
+Only rows whose megatron name the built model has are used (tied embeddings have no output_layer,
+a dense layer of a MoE model has no router); every model parameter must come from a row, every HF
+tensor must go into one.
+"""
+from __future__ import annotations
+
+from megatron_ext.errors import ConfigError
+
+L = "model.layers.{L}."
+M = "decoder.layers.{L}."
+
+_EMBEDDING = [
+    ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "copy"),
+    ("decoder.final_layernorm.weight", ["model.norm.weight"], "copy"),
+    ("output_layer.weight", ["lm_head.weight"], "copy"),  # untied only: tied models have neither
+]
+_ATTENTION = [
+    (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
+    (M + "self_attention.linear_qkv.weight",
+     [L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"], "qkv"),
+    (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
+    (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
+]
+_QK_NORM = [  # per-head RMSNorm of queries and keys, before rope (Qwen3)
+    (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_norm.weight"], "copy"),
+    (M + "self_attention.k_layernorm.weight", [L + "self_attn.k_norm.weight"], "copy"),
+]
+_DENSE_MLP = [
+    (M + "mlp.linear_fc1.weight", [L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"], "glu"),
+    (M + "mlp.linear_fc2.weight", [L + "mlp.down_proj.weight"], "copy"),
+]
+_E = M + "mlp.experts.local_experts.{E}."
+
+TABLES = {
+    "llama": _EMBEDDING + _ATTENTION + _DENSE_MLP,
+    "qwen3": _EMBEDDING + _ATTENTION + _QK_NORM + _DENSE_MLP,
+    "qwen3_moe": _EMBEDDING + _ATTENTION + _QK_NORM + _DENSE_MLP + [  # dense rows: mlp_only_layers
+        (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
+        (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
+        (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
+    ],
+    "deepseek_v3": _EMBEDDING + [  # MLA with query LoRA; dense first layers, then routed + shared experts
+        (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
+        (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
+        (M + "self_attention.linear_kv_down_proj.weight", [L + "self_attn.kv_a_proj_with_mqa.weight"], "copy"),
+        (M + "self_attention.kv_layernorm.weight", [L + "self_attn.kv_a_layernorm.weight"], "copy"),
+        (M + "self_attention.linear_kv_up_proj.weight", [L + "self_attn.kv_b_proj.weight"], "copy"),
+        (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
+        (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
+        *_DENSE_MLP,  # the first_k_dense_replace layers
+        (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
+        (M + "mlp.router.expert_bias", [L + "mlp.gate.e_score_correction_bias"], "copy"),
+        (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
+        (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
+        (M + "mlp.shared_experts.linear_fc1.weight",
+         [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
+        (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
+    ],
+    "mixtral": _EMBEDDING + _ATTENTION + [
+        (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
+        (_E + "linear_fc1.weight",
+         [L + "block_sparse_moe.experts.{E}.w1.weight", L + "block_sparse_moe.experts.{E}.w3.weight"], "glu"),
+        (_E + "linear_fc2.weight", [L + "block_sparse_moe.experts.{E}.w2.weight"], "copy"),
+    ],
+}
+
+# config fields that say nothing about the weights or the forward pass
+IGNORED = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "output_router_logits", "initializer_range", "return_dict", "output_hidden_states",
+    "output_attentions", "tie_encoder_decoder", "is_encoder_decoder", "_name_or_path", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "task_specific_params", "tokenizer_class", "prefix", "sep_token_id",
+    "decoder_start_token_id", "add_cross_attention", "cross_attention_hidden_size", "is_decoder", "pruned_heads",
+    "torchscript", "tf_legacy_loss", "use_bfloat16", "finetuning_task", "max_window_layers",
+}
+
+
+class Config:
+    """The HF config dict; every field read is recorded, so the unread ones can be refused by name."""
+
+    def __init__(self, raw: dict):
+        self.raw, self.read = raw, set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        if key not in self.raw:
+            raise ConfigError(f"config.json: field {key!r} is missing")
+        return self.raw[key]
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return self.raw.get(key, default)
+
+    def expect(self, key, allowed, why: str):
+        value = self.get(key, allowed[0])
+        if value not in allowed:
+            raise refuse(key, value, why)
+        return value
+
+    def unread(self) -> list[str]:
+        return sorted(k for k in self.raw if k not in self.read and k not in IGNORED)
+
+
+def refuse(key, value, why: str) -> ConfigError:
+    return ConfigError(f"config.json: {key}={value!r}: {why}")
+
+
+def _rope(c: Config) -> dict:
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None)
+    if theta is None:
+        theta = c["rope_theta"]
+    if float(theta) != int(theta):
+        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
+    flags = {"position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0}
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind == "llama3":
+        # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor only;
+        # the other three are fixed at the published values
+        for key, fixed in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192)):
+            if float(rope.pop(key, fixed)) != fixed:
+                raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's llama3 rope scaling fixes it at {fixed}")
+        flags.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor", 8.0)))
+    elif kind != "default":
+        raise refuse("rope_parameters.rope_type", kind, "supported: default, llama3")
+    if rope:
+        key = sorted(rope)[0]
+        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+    return flags
+
+
+def rope_get(c: Config, key):
+    return (c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}).get(key)
+
+
+def _dense(c: Config) -> dict:
+    heads, groups = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
+    c.expect("attention_bias", [False], "attention biases are not mapped")
+    c.expect("mlp_bias", [False], "MLP biases are not mapped")
+    c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
+    c.expect("use_sliding_window", [False], "sliding-window attention is not mapped for this family")
+    c.expect("sliding_window", [None], "sliding-window attention is not mapped for this family")
+    layer_types = c.get("layer_types")
+    if layer_types and set(layer_types) != {"full_attention"}:
+        raise refuse("layer_types", sorted(set(layer_types)), "only full_attention layers are mapped")
+    flags = {
+        "num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
+        "ffn_hidden_size": c["intermediate_size"], "num_attention_heads": heads, "kv_channels": head_dim,
+        "group_query_attention": groups != heads, "num_query_groups": groups,
+        "normalization": "RMSNorm", "norm_epsilon": float(c["rms_norm_eps"]), "swiglu": True,
+        "disable_bias_linear": True, "max_position_embeddings": c["max_position_embeddings"],
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
+        "transformer_impl": "local", "rotary_interleaved": False,
+    }
+    flags.update(_rope(c))
+    return flags
+
+
+def _moe(c: Config, experts_key: str, ffn_key: str, pre_softmax: bool) -> dict:
+    flags = {"num_experts": c[experts_key], "moe_router_topk": c["num_experts_per_tok"],
+             "moe_ffn_hidden_size": c[ffn_key], "moe_router_score_function": "softmax",
+             "moe_router_pre_softmax": pre_softmax, "moe_router_load_balancing_type": "aux_loss",
+             "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)),
+             "moe_token_dispatcher_type": "alltoall"}
+    return flags
+
+
+def flags(model_type: str, c: Config) -> dict:
+    if model_type == "llama":
+        return _dense(c)
+    if model_type == "qwen3":
+        return {**_dense(c), "qk_layernorm": True}
+    if model_type == "qwen3_moe":
+        out = {**_dense(c), "qk_layernorm": True}
+        # HF: norm_topk_prob=False keeps the softmax over all experts (megatron's pre-softmax)
+        experts = "num_experts" if "num_experts" in c.raw else "num_local_experts"  # transformers 5 writes the latter
+        out.update(_moe(c, experts, "moe_intermediate_size", pre_softmax=not c.get("norm_topk_prob", False)))
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(out["num_layers"])]
+        if not all(pattern):
+            out["moe_layer_freq"] = "[" + ",".join(map(str, pattern)) + "]"
+        return out
+    if model_type == "mixtral":
+        out = _dense(c)
+        c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
+        out.update(_moe(c, "num_local_experts", "intermediate_size", pre_softmax=False))
+        return out
+    if model_type == "deepseek_v3":
+        return _deepseek_v3(c)
+    raise ConfigError(f"architecture {model_type} is not supported")
+
+
+def _deepseek_v3(c: Config) -> dict:
+    heads = c["num_attention_heads"]
+    c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
+    c.expect("attention_bias", [False], "attention biases are not mapped")
+    c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
+    c.expect("rope_interleave", [True], "megatron's multi-latent attention rotates interleaved pairs")
+    c.expect("norm_topk_prob", [True], "megatron normalises the top-k sigmoid scores")
+    if c.get("num_key_value_heads", heads) != heads:
+        raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
+    if c.get("q_lora_rank") is None:
+        raise refuse("q_lora_rank", None, "multi-latent attention without query LoRA is not mapped")
+    c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
+    c.get("num_nextn_predict_layers")  # transformers has no MTP layers: their weights, if present, are refused
+    topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1)
+    if groups > 1 and topk != 2 * group_topk:
+        raise refuse("topk_group", group_topk, f"megatron scores a group by its top num_experts_per_tok/topk_group "
+                     "experts, transformers by its top 2: they agree when num_experts_per_tok = 2 x topk_group")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or c["rope_theta"]
+    if float(theta) != int(theta):
+        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    flags = {"rope_type": "rope", "rotary_base": int(theta)}
+    if kind == "yarn":
+        # megatron's MLA yarn takes factor and both mscales; the rest are MLATransformerConfig's fixed values
+        for key, fixed in (("original_max_position_embeddings", 4096), ("beta_fast", 32.0), ("beta_slow", 1.0),
+                           ("truncate", True)):
+            if rope.pop(key, fixed) != fixed:
+                raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's MLA yarn fixes it at {fixed}")
+        flags = {"rope_type": "yarn", "rotary_base": int(theta), "rotary_scaling_factor": float(rope.pop("factor")),
+                 "mscale": float(rope.pop("mscale", 1.0)), "mscale_all_dim": float(rope.pop("mscale_all_dim", 0.0))}
+    elif kind != "default":
+        raise refuse("rope_parameters.rope_type", kind, "supported: default, yarn")
+    if rope:
+        key = sorted(rope)[0]
+        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+    layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
+    out = {
+        "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
+        "num_attention_heads": heads, "multi_latent_attention": True, "q_lora_rank": c["q_lora_rank"],
+        "kv_lora_rank": c["kv_lora_rank"], "qk_head_dim": c["qk_nope_head_dim"],
+        "qk_pos_emb_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"], "kv_channels": c["v_head_dim"],
+        "qk_layernorm": True, "normalization": "RMSNorm", "norm_epsilon": float(c["rms_norm_eps"]), "swiglu": True,
+        "disable_bias_linear": True, "max_position_embeddings": c["max_position_embeddings"],
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
+        "transformer_impl": "local", "position_embedding_type": "rope", **flags,
+        "num_experts": c["n_routed_experts"], "moe_router_topk": topk, "moe_ffn_hidden_size": c["moe_intermediate_size"],
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": float(c.get("routed_scaling_factor", 1.0)), "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+    if groups > 1:
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    if c.get("n_shared_experts"):
+        out["moe_shared_expert_intermediate_size"] = c["n_shared_experts"] * c["moe_intermediate_size"]
+    if dense:
+        out["moe_layer_freq"] = "[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]"
+    return out

@@ -1,0 +1,84 @@
+"""Hugging Face in and out.
+
+    python scripts/convert.py import --hf HF_DIR --save CKPT
+    python scripts/convert.py export --load CKPT --hf OUT_DIR [--recipe CKPT/recipe.yaml] [--max-shard-size 5GB]
+    torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,... --out FILE.pt [layout flags]
+
+then: torchrun ... train.py --recipe CKPT/recipe.yaml --load CKPT --finetune [layout, data, features]
+(docs/hf.md). A refusal is one line, `error: ...`, exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF directory -> megatron checkpoint + recipe.yaml")
+    imp.add_argument("--hf", required=True)
+    imp.add_argument("--save", required=True)
+    exp = sub.add_parser("export", help="megatron checkpoint (any layout) -> HF directory")
+    exp.add_argument("--load", required=True)
+    exp.add_argument("--hf", required=True)
+    exp.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
+    exp.add_argument("--max-shard-size", default="5GB", type=_size)
+    lg = sub.add_parser("logits", help="fp32 logits [seq, vocab] of the forward on --input-ids (layout flags follow)")
+    lg.add_argument("--load", required=True)
+    lg.add_argument("--input-ids", required=True)
+    lg.add_argument("--out", required=True)
+    lg.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
+    return p
+
+
+def main(argv: list[str] | None = None):
+    args, rest = parser().parse_known_args(argv)
+    from megatron_ext.errors import ConfigError
+    from megatron_ext import hf
+
+    if args.command != "logits" and rest:
+        raise ConfigError(f"{args.command}: unknown arguments {' '.join(rest)}")
+    if args.command == "import":
+        recipe = hf.import_hf(args.hf, args.save)
+        print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
+    elif args.command == "export":
+        names = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size)
+        print(f"exported {args.load} -> {args.hf} ({len(names)} shard{'s' if len(names) != 1 else ''})")
+    else:
+        import torch
+
+        try:
+            ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--input-ids={args.input_ids}: comma-separated token ids") from None
+        out = hf.logits(args.load, ids, recipe=args.recipe, extra=rest)
+        if out is not None:
+            torch.save(out, args.out)
+
+
+def _explain(exc: BaseException) -> str | None:
+    from megatron_ext.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    import arguments  # megatron's own refusals of a flag (logits' layout flags)
+
+    return arguments.explain(exc)
+
+
+if __name__ == "__main__":
+    from megatron_ext import errors
+
+    errors.run(main, explain=_explain)

@@ -1,0 +1,37 @@
+"""Job functions of the Hugging Face tests (run on every rank of a gloo world, see tests/dist.py)."""
+from __future__ import annotations
+
+
+def import_export(hf_dir: str, ckpt: str, out: str, max_shard_bytes: int = 40 * 2**10) -> dict:
+    """One rank: import, export; the shard names and the peak RSS."""
+    import resource
+
+    from megatron_ext import hf
+
+    hf.import_hf(hf_dir, ckpt)
+    names = hf.export_hf(ckpt, out, max_shard_bytes=max_shard_bytes)
+    return {"shards": names, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def export(load: str, out: str, recipe: str) -> list:
+    from megatron_ext import hf
+
+    return hf.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10)
+
+
+def logits(load: str, ids: list, flags: list, recipe: str | None = None):
+    from megatron_ext import hf
+
+    out = hf.logits(load, ids, recipe=recipe, extra=flags)
+    return None if out is None else out.numpy()  # a tensor would go through shared memory (a sharer thread)
+
+
+def train(argv: list) -> list:
+    import train as entry
+
+    from megatron_ext import offload
+
+    try:
+        return entry.main(list(argv))
+    finally:
+        offload.detach()

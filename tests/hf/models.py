@@ -1,0 +1,87 @@
+"""Tiny random Hugging Face models of every supported family, made offline with transformers' own
+config classes, each with its non-default details (tied embeddings, llama-3 rope scaling, GQA,
+qk-norm, dense layers among MoE layers, unnormalised top-k, ...) and random norms."""
+from __future__ import annotations
+
+import os
+
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=640, rms_norm_eps=1e-5,
+               max_position_embeddings=16384)
+
+FAMILIES = {
+    # Llama-3.2: tied embeddings, llama3 rope scaling with factor 32
+    "llama": dict(intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}),
+    # Qwen3: untied, head dim 32 != hidden / heads, qk-norm
+    "qwen3": dict(intermediate_size=96, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen3-MoE: 4 experts top-2, the softmax over all experts kept (norm_topk_prob False), layer 0 dense
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      num_hidden_layers=3, head_dim=16, mlp_only_layers=[0], norm_topk_prob=False,
+                      tie_word_embeddings=False),
+    # DeepSeek-V3: MLA with query LoRA, yarn rope (factor 40, mscale 1.0 / 1.0), a dense first layer, 8 routed
+    # experts top-4 in 4 groups (top-2 groups) with sigmoid scores, a score-correction bias and scaling 2.5,
+    # one shared expert
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+                        q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4,
+                        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Mixtral: 4 experts top-2, renormalised
+    "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    tie_word_embeddings=False),
+}
+IDS = [3, 17, 100, 5, 599, 42, 7, 300, 1, 2, 250, 60]
+
+
+def make(root, family: str, shard_size: str = "40KB") -> str:
+    """The HF directory of a tiny random `family` model under `root` (several shards and an index)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tests.training import local_tokenizers
+
+    root = str(root)
+    tok_dir = os.path.join(root, "tok")
+    if not os.path.isdir(os.path.join(tok_dir, "hf")):
+        os.makedirs(tok_dir, exist_ok=True)
+        local_tokenizers.make(tok_dir)  # 600 ids
+    out = os.path.join(root, family)
+    torch.manual_seed(7)
+    config = AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from their initial ones, score-correction biases away from 0
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out, max_shard_size=shard_size)
+    AutoTokenizer.from_pretrained(os.path.join(tok_dir, "hf")).save_pretrained(out)
+    return out
+
+
+def hf_logits(hf_dir: str, ids=IDS):
+    """transformers' forward in fp32 on CPU: [seq, vocab]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(ours, ref):
+    """cosine >= 0.9999 at every position, max |diff| <= 1e-3 of the largest logit, same argmax."""
+    import torch
+
+    ours = torch.as_tensor(ours)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    assert cos.min() >= 0.9999, cos
+    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
