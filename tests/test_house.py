@@ -17,9 +17,9 @@ FLOORS = (
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
-    ("megatron_ext.planner", "megatron_ext.hf"),
+    ("megatron_ext.planner",),
     ("arguments",),
-    ("train",),
+    ("train", "megatron_ext.hf"),
     ("megatron_ext.bench",),
 )
 
