@@ -135,14 +135,17 @@ def memory(argv: list[str], strategies: list[str]) -> dict:
 
 
 def meta_built(argv: list[str]) -> dict:
-    """The run's history, and the parameters built on the meta device (before Megatron-FSDP
-    materialises them)."""
-    import train as entry
+    """The run's history, the parameters built on the meta device (before Megatron-FSDP
+    materialises them), and the MoE routers' buffers once the model is built. The build runs with
+    torch's deterministic fill on: memory a build leaves uninitialised reads NaN, not whatever the
+    allocator held."""
+    import torch
+
     from megatron_ext.training import model as models
 
     from megatron.core import config
 
-    build, meta, experimental = models._gpt_model, [], []
+    build, build_model, meta, experimental, buffers = models._gpt_model, models.build_model, [], [], {}
 
     def recorded(*args, **kwargs):
         experimental.append(config.is_experimental_enabled())
@@ -150,9 +153,21 @@ def meta_built(argv: list[str]) -> dict:
         meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
         return chunk
 
-    models._gpt_model = recorded
+    def filled(*args, **kwargs):
+        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty fills NaN
+        try:
+            chunks = build_model(*args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        for chunk in chunks:
+            buffers.update({n: b.tolist() for n, b in chunk.named_buffers() if ".router." in n})
+        return chunks
+
+    models._gpt_model, models.build_model = recorded, filled
     try:
         history = _losses(argv)
     finally:
-        models._gpt_model = build
-    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()]}
+        models._gpt_model, models.build_model = build, build_model
+    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()],
+            "router buffers": buffers}

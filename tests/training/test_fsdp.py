@@ -229,7 +229,8 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     MLA, DeepSeek routing, MTP, ZeRO-3 with its flags) on 2 ranks: built on the meta device
     (--init-model-with-meta-device: as under pretrain_gpt.py, the parameters megatron-core creates
     without naming a device, norms and routers; its tensor-parallel linears and embeddings name the
-    device), Megatron-FSDP materialises and initialises them; the loss is finite and falls."""
+    device), Megatron-FSDP materialises and initialises them, and the buffers of the modules it
+    materialises keep their built values; the loss is finite and falls."""
     out = run_distributed(2, "tests.training.jobs_fsdp:meta_built",
                           argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6"])
     losses = [r["lm loss"] for r in out[-1]["history"]]
@@ -239,6 +240,12 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     assert not any("linear_fc1" in name or "embedding" in name for name in meta)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, losses
     assert 0 < out[-1]["history"][-1]["param bytes"] and out[-1]["history"][-1]["fsdp unsharded peak bytes"] > 0
+    # The routers' expert bias and token counts are the zeros they were built with on every rank, not
+    # the uninitialised memory Megatron-FSDP's materialisation gives a meta module's buffers (the build
+    # fills such memory with NaN here): 2 MoE layers and the MTP layer, 8 experts each
+    for o in out:
+        buffers = o["router buffers"]
+        assert len(buffers) == 6 and all(v == [0.0] * 8 for v in buffers.values()), buffers
 
 
 def test_nccl_ub_registers_the_buffers_once_after_the_first_step():
