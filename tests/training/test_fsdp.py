@@ -77,6 +77,21 @@ def test_no_gather_in_flight_when_the_process_groups_are_destroyed():
         assert out == {"pipelines": 1, "in flight": [0]}
 
 
+def test_no_storage_is_freed_under_a_collective_in_flight():
+    """ZeRO-3 with the overlapped gather and reduce (prefetched all-gathers, queued reduce-scatters):
+    no bucket storage is resized to 0 or reallocated between an asynchronous collective on it and
+    its wait(). On gloo that would be a write into freed memory (heap corruption); on NCCL, a block
+    the stream-ordered allocator hands to the next allocation while the collective still uses it."""
+    from tests.training.jobs_fsdp import FSDP
+
+    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather",
+                           "--overlap-grad-reduce", "--world-size", "2"]
+    for out in run_distributed(2, "tests.training.jobs_fsdp:storage_kept_while_in_flight", argv=argv):
+        assert out["async"] > 20 and out["resizes"] > 20, out  # the gathers and the bucket frees were seen
+        assert out["violations"] == [] and out["unwaited"] == 0 and out["error"] is None, (out["error"],
+                                                                                           out["violations"][:1])
+
+
 def test_validates_on_cpu_with_the_launch_environment_megatron_asks():
     """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 for Megatron-FSDP (arguments.py:1143), while
     the CPU shims set it to 1 for its TP check: validation sees FSDP's environment, then it is back."""
