@@ -2,28 +2,30 @@
 every way a run can end counted. A native crash (a rank killed by a signal: SIGABRT from glibc's heap
 checks, SIGSEGV) is what this looks for.
 
-    .venv/bin/python scripts/stress_fsdp.py [--runs 10] [--at-once 2] [--cases ...] [--budget-s 900]
-                                            [--malloc-check] [--faithful] [--json [PATH]]
+    .venv/bin/python scripts/stress_fsdp.py [--runs 10] [--repeat 3] [--at-once 2] [--cases ...]
+                                            [--budget-s 900] [--malloc-check] [--faithful] [--json [PATH]]
 
-Cases (tiny recipes, 4 iterations, `torchrun --nproc-per-node 2 train.py ...`):
+Cases (tiny recipes, 4 iterations of train.py's main on 2 ranks):
   optim, optim_grads, optim_grads_params   recipes/tiny_dense.yaml under each
                                            --data-parallel-sharding-strategy
   moe_optim_grads_params                   recipes/tiny_moe.yaml, optim_grads_params
   async_save                               tiny_dense, optim_grads_params, --async-save of fsdp_dtensor
                                            checkpoints every 2 iterations (megatron-core's forked writer)
-Runs are issued round-robin over the cases, `--at-once` worlds at a time (2 x 2 processes on a
-2-core machine: the load under which the crashes were seen), until every case has `--runs` runs or
-`--budget-s` seconds have passed (then the table says how many ran).
+Each world is a fresh `torchrun --nproc-per-node 2` whose ranks run `--repeat` trainings one after
+another (as the test suite's persistent workers do). Worlds are started round-robin over the cases,
+`--at-once` at a time (2 x 2 processes on a 2-core machine: the load under which the crashes were
+seen), until every case has had `--runs` worlds or `--budget-s` seconds have passed (the table says
+how many ran).
 
 --malloc-check: glibc's checking allocator in every rank (PYTHONMALLOC=malloc, MALLOC_CHECK_=3,
 libc_malloc_debug preloaded where present), so a write into freed memory aborts sooner.
 --faithful: the CUDA-faithful CPU mode (megatron_ext/platform/faithful.py), as the test suite runs.
-Every rank runs with faulthandler on, so a native crash prints its Python stacks; each crash's log
-is kept under --logs.
+Every rank runs with faulthandler on, so a native crash prints its Python stacks; a crashed or failed
+world's log is kept under --logs.
 
-Columns: runs; ok; crashed (a rank ended by a signal); failed (a non-zero exit without a signal);
-hung (the run passed --timeout-s); exact (ok runs whose every logged loss equals the case's first
-ok run, bit for bit).
+Columns: worlds; trainings (finished); ok (worlds that exited 0); crashed (a rank ended by a signal);
+failed (a non-zero exit without a signal); hung (past --timeout-s, killed); exact (trainings whose
+4 losses equal the case's first training's, bit for bit); signals (of the crashes).
 """
 from __future__ import annotations
 
@@ -193,8 +195,9 @@ def main(argv=None) -> dict:
     rows.append(["all", *total.values(), "-"])
     for line in fixed_width(cols, rows):
         print(line)
-    print(f"{elapsed:.0f} s, {args.at_once} worlds at once, {args.repeat} trainings per world, malloc check {'on' if args.malloc_check else 'off'}, "
-          f"faithful mode {'on' if args.faithful else 'off'}; crashed runs' logs: {logs}")
+    print(f"{elapsed:.0f} s, {args.at_once} worlds at once, {args.repeat} trainings per world, "
+          f"malloc check {'on' if args.malloc_check else 'off'}, faithful mode {'on' if args.faithful else 'off'}; "
+          f"crashed runs' logs: {logs}")
     if args.json == "-":
         print(json.dumps(result, indent=1))
     elif args.json:
