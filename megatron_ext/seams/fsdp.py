@@ -5,7 +5,8 @@ whose writes checkpointing.CHECKSUMMED_WRITES sums, and read through torch's
 FileSystemReader.read_data, which checkpointing.VERIFIED_READS wraps. Reached into
 (complete_fsdp_optimizer_state): the torch optimizer's per-parameter state, so that every rank
 names the same optimizer keys; and (wait_for_prefetched_gathers) the all-gather pipeline's in-flight
-buckets, waited for at the end of a run. Counted (UNSHARDED_BYTES, for the log line's memory): the
+buckets, waited for at the end of a run; (KeptBuffers) the module buffers its meta-device
+initialisation empties, put back. Counted (UNSHARDED_BYTES, for the log line's memory): the
 temporary buckets Megatron-FSDP allocates for the unsharded parameters and gradients of the layers
 in flight (param_and_grad_buffer.py:501-559, the allocators used without --fsdp-double-buffer).
 """
@@ -96,6 +97,42 @@ def wait_for_prefetched_gathers(chunk) -> None:
         return
     for bucket_id, bwd in list(pipeline.param_gather_event_map):
         pipeline.wait_bucket_ready(bucket_id, bwd)
+
+
+class KeptBuffers:
+    """The buffers Megatron-FSDP's meta-device initialisation empties, kept and put back.
+
+    With --init-model-with-meta-device, Megatron-FSDP materialises every module that owns a meta
+    parameter with `m.to_empty(device, recurse=False)` and then calls its reset_parameters
+    (param_and_grad_buffer.py:2902-2914). to_empty gives the module's buffers new, uninitialised
+    storage too, while the buffers were built with their values (a buffer made with an explicit
+    device is not meta); reset_parameters re-initialises only the parameters. The MoE router's
+    `expert_bias` and `local_tokens_per_expert` (moe/router.py:179-195, built as zeros; its
+    reset_parameters, router.py:75, draws only the weight) were left as whatever memory they got:
+    the first step routed tokens with a bias that differed from process to process and rank to rank
+    (measured: iteration 1's loss of recipes/deepseek_v3_fsdp_tiny.yaml 5.77166 and 5.77187 in two
+    fresh runs). A GPU's uninitialised memory is no more defined than a CPU's.
+
+    `KeptBuffers(chunks)` before the wrap copies each such module's own non-meta buffers;
+    `restore()` after it writes the values back into whatever tensor the module holds then."""
+
+    def __init__(self, chunks) -> None:
+        self.kept = []  # (module, buffer name, value at build)
+        for chunk in chunks:
+            for module in chunk.modules():
+                if not any(p.is_meta for p in module.parameters(recurse=False)):
+                    continue
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf is not None and not buf.is_meta:
+                        self.kept.append((module, name, buf.detach().clone()))
+
+    @torch.no_grad()
+    def restore(self) -> int:
+        """Put every kept value back; the number of buffers restored."""
+        for module, name, value in self.kept:
+            module._buffers[name].copy_(value)
+        n, self.kept = len(self.kept), []
+        return n
 
 
 def complete_fsdp_optimizer_state(optimizer) -> None:

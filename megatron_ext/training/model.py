@@ -201,8 +201,14 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return _wrap_chunks(args, config, chunks, DP=FullyShardedDataParallel,
-                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    from megatron_ext.seams.fsdp import KeptBuffers
+
+    kept = KeptBuffers(chunks) if args.init_model_with_meta_device else None
+    wrapped = _wrap_chunks(args, config, chunks, DP=FullyShardedDataParallel,
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    if kept is not None:  # materialising a meta module empties its buffers too (seams/fsdp.py)
+        kept.restore()
+    return wrapped
 
 
 def wrap_fsdp2(args, config: TransformerConfig, chunks: list) -> list:

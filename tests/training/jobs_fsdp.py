@@ -135,14 +135,17 @@ def memory(argv: list[str], strategies: list[str]) -> dict:
 
 
 def meta_built(argv: list[str]) -> dict:
-    """The run's history, and the parameters built on the meta device (before Megatron-FSDP
-    materialises them)."""
-    import train as entry
+    """The run's history, the parameters built on the meta device (before Megatron-FSDP
+    materialises them), and the MoE routers' buffers once the model is built. The build runs with
+    torch's deterministic fill on: memory a build leaves uninitialised reads NaN, not whatever the
+    allocator held."""
+    import torch
+
     from megatron_ext.training import model as models
 
     from megatron.core import config
 
-    build, meta, experimental = models._gpt_model, [], []
+    build, build_model, meta, experimental, buffers = models._gpt_model, models.build_model, [], [], {}
 
     def recorded(*args, **kwargs):
         experimental.append(config.is_experimental_enabled())
@@ -150,9 +153,96 @@ def meta_built(argv: list[str]) -> dict:
         meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
         return chunk
 
-    models._gpt_model = recorded
+    def filled(*args, **kwargs):
+        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty fills NaN
+        try:
+            chunks = build_model(*args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        for chunk in chunks:
+            buffers.update({n: b.tolist() for n, b in chunk.named_buffers() if ".router." in n})
+        return chunks
+
+    models._gpt_model, models.build_model = recorded, filled
     try:
         history = _losses(argv)
     finally:
-        models._gpt_model = build
-    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()]}
+        models._gpt_model, models.build_model = build, build_model
+    return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()],
+            "router buffers": buffers}
+
+
+def storage_kept_while_in_flight(argv: list[str]) -> dict:
+    """Every storage resized (freed: resize_(0), or reallocated) while an asynchronous collective that
+    reads or writes it has not been waited for. gloo runs such a collective on its own threads
+    until wait(); NCCL on its stream, where a block freed before the wait is handed to the next
+    allocation. Whether the work happens to be done already is not asked: only the order of the
+    wait and the resize, so the check does not depend on timing."""
+    import contextlib
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+    from torch.distributed import distributed_c10d as c10d
+
+    pending: dict = {}  # id(work) -> (work, storages, what)
+    counts = {"async": 0, "resizes": 0}
+    violations: list = []
+    work_cls, storage_cls = torch._C._distributed_c10d.Work, torch.UntypedStorage
+    wait, resize, coalescing = work_cls.wait, storage_cls.resize_, pgb._coalescing_manager
+    wrapped = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                             "all_gather", "reduce_scatter", "broadcast", "all_to_all_single")}
+
+    def register(work, tensors, what):
+        if work is not None and type(work).__name__ != "_IllegalWork":
+            counts["async"] += 1
+            pending[id(work)] = (work, {t.untyped_storage()._cdata for t in tensors}, what)
+
+    def waited(self, *args, **kwargs):
+        result = wait(self, *args, **kwargs)
+        pending.pop(id(self), None)
+        return result
+
+    def resized(self, nbytes):
+        counts["resizes"] += 1
+        for work, storages, what in pending.values():
+            if self._cdata in storages:
+                violations.append(f"{what}: storage of {self.nbytes()} bytes resized to {nbytes} before wait():\n"
+                                  + "".join(traceback.format_stack(limit=8)[:-1]))
+        return resize(self, nbytes)
+
+    @contextlib.contextmanager
+    def coalesced(group=None, device=None, async_ops=False):
+        key = group or c10d._get_default_group()
+        with coalescing(group, device, async_ops) as manager:
+            yield manager
+            ops = list(c10d._world.pg_coalesce_state.get(key, []))
+        if async_ops:
+            for work in manager.works:
+                register(work, [t for op in ops for t in (op.tensor, op.dst_tensor) if t is not None],
+                         f"coalesced {ops[0].op.__name__}")
+
+    def tracked(name):
+        def collective(*args, **kwargs):
+            work = wrapped[name](*args, **kwargs)
+            if kwargs.get("async_op"):
+                flat = [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else [a])]
+                register(work, [x for x in flat if torch.is_tensor(x)], name)
+            return work
+        return collective
+
+    work_cls.wait, storage_cls.resize_, pgb._coalescing_manager = waited, resized, coalesced
+    for name in wrapped:
+        setattr(dist, name, tracked(name))
+    error = None
+    try:
+        _losses(argv)
+    except Exception as e:  # noqa: BLE001 - a run that fails (e.g. on the garbage it gathered) still reports
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        work_cls.wait, storage_cls.resize_, pgb._coalescing_manager = wait, resize, coalescing
+        for name, fn in wrapped.items():
+            setattr(dist, name, fn)
+    return {**counts, "unwaited": len(pending), "violations": violations, "error": error}

@@ -77,6 +77,21 @@ def test_no_gather_in_flight_when_the_process_groups_are_destroyed():
         assert out == {"pipelines": 1, "in flight": [0]}
 
 
+def test_no_storage_is_freed_under_a_collective_in_flight():
+    """ZeRO-3 with the overlapped gather and reduce (prefetched all-gathers, queued reduce-scatters):
+    no bucket storage is resized to 0 or reallocated between an asynchronous collective on it and
+    its wait(). On gloo that would be a write into freed memory (heap corruption); on NCCL, a block
+    the stream-ordered allocator hands to the next allocation while the collective still uses it."""
+    from tests.training.jobs_fsdp import FSDP
+
+    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather",
+                           "--overlap-grad-reduce", "--world-size", "2"]
+    for out in run_distributed(2, "tests.training.jobs_fsdp:storage_kept_while_in_flight", argv=argv):
+        assert out["async"] > 20 and out["resizes"] > 20, out  # the gathers and the bucket frees were seen
+        assert out["violations"] == [] and out["unwaited"] == 0 and out["error"] is None, (out["error"],
+                                                                                           out["violations"][:1])
+
+
 def test_validates_on_cpu_with_the_launch_environment_megatron_asks():
     """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 for Megatron-FSDP (arguments.py:1143), while
     the CPU shims set it to 1 for its TP check: validation sees FSDP's environment, then it is back."""
@@ -229,7 +244,8 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     MLA, DeepSeek routing, MTP, ZeRO-3 with its flags) on 2 ranks: built on the meta device
     (--init-model-with-meta-device: as under pretrain_gpt.py, the parameters megatron-core creates
     without naming a device, norms and routers; its tensor-parallel linears and embeddings name the
-    device), Megatron-FSDP materialises and initialises them; the loss is finite and falls."""
+    device), Megatron-FSDP materialises and initialises them, and the buffers of the modules it
+    materialises keep their built values; the loss is finite and falls."""
     out = run_distributed(2, "tests.training.jobs_fsdp:meta_built",
                           argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6"])
     losses = [r["lm loss"] for r in out[-1]["history"]]
@@ -239,6 +255,12 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     assert not any("linear_fc1" in name or "embedding" in name for name in meta)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, losses
     assert 0 < out[-1]["history"][-1]["param bytes"] and out[-1]["history"][-1]["fsdp unsharded peak bytes"] > 0
+    # The routers' expert bias and token counts are the zeros they were built with on every rank, not
+    # the uninitialised memory Megatron-FSDP's materialisation gives a meta module's buffers (the build
+    # fills such memory with NaN here): 2 MoE layers and the MTP layer, 8 experts each
+    for o in out:
+        buffers = o["router buffers"]
+        assert len(buffers) == 6 and all(v == [0.0] * 8 for v in buffers.values()), buffers
 
 
 def test_nccl_ub_registers_the_buffers_once_after_the_first_step():
