@@ -62,6 +62,12 @@ def validate(args) -> None:
             + " issue no model-parallel collective (use TP >= 2, or EP >= 2 with MoE, or drop the flag)"
         )
     incompatible = {
+        "delay_wgrad_compute": (
+            "--delay-wgrad-compute",
+            "megatron runs delayed weight gradients only inside its own combined-1F1B plan "
+            "(transformer_config.py:2750 needs --overlap-moe-expert-parallel-comm) with "
+            "transformer-engine layers (arguments.py:1823); use those two flags instead of this one",
+        ),
         "overlap_moe_expert_parallel_comm": (
             "--overlap-moe-expert-parallel-comm",
             "megatron's combined-1F1B schedule and ours both pair a forward with a backward; ours "
@@ -77,7 +83,6 @@ def validate(args) -> None:
         ),
         "variable_seq_lengths": ("--variable-seq-lengths", "pipeline messages have fixed shapes here"),
         "hybrid_context_parallel": ("--hybrid-context-parallel", "has its own schedule"),
-        "delay_wgrad_compute": ("--delay-wgrad-compute", "splits wgrad out of the backward pass"),
     }
     for dest, (flag, why) in incompatible.items():
         value = getattr(args, dest, None)

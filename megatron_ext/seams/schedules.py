@@ -267,14 +267,76 @@ def plain_schedule_steps(forward_step, backward_step):
         _STAND_INS.clear()
 
 
-SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS]
+def _install_combined_plan_offload_groups():
+    """megatron/core/models/common/fine_grained_callables.py:159 build_layer_callables (looked up
+    at model_chunk_schedule_plan.py:116 when a layer's plan is built, called at :122): a
+    TransformerLayer's first node (pre_dispatch_computation, gpt/fine_grained_callables.py:67)
+    begins our activation-offload group, its last (moe_combine :209 for a MoE layer, the dense
+    mlp :259 otherwise) ends it with its output, as the layer's own forward hooks do outside
+    the plan (megatron_ext/offload/manager.py)."""
+    import functools
+
+    from megatron.core.models.common import fine_grained_callables as fgc
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_ext import offload
+
+    orig = fgc.build_layer_callables
+
+    def build_layer_callables(layer):
+        funcs, backward_dw = orig(layer)
+        manager = offload.current()
+        if manager is None or not isinstance(layer, TransformerLayer) \
+                or not manager.plans_layer(layer):
+            return funcs, backward_dw
+        funcs = list(funcs)
+        last = 3 if isinstance(layer.mlp, MoELayer) else 2
+        first_fn, last_fn = funcs[0], funcs[last]
+
+        @functools.wraps(first_fn)
+        def begin(node, *a, **k):
+            manager.plan_layer_begin(layer)
+            return first_fn(node, *a, **k)
+
+        @functools.wraps(last_fn)
+        def end(node, *a, **k):
+            out = last_fn(node, *a, **k)
+            manager.plan_layer_end(layer, out)
+            return out
+
+        funcs[0], funcs[last] = begin, end
+        return funcs, backward_dw
+
+    return set_attr(fgc, "build_layer_callables", build_layer_callables)
+
+
+COMBINED_PLAN_OFFLOAD_GROUPS = Patch(
+    "schedules.combined_plan_offload_groups",
+    [
+        "megatron/core/models/common/fine_grained_callables.py:159",
+        "megatron/core/models/common/model_chunk_schedule_plan.py:116",
+        "megatron/core/models/gpt/fine_grained_callables.py:67",
+        "megatron/core/models/gpt/fine_grained_callables.py:209",
+    ],
+    "megatron's combined-1F1B plan runs a layer as nodes: its first and last node delimit the "
+    "layer's activation-offload group",
+    _install_combined_plan_offload_groups,
+)
+
+
+SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS,
+         COMBINED_PLAN_OFFLOAD_GROUPS]
 
 
 RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.schedules.lanes is active
 
 
 def for_run(args) -> list:
-    return RUN if getattr(args, "overlap_tp_comm_1f1b", False) else []
+    records = list(RUN) if getattr(args, "overlap_tp_comm_1f1b", False) else []
+    if getattr(args, "overlap_moe_expert_parallel_comm", False) and getattr(args, "activation_offload_modules", None):
+        records.append(COMBINED_PLAN_OFFLOAD_GROUPS)
+    return records
 
 
 def label_plain_schedule_passes():

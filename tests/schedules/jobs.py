@@ -306,3 +306,38 @@ def check_ep_only(dispatchers=tuple(EP_DISPATCHERS), extra=()):
         r["dispatcher_installed"] = moe.installed
         out[name] = r
     return out
+
+
+MEGATRON_EP_OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+OFFLOAD_ALL_MOE = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", "router_fc1",
+                   "moe_act", "router_fc2", "--activation-offload-min-tensor-kb", "0"]
+
+
+def train_digests(base: list, variants: dict) -> dict:
+    """train.main on this rank for each variant (base argv + its flags): per-iteration log
+    history, hashes of every parameter and gradient after training, and bytes offloaded per
+    hooked module (tests/training/jobs_zoo.train_digest)."""
+    from megatron.core.pipeline_parallel import schedules as S
+
+    from tests.training.jobs_zoo import train_digest
+
+    calls = {"n": 0}
+    originals = {}
+    for name in ("combined_1f1b_schedule_for_no_pipelining", "combined_1f1b_schedule_for_interleaved_pipelining"):
+        originals[name] = orig = getattr(S, name)
+
+        def counted(*a, _orig=orig, **k):
+            calls["n"] += 1
+            return _orig(*a, **k)
+
+        setattr(S, name, counted)
+    out = {}
+    try:
+        for name, extra in variants.items():
+            before = calls["n"]
+            out[name] = train_digest(list(base) + list(extra))
+            out[name]["combined_1f1b_calls"] = calls["n"] - before
+    finally:
+        for name, orig in originals.items():
+            setattr(S, name, orig)
+    return out
