@@ -170,11 +170,39 @@ def _rng_restore(state) -> None:
             tracker._current_state_name = state[3]
 
 
+# Objects that keep state between the calls of one pass (megatron's shared-expert overlap state
+# machine and its cached tensors, a token dispatcher's saved indices, splits and buffers): each
+# lane sees its own copy of their per-call attributes, swapped at every hand-off like the RNG.
+# Without it, a recompute re-entering a MoE layer's forward inside the paired backward, or the
+# two passes of a pair on the same model chunk, overwrite each other's state mid-layer.
+_STATEFUL: list = []  # (object, attribute names, or None: every attribute in its __dict__)
+_MISSING = object()
+
+
+def set_stateful(objects) -> None:
+    _STATEFUL[:] = list(objects)
+
+
+def _state_snapshot():
+    return [(obj, dict(obj.__dict__) if attrs is None else {a: obj.__dict__.get(a, _MISSING) for a in attrs})
+            for obj, attrs in _STATEFUL]
+
+
+def _state_restore(snapshot) -> None:
+    for obj, values in snapshot:
+        for k, v in values.items():
+            if v is _MISSING:
+                obj.__dict__.pop(k, None)
+            else:
+                obj.__dict__[k] = v
+
+
 class Lane:
     def __init__(self, name: str, pair: "Pair", label: str):
         self.name, self.pair, self.label = name, pair, label
         self.done = False
         self.rng = None
+        self.objs = None  # this lane's view of the stateful objects (set_stateful)
         self.exc: Optional[BaseException] = None
         self.t_resumed = 0.0
         self.thread: Optional[threading.Thread] = None  # runs the lane's program (not its backward)
@@ -191,6 +219,7 @@ class Lane:
             return False
         self._close_segment()
         self.rng = _rng_snapshot()
+        self.objs = _state_snapshot()
         cv = self.pair.cv
         with cv:
             self.pair.turn = other
@@ -198,6 +227,7 @@ class Lane:
             cv.notify_all()
             cv.wait_for(lambda: self.pair.turn is self)
         _rng_restore(self.rng)
+        _state_restore(self.objs)
         self.t_resumed = time.perf_counter()
         return True
 
@@ -208,6 +238,7 @@ class Lane:
     def finish(self) -> None:
         self._close_segment()
         self.rng = _rng_snapshot()
+        self.objs = _state_snapshot()
         cv = self.pair.cv
         with cv:
             self.done = True
@@ -279,6 +310,7 @@ class Pair:
         if _PAIR is not None:
             raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
         start_rng = _rng_snapshot()
+        start_objs = _state_snapshot()  # between passes: the backward starts from it, not mid-forward
         parent = _capture_thread_state()
         results = {}
 
@@ -287,6 +319,7 @@ class Pair:
             with self.cv:
                 self.cv.wait_for(lambda: self.turn is self.b)
             _rng_restore(start_rng)
+            _state_restore(start_objs)
             self.b.t_resumed = time.perf_counter()
             try:
                 results["b"] = bwd()
@@ -316,6 +349,7 @@ class Pair:
             _PAIR = None
         # Leave the process as the plain schedule would: the forward's RNG stream continues.
         _rng_restore(self.f.rng)
+        _state_restore(self.f.objs)
         for lane in (self.f, self.b):
             if lane.exc is not None:
                 raise lane.exc

@@ -267,6 +267,33 @@ def plain_schedule_steps(forward_step, backward_step):
         _STAND_INS.clear()
 
 
+# Per-call attributes of megatron's shared-expert overlap (transformer/moe/shared_experts.py:185-189
+# set, :228-361 pre_forward_comm .. get_output advance the state machine and fill the caches).
+SHARED_EXPERT_STATE = ("_overlap_state", "cached_fc1_input", "cached_fc2_input", "cached_fc2_output",
+                       "cached_output", "gate_score")
+
+
+def per_pass_state(model_chunks) -> list:
+    """(object, attributes) that keep state between the calls of one pass, for lanes.set_stateful:
+    every MoE layer's token dispatcher (MoELayer.token_dispatcher, moe_layer.py:299-324, ours or
+    megatron's: every attribute, they are all per-call or constant) and every SharedExpertMLP
+    with --moe-shared-expert-overlap (SHARED_EXPERT_STATE)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    out, seen = [], set()
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for d in (module.token_dispatcher, getattr(module, "_training_token_dispatcher", None)):
+                    if d is not None and id(d) not in seen:
+                        seen.add(id(d))
+                        out.append((d, None))
+            elif isinstance(module, SharedExpertMLP) and module.config.moe_shared_expert_overlap:
+                out.append((module, SHARED_EXPERT_STATE))
+    return out
+
+
 def _install_combined_plan_offload_groups():
     """megatron/core/models/common/fine_grained_callables.py:159 build_layer_callables (looked up
     at model_chunk_schedule_plan.py:116 when a layer's plan is built, called at :122): a
@@ -325,8 +352,47 @@ COMBINED_PLAN_OFFLOAD_GROUPS = Patch(
 )
 
 
+_NODE_HOOK: list = []  # the benchmark's node recorder while PLAN_NODES is applied
+
+
+def _install_plan_nodes():
+    """megatron/core/pipeline_parallel/utils.py:244 ScheduleNode._forward and :290 _backward (every
+    node of megatron's combined-1F1B plan runs through them): each call reported to the
+    benchmark's recorder with its node name, direction and micro-batch (the node's chunk state)."""
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    fwd, bwd = ScheduleNode._forward, ScheduleNode._backward
+
+    def _forward(self, *inputs):
+        return _NODE_HOOK[-1](self, "F", lambda: fwd(self, *inputs))
+
+    def _backward(self, *grads):
+        return _NODE_HOOK[-1](self, "B", lambda: bwd(self, *grads))
+
+    return undo_all([set_attr(ScheduleNode, "_forward", _forward), set_attr(ScheduleNode, "_backward", _backward)])
+
+
+PLAN_NODES = Patch(
+    "schedules.plan_nodes",
+    ["megatron/core/pipeline_parallel/utils.py:244", "megatron/core/pipeline_parallel/utils.py:290"],
+    "benchmark only: the nodes of megatron's combined-1F1B plan reported as they run",
+    _install_plan_nodes,
+)
+
+
+@contextlib.contextmanager
+def plan_nodes_recorded(hook):
+    """Scoped: hook(node, "F"|"B", run) is called for every node megatron's combined-1F1B plan runs."""
+    _NODE_HOOK.append(hook)
+    try:
+        with PLAN_NODES.applied():
+            yield
+    finally:
+        _NODE_HOOK.pop()
+
+
 SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS,
-         COMBINED_PLAN_OFFLOAD_GROUPS]
+         COMBINED_PLAN_OFFLOAD_GROUPS, PLAN_NODES]
 
 
 RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.schedules.lanes is active
