@@ -33,6 +33,7 @@ class CollectiveRecord:
     handed_off: bool = False  # the other lane ran between issue and wait
     partner_done: bool = False  # issued in a pair whose other lane had already finished
     issued_async_by_upstream: bool = False  # megatron itself asked for async_op=True
+    in_place: bool = False  # EP metadata (routing map, probs, counts) waited for without a hand-off
     events: Optional[tuple] = field(default=None, repr=False)  # CUDA events around the wait
 
     @property
@@ -93,7 +94,8 @@ class Recorder:
         how many could not be (the forward lane had finished)."""
         b = [c for c in self.collectives if c.group == group and c.lane == "B"]
         return {"collectives": len(b), "handed_off": sum(c.handed_off for c in b),
-                "partner_done": sum(c.partner_done and not c.handed_off for c in b)}
+                "partner_done": sum(c.partner_done and not c.handed_off and not c.in_place for c in b),
+                "in_place": sum(c.in_place for c in b)}
 
 
 _ATTENTION = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}

@@ -44,6 +44,17 @@ import torch
 class _Groups:
     tp: tuple = ()  # groups whose collectives are overlapped (TP, expert-TP)
     ep: tuple = ()  # expert-parallel groups (all-to-all), overlapped too; reported apart
+    hidden: int = 0  # the model's hidden size (set by the schedule): tells token rows from metadata
+
+
+def is_metadata(kind: Optional[str], width: Optional[int]) -> bool:
+    """An EP collective whose rows are at most a quarter of the hidden size wide (routing maps,
+    probabilities, per-expert counts) is waited for in place, without handing the baton over: the
+    token all-to-alls of a dispatch or combine then alternate with the other micro-batch's compute
+    instead of the small collectives between them taking their turns. The row width is the same on
+    every rank of the group (only row counts differ), so every rank makes the same choice and the
+    collectives stay in the same order everywhere."""
+    return kind == "ep" and width is not None and GROUPS.hidden > 0 and 4 * width <= GROUPS.hidden
 
 
 GROUPS = _Groups()
@@ -367,14 +378,15 @@ class _Handle:
     """Stands in for a work handle megatron itself issued async (e.g. the dgrad all-reduce that
     megatron overlaps with the wgrad GEMM): its wait() first hands the baton over."""
 
-    def __init__(self, work, token, lane: Optional[Lane], kind: str):
+    def __init__(self, work, token, lane: Optional[Lane], kind: str, in_place: bool = False):
         self._work, self._token, self._lane, self._kind = work, token, lane, kind
+        self._in_place = in_place
         self._waited = False
 
     def wait(self, *args, **kwargs):
         if not self._waited:
             self._waited = True
-            _finish(self._work, self._token, self._lane, self._kind)
+            _finish(self._work, self._token, self._lane, self._kind, self._in_place)
         return True
 
     def is_completed(self):
@@ -420,19 +432,32 @@ def exposed_seconds() -> dict:
     return EXPOSED_S
 
 
-def _finish(work, token, lane: Optional[Lane], kind: str) -> None:
+def _finish(work, token, lane: Optional[Lane], kind: str, in_place: bool = False) -> None:
     partner_done = lane is not None and lane.other.done
-    handed = lane.hand_off() if lane is not None else False
+    handed = lane.hand_off() if lane is not None and not in_place else False
+    if in_place and token is not None:
+        token.in_place = True
     t0, t1, events = _timed_wait(work, kind)
     if HOOK is not None and token is not None:
         HOOK.collective_waited(token, t0, t1, events, handed, partner_done)
 
 
-def collective(op: str, group, nbytes: int, start: Callable[[], object], async_op: bool):
+def row_width(t) -> int:
+    """Elements per row (first dimension) of a collective's payload."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def collective(op: str, group, nbytes: int, start: Callable[[], object], async_op: bool,
+               width: Optional[int] = None):
     """Issue ``start()`` (which must launch the collective with async_op=True). For a caller that
     asked for a blocking collective, hand the baton over and wait here; for one that asked for an
-    async handle, return a handle that does the same in wait()."""
+    async handle, return a handle that does the same in wait(). ``width``: elements per row of the
+    payload (is_metadata)."""
     kind = group_kind(group)
+    in_place = is_metadata(kind, width)
     lane = current_lane()
     hook = HOOK
     if kind is None or (lane is None and hook is None):
@@ -448,8 +473,8 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
         except Exception:  # noqa: BLE001 - backends without futures: completion = wait end
             pass
     if async_op:
-        return _Handle(work, token, lane, kind)
-    _finish(work, token, lane, kind)
+        return _Handle(work, token, lane, kind, in_place)
+    _finish(work, token, lane, kind, in_place)
     return SYNC_DONE
 
 

@@ -231,6 +231,7 @@ def forward_backward_overlap(
     from megatron_ext.seams.schedules import per_pass_state
 
     lanes.set_stateful(per_pass_state(model if isinstance(model, list) else [model]))
+    lanes.GROUPS.hidden = get_model_config(model[0] if isinstance(model, list) else model).hidden_size
 
     models = model if isinstance(model, list) else [model]
     iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]

@@ -50,7 +50,7 @@ def _wrap_all_reduce(orig):
         if lanes.active():
             got = lanes.collective(
                 "all_reduce", group, _nbytes(tensor),
-                lambda: orig(tensor, op=op, group=group, async_op=True), async_op,
+                lambda: orig(tensor, op=op, group=group, async_op=True), async_op, lanes.row_width(tensor),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -64,7 +64,7 @@ def _wrap_base(op_name, orig):
         if lanes.active():
             got = lanes.collective(
                 op_name, group, _nbytes(output if op_name == "all_gather" else input),
-                lambda: orig(output, input, group=group, async_op=True, **kw), async_op,
+                lambda: orig(output, input, group=group, async_op=True, **kw), async_op, lanes.row_width(input),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -81,7 +81,7 @@ def _wrap_a2a(orig):
                 "all_to_all", group, _nbytes(input),
                 lambda: orig(output, input, output_split_sizes, input_split_sizes,
                              group=group, async_op=True),
-                async_op,
+                async_op, lanes.row_width(input),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -107,6 +107,7 @@ def _wrap_list_reduce_scatter(orig):
             got = lanes.collective(
                 "reduce_scatter", group, sum(_nbytes(t) for t in inputs),
                 lambda: orig(out, inputs, op=op, group=group, async_op=True), False,
+                lanes.row_width(input_list[0]),
             )
             if got is not None:
                 if out is not output:
@@ -133,6 +134,7 @@ def _wrap_list_all_gather(orig):
             got = lanes.collective(
                 "all_gather", group, _nbytes(flat),
                 lambda: gather_into_tensor(flat, padded, group=group, async_op=True), False,
+                lanes.row_width(tensor),
             )
             if got is not None:
                 for i, out in enumerate(tensor_list):
