@@ -79,15 +79,19 @@ def set_groups() -> None:
 
     tp_group = get("get_tensor_model_parallel_group")
     tp_ranks = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else None
+    ep_group = get("get_expert_model_parallel_group")
+    ep_size = ep_group.size() if ep_group is not None else 1
     tp, ep = [], []
     for name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group",
                  "get_expert_model_parallel_group", "get_expert_tensor_and_model_parallel_group"):
         g = get(name)
         if g is None or any(g is x for x in tp + ep):
             continue
+        # the expert groups carry the token dispatch: "ep" whenever expert parallelism is on, even
+        # where its ranks are the TP group's (TP2 x EP2 on 2 processes, expert-TP 1)
         same_as_tp = tp_ranks is not None and sorted(dist.get_process_group_ranks(g)) == tp_ranks
-        is_tp = same_as_tp or name in ("get_tensor_model_parallel_group",
-                                       "get_expert_tensor_parallel_group")
+        is_tp = name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group") or (
+            same_as_tp and name == "get_expert_tensor_and_model_parallel_group" and ep_size < 2)
         (tp if is_tp else ep).append(g)
     GROUPS.tp, GROUPS.ep = tuple(tp), tuple(ep)
 
