@@ -135,6 +135,8 @@ def teardown() -> None:
 
     overlap_1f1b._P2P_GROUPS.clear()
     lanes.GROUPS.tp = lanes.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
+    lanes.GROUPS.hidden = 0
+    lanes.set_stateful(())  # references to the run's dispatchers / shared experts
     lanes.reset_buffers()
     lanes.exposed_seconds()
     lanes.EXPOSED_S.clear()
