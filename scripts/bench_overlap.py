@@ -44,6 +44,15 @@ LAYOUTS = {
 }
 TARGET_SHAPE = {"name": "GPT-3 13B-like layer (hidden 5120, seq 2048, mbs 1)",
                 "hidden": 5120, "seq": 2048, "mbs": 1}
+# MoE layouts (tiny_moe's structure, bf16: megatron's EP overlap needs bf16/fp16), each also run with
+# megatron's own EP-overlap schedule (--overlap-moe-expert-parallel-comm) as the peer where it can run
+MOE_LAYOUTS = {
+    "moe-ep2": dict(world=2, tp=1, pp=1, vpp=None, ep=2),
+    "moe-tp2xep2": dict(world=2, tp=2, pp=1, vpp=None, ep=2),
+    "moe-ep2xpp2xvpp2": dict(world=4, tp=1, pp=2, vpp=2, ep=2),
+}
+MOE_TARGET_SHAPE = {"name": "DeepSeek-V3-like layer (hidden 7168, seq 4096, mbs 1)",
+                    "hidden": 7168, "seq": 4096, "mbs": 1}
 
 
 def _argv(tp, pp, vpp, shape):
@@ -55,6 +64,175 @@ def _argv(tp, pp, vpp, shape):
         "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
         "--micro-batch-size", str(shape["mbs"]), "--global-batch-size", str(shape["mbs"] * shape["mb"]),
     ]
+
+
+def _moe_argv(tp, pp, vpp, ep, shape, world):
+    dp = world // (tp * pp)  # shape["mb"] micro-batches per data-parallel rank, as the dense cases
+    argv = (["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp else []) + [
+        "--recipe", "recipes/tiny_moe.yaml", "--bf16",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1",
+        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+        "--ffn-hidden-size", str(4 * shape["hidden"]), "--moe-ffn-hidden-size", str(shape["hidden"]),
+        "--num-attention-heads", str(shape["heads"]),
+        "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
+        "--micro-batch-size", str(shape["mbs"]), "--global-batch-size", str(shape["mbs"] * shape["mb"] * dp),
+    ]
+    return argv + (["--sequence-parallel"] if tp > 1 else [])
+
+
+def moe_job(tp, pp, vpp, ep, steps, shape):
+    """Runs on every rank: plain, ours and megatron's EP-overlap schedule on one MoE model."""
+    import logging
+
+    import torch
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    import arguments
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext import seams
+    from megatron_ext.bench.overlap import FlopCounter, NodeLog, Recorder
+    from megatron_ext.platform import faithful
+    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
+    from megatron_ext.seams.schedules import plan_nodes_recorded
+    from megatron_ext.training import data, model as models, parallel, run, step
+
+    seams.install_schedules_seams()
+    args = arguments.parse(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])),
+                           exit_on_dry_run=False)
+    run.initialize_parallel(args)
+    config = models.transformer_config(args)
+    model = models.build_model(args, config)
+    seams.install_schedules_seams()
+    config.finalize_model_grads_func = finalize_model_grads
+    lanes.set_groups()
+    num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    world = torch.distributed.group.WORLD
+    cuda = torch.cuda.is_available()
+    # megatron's own refusals of its EP overlap for this layout (transformer_config.py:2669-2713)
+    why_not = None
+    if pp > 1 and not vpp:
+        why_not = "megatron's EP overlap needs virtual pipeline stages with PP > 1 (transformer_config.py:2673)"
+
+    def one(name, count_flops=False):
+        config.overlap_moe_expert_parallel_comm = name == "peer"
+        schedule = forward_backward_overlap if name == "ours" else get_forward_backward_func()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        parallel.set_seed(4321)
+        iters = data.build_train_iterators(args, len(model))
+        rec = Recorder()
+        nodes = NodeLog(rec)
+        flop_ctx = FlopCounter(rec) if count_flops else _null()
+        node_ctx = plan_nodes_recorded(nodes) if name == "peer" else _null()
+        if cuda:
+            torch.cuda.synchronize()
+        torch.distributed.barrier(group=world)
+        lanes.set_hook(rec)
+        t0 = time.perf_counter()
+        try:
+            with flop_ctx, node_ctx:
+                step.run_schedule(args, schedule, model, iters, num_mb)
+            if cuda:
+                torch.cuda.synchronize()
+        finally:
+            t1 = time.perf_counter()
+            lanes.set_hook(None)
+            config.overlap_moe_expert_parallel_comm = False
+        grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
+        return t1 - t0, rec, nodes, grads
+
+    names = ("plain", "ours") + (("peer",) if why_not is None else ())
+    for n in names:
+        one(n)  # warm-up
+    times = {n: [] for n in names}
+    exposed = {n: {"tp": [], "ep": []} for n in names}
+    last = {}
+    for i in range(steps):
+        for n in (names if i % 2 == 0 else tuple(reversed(names))):
+            dt, rec, _, grads = one(n)
+            times[n].append(dt)
+            for kind in ("tp", "ep"):
+                exposed[n][kind].append(rec.exposed(kind))
+            last[n] = grads
+    equal = {n: all(torch.equal(a, b) for a, b in zip(last["plain"], last[n])) for n in names}
+
+    structural, b_lane = {}, {}
+    for n in names:
+        _, rec, nodes, _ = one(n, count_flops=True)
+        recs = [{"op": c.op, "kind": c.group, "nbytes": c.nbytes, "flops_between": c.flops_between,
+                 "flops_attn": c.attn_flops_between, "flops_linear": c.flops_between - c.attn_flops_between,
+                 "handed_off": c.handed_off} for c in rec.collectives if c.group in ("tp", "ep")]
+        if n == "peer":  # EP all-to-alls: the compute megatron's plan puts beside each on a GPU
+            recs = [r for r in recs if r["kind"] == "tp"] + [dict(r, kind="ep") for r in nodes.ep_records()]
+        structural[n] = recs
+        b_lane[n] = {k: rec.b_lane(k) for k in ("tp", "ep")}
+    return {
+        "rank": torch.distributed.get_rank(), "cuda_faithful": faithful.enabled(),
+        "times": times, "exposed": exposed, "grads_equal": equal, "structural": structural,
+        "num_microbatches": num_mb, "b_lane": b_lane, "why_not": why_not,
+    }
+
+
+def summarize_moe(layout, lay, results, shape):
+    from megatron_ext.schedules import costmodel
+
+    names = list(results[0]["times"])
+    steps = len(results[0]["times"]["plain"])
+    med = {}
+    for n in names:
+        step_s = [max(r["times"][n][i] for r in results) for i in range(steps)]
+        med[n] = {"step_s": statistics.median(step_s)}
+        for kind in ("tp", "ep"):
+            med[n][kind] = statistics.median(
+                statistics.mean(r["exposed"][n][kind][i] for r in results) for i in range(steps))
+    run_shape = {"hidden": shape["hidden"], "seq": shape["seq"], "mbs": shape["mbs"]}
+    scale = costmodel.shape_scale(run_shape, MOE_TARGET_SHAPE)
+    # TP inside a node (NVLink); DeepSeek-V3's expert parallelism spans nodes (InfiniBand)
+    links = {"tp": (costmodel.NVLINK, lay["tp"]), "ep": (costmodel.INFINIBAND, lay["ep"])}
+
+    def by_kind(n, sc):
+        out = {}
+        for kind, key in (("tp", "tp"), ("ep", "ep_a2a")):
+            recs = [c for r in results for c in r["structural"][n] if c["kind"] == kind]
+            link, size = links[kind]
+            out[key] = costmodel.modeled_hidden(recs, link, tp=size, scale=sc)["hidden_fraction"] if recs else None
+        return out
+
+    case = {
+        "layout": layout, "moe": True, "tp": lay["tp"], "ep": lay["ep"], "pp": lay["pp"], "vpp": lay["vpp"],
+        "processes": len(results),
+        "cuda_faithful": all(r["cuda_faithful"] for r in results),
+        "num_microbatches": results[0]["num_microbatches"], "steps": steps,
+        "exposed_comm_plain_s": med["plain"]["tp"] + med["plain"]["ep"],
+        "exposed_comm_ours_s": med["ours"]["tp"] + med["ours"]["ep"],
+        "exposed_by_kind_s": {n: {"tp": med[n]["tp"], "ep_a2a": med[n]["ep"]} for n in names},
+        "step_time_plain_s": med["plain"]["step_s"],
+        "step_time_ours_s": med["ours"]["step_s"],
+        "step_time_ratio": med["ours"]["step_s"] / med["plain"]["step_s"],
+        "modeled_hidden_by_kind": by_kind("ours", scale),
+        "modeled_hidden_by_kind_as_run": by_kind("ours", (1.0, 1.0, 1.0)),
+        "modeled_hidden_by_kind_plain": by_kind("plain", scale),
+        "b_lane_collectives": sum(r["b_lane"]["ours"][k]["collectives"] for r in results for k in ("tp", "ep")),
+        "b_lane_handed_off": sum(r["b_lane"]["ours"][k]["handed_off"] for r in results for k in ("tp", "ep")),
+        "grads_bitwise_equal": all(r["grads_equal"]["ours"] for r in results),
+    }
+    case["exposed_ratio"] = (case["exposed_comm_ours_s"] / case["exposed_comm_plain_s"]
+                             if case["exposed_comm_plain_s"] else None)
+    case["modeled_hidden_fraction"] = case["modeled_hidden_by_kind"]["ep_a2a"]
+    ran = "peer" in names
+    case["peer"] = {
+        "schedule": "megatron-ep-overlap", "ran": ran, "why_not": results[0]["why_not"],
+        "modeled_hidden_by_kind": by_kind("peer", scale) if ran else None,
+        "modeled_hidden_by_kind_as_run": by_kind("peer", (1.0, 1.0, 1.0)) if ran else None,
+        "grads_bitwise_equal": all(r["grads_equal"]["peer"] for r in results) if ran else None,
+        "step_time_s": med["peer"]["step_s"] if ran else None,
+        "exposed_by_kind_s": case["exposed_by_kind_s"].get("peer"),
+    }
+    return case
 
 
 def job(tp, pp, vpp, steps, shape):
@@ -227,7 +405,8 @@ def summarize(layout, results, shape):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=7, help="measured steps per schedule (median)")
-    p.add_argument("--layouts", default="tp2,tp2xpp2,tp2xpp2xvpp2", help=f"of {','.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=",".join([*LAYOUTS, *MOE_LAYOUTS]),
+                   help=f"of {','.join([*LAYOUTS, *MOE_LAYOUTS])}")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -255,6 +434,13 @@ def main(argv=None):
              "mb": a.microbatches}
     cases = []
     for layout in a.layouts.split(","):
+        if layout in MOE_LAYOUTS:
+            lay = MOE_LAYOUTS[layout]
+            print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
+            results = run_world(lay["world"], moe_job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
+                                ep=lay["ep"], steps=a.steps, shape=shape)
+            cases.append(summarize_moe(layout, lay, results, shape))
+            continue
         lay = LAYOUTS[layout]
         print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
         results = run_world(lay["world"], job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
@@ -280,6 +466,7 @@ def main(argv=None):
         "model": shape,
         "link_models": [vars(link) for link in costmodel.LINKS],
         "modeled_target_shape": TARGET_SHAPE,
+        "moe_modeled_target_shape": MOE_TARGET_SHAPE,
         "cases": cases,
     }
     table = _table(out)
@@ -291,8 +478,31 @@ def main(argv=None):
     return out
 
 
+def _moe_table(cases) -> list:
+    def f(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    lines = [f"{'MoE layout':18} {'exposed tp+ep plain':>19} {'ours':>8} {'step plain':>10} {'ours':>8} "
+             f"{'ours/plain':>10} {'modeled ours tp / ep_a2a':>25} {'megatron EP overlap: ran, tp / ep_a2a, step':>44} "
+             f"{'bitwise ours/megatron':>21}"]
+    for c in cases:
+        m, peer = c["modeled_hidden_by_kind"], c["peer"]
+        pm = peer["modeled_hidden_by_kind"] or {}
+        peer_txt = (f"{f(pm.get('tp'))} / {f(pm.get('ep_a2a'))}, {peer['step_time_s'] * 1e3:.0f}ms"
+                    if peer["ran"] else f"no: {peer['why_not']}")
+        lines.append(
+            f"{c['layout']:18} {c['exposed_comm_plain_s'] * 1e3:17.1f}ms {c['exposed_comm_ours_s'] * 1e3:6.1f}ms "
+            f"{c['step_time_plain_s'] * 1e3:8.1f}ms {c['step_time_ours_s'] * 1e3:6.1f}ms {c['step_time_ratio']:10.3f} "
+            f"{f(m['tp']):>12} / {f(m['ep_a2a']):<10} {peer_txt:>44} "
+            f"{str(c['grads_bitwise_equal'])} / {str(peer['grads_bitwise_equal'])}")
+    return lines
+
+
 def _table(out) -> str:
-    cases = out["cases"]
+    moe = [c for c in out["cases"] if c.get("moe")]
+    cases = [c for c in out["cases"] if not c.get("moe")]
+    if not cases:
+        return "\n".join([f"device: {out['device']}; model: {out['model']}"] + _moe_table(moe))
     hdr = (f"{'layout':12} {'exposed plain':>13} {'exposed ours':>12} {'ratio':>6} {'hidden':>7} "
            f"{'step plain':>10} {'step ours':>9} {'ours/plain':>10} {'modeled NVL/IB (13B shape)':>27} "
            f"{'as run NVL':>10} {'B handed off':>12} {'p2p ok':>6} {'bitwise':>7}")
@@ -309,7 +519,9 @@ def _table(out) -> str:
     lines.append("modeled, plain schedule (megatron's dgrad/wgrad overlap only): " + ", ".join(
         f"{c['layout']}: NVL {c['modeled']['plain_nvlink_13b_shape']:.1%} / "
         f"IB {c['modeled']['plain_infiniband_13b_shape']:.1%} (13B shape)" for c in cases))
-    lines.append("CUDA-faithful mode: " + ", ".join(f"{c['layout']}: {c['cuda_faithful']}" for c in cases))
+    lines.append("CUDA-faithful mode: " + ", ".join(f"{c['layout']}: {c['cuda_faithful']}" for c in out["cases"]))
+    if moe:
+        lines += _moe_table(moe)
     return "\n".join(lines)
 
 

@@ -18,7 +18,9 @@ from megatron.core.distributed import distributed_data_parallel, param_and_grad_
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
 from megatron.core.optimizer import distrib_optimizer
+from megatron.core.models.common import fine_grained_callables
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.utils import ScheduleNode
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.models.backends import LocalSpecProvider
@@ -47,6 +49,7 @@ TARGETS = {
     "StorageResizeBasedBucketAllocator": fsdp_buffer.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
     "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
+    "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
 }
 
 

@@ -33,6 +33,7 @@ class CollectiveRecord:
     handed_off: bool = False  # the other lane ran between issue and wait
     partner_done: bool = False  # issued in a pair whose other lane had already finished
     issued_async_by_upstream: bool = False  # megatron itself asked for async_op=True
+    in_place: bool = False  # EP metadata (routing map, probs, counts) waited for without a hand-off
     events: Optional[tuple] = field(default=None, repr=False)  # CUDA events around the wait
 
     @property
@@ -93,7 +94,8 @@ class Recorder:
         how many could not be (the forward lane had finished)."""
         b = [c for c in self.collectives if c.group == group and c.lane == "B"]
         return {"collectives": len(b), "handed_off": sum(c.handed_off for c in b),
-                "partner_done": sum(c.partner_done and not c.handed_off for c in b)}
+                "partner_done": sum(c.partner_done and not c.handed_off and not c.in_place for c in b),
+                "in_place": sum(c.in_place for c in b)}
 
 
 _ATTENTION = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}
@@ -118,4 +120,62 @@ class FlopCounter(TorchDispatchMode):
             self.recorder.flops += flops
             if func._overloadpacket in _ATTENTION:
                 self.recorder.attn_flops += flops
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron's combined-1F1B plan (--overlap-moe-expert-parallel-comm), structurally
+# ------------------------------------------------------------------------------------------------
+COMM_NODES = ("moe_dispatch", "moe_combine")
+
+
+@dataclass
+class NodeCall:
+    name: str       # the plan's node name (pre_dispatch_computation, moe_dispatch, mlp, moe_combine, ...)
+    direction: str  # "F" or "B"
+    owner: int      # the micro-batch's plan (id of its chunk state)
+    flops_linear: int = 0
+    flops_attn: int = 0
+    collectives: list = field(default_factory=list)  # CollectiveRecords issued inside it
+
+
+class NodeLog:
+    """The nodes megatron's plan ran, in issue order, with the FLOPs and collectives of each
+    (megatron_ext.seams.schedules.plan_nodes_recorded; FLOPs from a FlopCounter on `recorder`)."""
+
+    def __init__(self, recorder: Recorder):
+        self.rec, self.calls = recorder, []
+
+    def __call__(self, node, direction, run):
+        call = NodeCall(getattr(node, "name", "?"), direction, id(getattr(node, "chunk_state", node)))
+        f0, a0, c0 = self.rec.flops, self.rec.attn_flops, len(self.rec.collectives)
+        try:
+            return run()
+        finally:
+            call.flops_attn = self.rec.attn_flops - a0
+            call.flops_linear = self.rec.flops - f0 - call.flops_attn
+            call.collectives = self.rec.collectives[c0:]
+            self.calls.append(call)
+
+    def ep_records(self) -> list:
+        """Each EP collective with the compute the plan runs beside it on a GPU: megatron issues a
+        dispatch/combine node on its communication stream and the next nodes on the compute stream;
+        those of the *other* micro-batch (independent of it) until the next communication node
+        overlap it (schedule_layer_1f1b, model_chunk_schedule_plan.py:224-289). Nodes of the same
+        micro-batch wait for it. Unpaired passes (warmup / cooldown) have no other micro-batch."""
+        out = []
+        for i, call in enumerate(self.calls):
+            if call.name not in COMM_NODES:
+                continue
+            lin = attn = 0
+            for nxt in self.calls[i + 1:]:
+                if nxt.name in COMM_NODES:
+                    break
+                if nxt.owner != call.owner:
+                    lin += nxt.flops_linear
+                    attn += nxt.flops_attn
+            ep = [c for c in call.collectives if c.group == "ep"]
+            if ep:  # a node's collectives (tokens, probs, counts) run back to back on the comm stream
+                out.append({"op": "all_to_all", "nbytes": sum(c.nbytes for c in ep),
+                            "flops_linear": lin, "flops_attn": attn, "count": len(ep)})
         return out

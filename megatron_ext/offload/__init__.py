@@ -109,12 +109,6 @@ def validate(args) -> None:
             f"--activation-offload-modules {' '.join(expert)} would offload nothing; drop those modules or "
             "--use-transformer-engine-op-fuser"
         )
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        raise ConfigError(
-            "--overlap-moe-expert-parallel-comm=True: the combined-1F1B plan calls layer sub-modules "
-            "directly (models/common/model_chunk_schedule_plan.py), bypassing the TransformerLayer hooks "
-            f"that delimit offload groups; it cannot be combined with --activation-offload-modules={mods}"
-        )
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "selective" or getattr(args, "moe_layer_recompute", False):
         recomputed = list(getattr(args, "recompute_modules", None) or ["core_attn"])

@@ -212,6 +212,8 @@ class OffloadManager:
         self._static_keys: set = set()
         self._layer_keys: set = set()  # the current layer's, read when its forward starts
         self._layer_params: dict = {}  # id(layer) -> its parameters
+        self._layer_chunk: dict = {}  # id(layer) -> model chunk index (layers with offload targets)
+        self._first_layer: dict = {}  # chunk index -> id of its first such layer
         self._pass: _Pass | None = None
         # backward order, observed: passes waiting for backward (forward order); for each pass that
         # started backward in this "epoch" (until none waits), its index among those not started yet.
@@ -264,6 +266,8 @@ class OffloadManager:
                 if not targets:
                     continue
                 self._layer_params[id(layer)] = list(layer.parameters())
+                self._layer_chunk[id(layer)] = chunk_idx
+                self._first_layer.setdefault(chunk_idx, id(layer))
                 path = {id(m): n for n, m in layer.named_modules()}
                 for _, _, mods in targets:  # modules run in place of registered ones (grouped experts)
                     for m in mods:
@@ -328,6 +332,22 @@ class OffloadManager:
         group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
         self._pass.groups.append(group)
         self._group = group
+
+    # megatron's combined-1F1B plan (--overlap-moe-expert-parallel-comm) runs a layer as separate
+    # nodes, never calling the layer itself: its first node begins the group, its last ends it
+    # (megatron_ext/seams/schedules.py, COMBINED_PLAN_OFFLOAD_GROUPS). The layer's sub-modules'
+    # own hooks (linear_fc1, ...) fire as usual inside the nodes.
+    def plans_layer(self, layer) -> bool:
+        return id(layer) in self._layer_chunk
+
+    def plan_layer_begin(self, layer) -> None:
+        chunk = self._layer_chunk[id(layer)]
+        if self._active() and self._first_layer.get(chunk) == id(layer):
+            self._begin_pass(chunk, None, None)  # the model's forward hook never fires in the plan
+        self._begin_group(chunk, layer, None)
+
+    def plan_layer_end(self, layer, output) -> None:
+        self._end_group(layer, None, output)
 
     def _push(self, module, *_):
         if self._group is not None:

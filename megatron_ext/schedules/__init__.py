@@ -12,20 +12,33 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.counters import SinceLastCall
 
 FLAG = "--overlap-tp-comm-1f1b"
+ALIAS = "--overlap-model-parallel-comm-1f1b"
+
+
+def model_parallel_sizes(args) -> dict:
+    """The model-parallel groups whose collectives the paired passes issue: {name: size}."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    moe = bool(getattr(args, "num_experts", None))
+    ep = (getattr(args, "expert_model_parallel_size", 1) or 1) if moe else 1
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    etp = (etp if etp is not None else tp) if moe else 1
+    return {"tp": tp, "ep": ep, "etp": etp}
 
 
 def add_arguments(parser):
     group = parser.add_argument_group("megatron_ext: backward-forward TP-communication overlap",
                                       "1F1B overlap hiding tensor-parallel communication (docs/overlap.md)")
     group.add_argument(
-        FLAG,
+        FLAG, ALIAS,
         dest="overlap_tp_comm_1f1b",
         action="store_true",
         default=False,
         help="Hide tensor-parallel communication by interleaving the backward of one micro-batch "
         "with the forward of another (1F1B steady phase; consecutive micro-batches without "
         "pipelining): every TP all-reduce / all-gather / reduce-scatter (and EP all-to-all) is "
-        "issued async and waited on only after the other micro-batch's compute. Needs TP >= 2. "
+        "issued async and waited on only after the other micro-batch's compute. Needs a "
+        "model-parallel collective to hide: TP >= 2, or a MoE with EP >= 2 (expert all-to-all / "
+        "all-gather, any dispatcher), or expert-TP >= 2. "
         "Bit-identical loss and gradients. Not megatron's --tp-comm-overlap (TE userbuffers) nor "
         "--overlap-moe-expert-parallel-comm (combined 1F1B for EP all-to-all only). Pipeline "
         "messages are sent by this schedule itself (tagged, non-blocking sends), so megatron's "
@@ -39,13 +52,22 @@ def validate(args) -> None:
     if not getattr(args, "overlap_tp_comm_1f1b", False):
         return
     on = f"{FLAG}=True"
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    if tp < 2:
+    sizes = model_parallel_sizes(args)
+    if max(sizes.values()) < 2:
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
         raise ConfigError(
-            f"{on} needs tensor parallelism: --tensor-model-parallel-size={tp} has no TP "
-            "communication to hide (use TP >= 2 or drop the flag)"
+            f"{on} has nothing to hide: --tensor-model-parallel-size={sizes['tp']} "
+            f"--expert-model-parallel-size={ep}"
+            + ("" if getattr(args, "num_experts", None) else " (dense model)")
+            + " issue no model-parallel collective (use TP >= 2, or EP >= 2 with MoE, or drop the flag)"
         )
     incompatible = {
+        "delay_wgrad_compute": (
+            "--delay-wgrad-compute",
+            "megatron runs delayed weight gradients only inside its own combined-1F1B plan "
+            "(transformer_config.py:2750 needs --overlap-moe-expert-parallel-comm) with "
+            "transformer-engine layers (arguments.py:1823); use those two flags instead of this one",
+        ),
         "overlap_moe_expert_parallel_comm": (
             "--overlap-moe-expert-parallel-comm",
             "megatron's combined-1F1B schedule and ours both pair a forward with a backward; ours "
@@ -61,7 +83,6 @@ def validate(args) -> None:
         ),
         "variable_seq_lengths": ("--variable-seq-lengths", "pipeline messages have fixed shapes here"),
         "hybrid_context_parallel": ("--hybrid-context-parallel", "has its own schedule"),
-        "delay_wgrad_compute": ("--delay-wgrad-compute", "splits wgrad out of the backward pass"),
     }
     for dest, (flag, why) in incompatible.items():
         value = getattr(args, dest, None)
@@ -102,10 +123,6 @@ def get_forward_backward_func(args=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
     if args is not None and getattr(args, "overlap_tp_comm_1f1b", False):
-        from megatron.core import parallel_state
-
-        if parallel_state.get_tensor_model_parallel_world_size() < 2:
-            raise ConfigError(f"{FLAG}=True needs tensor parallelism (TP world size is 1)")
         from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
         return forward_backward_overlap
@@ -118,6 +135,8 @@ def teardown() -> None:
 
     overlap_1f1b._P2P_GROUPS.clear()
     lanes.GROUPS.tp = lanes.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
+    lanes.GROUPS.hidden = 0
+    lanes.set_stateful(())  # references to the run's dispatchers / shared experts
     lanes.reset_buffers()
     lanes.exposed_seconds()
     lanes.EXPOSED_S.clear()

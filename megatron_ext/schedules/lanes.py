@@ -44,6 +44,17 @@ import torch
 class _Groups:
     tp: tuple = ()  # groups whose collectives are overlapped (TP, expert-TP)
     ep: tuple = ()  # expert-parallel groups (all-to-all), overlapped too; reported apart
+    hidden: int = 0  # the model's hidden size (set by the schedule): tells token rows from metadata
+
+
+def is_metadata(kind: Optional[str], width: Optional[int]) -> bool:
+    """An EP collective whose rows are at most a quarter of the hidden size wide (routing maps,
+    probabilities, per-expert counts) is waited for in place, without handing the baton over: the
+    token all-to-alls of a dispatch or combine then alternate with the other micro-batch's compute
+    instead of the small collectives between them taking their turns. The row width is the same on
+    every rank of the group (only row counts differ), so every rank makes the same choice and the
+    collectives stay in the same order everywhere."""
+    return kind == "ep" and width is not None and GROUPS.hidden > 0 and 4 * width <= GROUPS.hidden
 
 
 GROUPS = _Groups()
@@ -68,15 +79,19 @@ def set_groups() -> None:
 
     tp_group = get("get_tensor_model_parallel_group")
     tp_ranks = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else None
+    ep_group = get("get_expert_model_parallel_group")
+    ep_size = ep_group.size() if ep_group is not None else 1
     tp, ep = [], []
     for name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group",
                  "get_expert_model_parallel_group", "get_expert_tensor_and_model_parallel_group"):
         g = get(name)
         if g is None or any(g is x for x in tp + ep):
             continue
+        # the expert groups carry the token dispatch: "ep" whenever expert parallelism is on, even
+        # where its ranks are the TP group's (TP2 x EP2 on 2 processes, expert-TP 1)
         same_as_tp = tp_ranks is not None and sorted(dist.get_process_group_ranks(g)) == tp_ranks
-        is_tp = same_as_tp or name in ("get_tensor_model_parallel_group",
-                                       "get_expert_tensor_parallel_group")
+        is_tp = name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group") or (
+            same_as_tp and name == "get_expert_tensor_and_model_parallel_group" and ep_size < 2)
         (tp if is_tp else ep).append(g)
     GROUPS.tp, GROUPS.ep = tuple(tp), tuple(ep)
 
@@ -170,11 +185,39 @@ def _rng_restore(state) -> None:
             tracker._current_state_name = state[3]
 
 
+# Objects that keep state between the calls of one pass (megatron's shared-expert overlap state
+# machine and its cached tensors, a token dispatcher's saved indices, splits and buffers): each
+# lane sees its own copy of their per-call attributes, swapped at every hand-off like the RNG.
+# Without it, a recompute re-entering a MoE layer's forward inside the paired backward, or the
+# two passes of a pair on the same model chunk, overwrite each other's state mid-layer.
+_STATEFUL: list = []  # (object, attribute names, or None: every attribute in its __dict__)
+_MISSING = object()
+
+
+def set_stateful(objects) -> None:
+    _STATEFUL[:] = list(objects)
+
+
+def _state_snapshot():
+    return [(obj, dict(obj.__dict__) if attrs is None else {a: obj.__dict__.get(a, _MISSING) for a in attrs})
+            for obj, attrs in _STATEFUL]
+
+
+def _state_restore(snapshot) -> None:
+    for obj, values in snapshot:
+        for k, v in values.items():
+            if v is _MISSING:
+                obj.__dict__.pop(k, None)
+            else:
+                obj.__dict__[k] = v
+
+
 class Lane:
     def __init__(self, name: str, pair: "Pair", label: str):
         self.name, self.pair, self.label = name, pair, label
         self.done = False
         self.rng = None
+        self.objs = None  # this lane's view of the stateful objects (set_stateful)
         self.exc: Optional[BaseException] = None
         self.t_resumed = 0.0
         self.thread: Optional[threading.Thread] = None  # runs the lane's program (not its backward)
@@ -191,6 +234,7 @@ class Lane:
             return False
         self._close_segment()
         self.rng = _rng_snapshot()
+        self.objs = _state_snapshot()
         cv = self.pair.cv
         with cv:
             self.pair.turn = other
@@ -198,6 +242,7 @@ class Lane:
             cv.notify_all()
             cv.wait_for(lambda: self.pair.turn is self)
         _rng_restore(self.rng)
+        _state_restore(self.objs)
         self.t_resumed = time.perf_counter()
         return True
 
@@ -208,6 +253,7 @@ class Lane:
     def finish(self) -> None:
         self._close_segment()
         self.rng = _rng_snapshot()
+        self.objs = _state_snapshot()
         cv = self.pair.cv
         with cv:
             self.done = True
@@ -279,6 +325,7 @@ class Pair:
         if _PAIR is not None:
             raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
         start_rng = _rng_snapshot()
+        start_objs = _state_snapshot()  # between passes: the backward starts from it, not mid-forward
         parent = _capture_thread_state()
         results = {}
 
@@ -287,6 +334,7 @@ class Pair:
             with self.cv:
                 self.cv.wait_for(lambda: self.turn is self.b)
             _rng_restore(start_rng)
+            _state_restore(start_objs)
             self.b.t_resumed = time.perf_counter()
             try:
                 results["b"] = bwd()
@@ -316,6 +364,7 @@ class Pair:
             _PAIR = None
         # Leave the process as the plain schedule would: the forward's RNG stream continues.
         _rng_restore(self.f.rng)
+        _state_restore(self.f.objs)
         for lane in (self.f, self.b):
             if lane.exc is not None:
                 raise lane.exc
@@ -333,14 +382,15 @@ class _Handle:
     """Stands in for a work handle megatron itself issued async (e.g. the dgrad all-reduce that
     megatron overlaps with the wgrad GEMM): its wait() first hands the baton over."""
 
-    def __init__(self, work, token, lane: Optional[Lane], kind: str):
+    def __init__(self, work, token, lane: Optional[Lane], kind: str, in_place: bool = False):
         self._work, self._token, self._lane, self._kind = work, token, lane, kind
+        self._in_place = in_place
         self._waited = False
 
     def wait(self, *args, **kwargs):
         if not self._waited:
             self._waited = True
-            _finish(self._work, self._token, self._lane, self._kind)
+            _finish(self._work, self._token, self._lane, self._kind, self._in_place)
         return True
 
     def is_completed(self):
@@ -386,19 +436,32 @@ def exposed_seconds() -> dict:
     return EXPOSED_S
 
 
-def _finish(work, token, lane: Optional[Lane], kind: str) -> None:
+def _finish(work, token, lane: Optional[Lane], kind: str, in_place: bool = False) -> None:
     partner_done = lane is not None and lane.other.done
-    handed = lane.hand_off() if lane is not None else False
+    handed = lane.hand_off() if lane is not None and not in_place else False
+    if in_place and token is not None:
+        token.in_place = True
     t0, t1, events = _timed_wait(work, kind)
     if HOOK is not None and token is not None:
         HOOK.collective_waited(token, t0, t1, events, handed, partner_done)
 
 
-def collective(op: str, group, nbytes: int, start: Callable[[], object], async_op: bool):
+def row_width(t) -> int:
+    """Elements per row (first dimension) of a collective's payload."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def collective(op: str, group, nbytes: int, start: Callable[[], object], async_op: bool,
+               width: Optional[int] = None):
     """Issue ``start()`` (which must launch the collective with async_op=True). For a caller that
     asked for a blocking collective, hand the baton over and wait here; for one that asked for an
-    async handle, return a handle that does the same in wait()."""
+    async handle, return a handle that does the same in wait(). ``width``: elements per row of the
+    payload (is_metadata)."""
     kind = group_kind(group)
+    in_place = is_metadata(kind, width)
     lane = current_lane()
     hook = HOOK
     if kind is None or (lane is None and hook is None):
@@ -414,8 +477,8 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
         except Exception:  # noqa: BLE001 - backends without futures: completion = wait end
             pass
     if async_op:
-        return _Handle(work, token, lane, kind)
-    _finish(work, token, lane, kind)
+        return _Handle(work, token, lane, kind, in_place)
+    _finish(work, token, lane, kind, in_place)
     return SYNC_DONE
 
 

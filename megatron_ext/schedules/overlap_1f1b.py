@@ -228,6 +228,10 @@ def forward_backward_overlap(
 
     STATS["calls"] += 1  # its seams were installed with the run (megatron_ext/seams/schedules.py)
     lanes.set_groups()
+    from megatron_ext.seams.schedules import per_pass_state
+
+    lanes.set_stateful(per_pass_state(model if isinstance(model, list) else [model]))
+    lanes.GROUPS.hidden = get_model_config(model[0] if isinstance(model, list) else model).hidden_size
 
     models = model if isinstance(model, list) else [model]
     iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -450,4 +454,5 @@ def forward_backward_overlap(
             force_all_reduce=force_all_reduce,
         )
     lanes.reset_buffers()
+    lanes.set_stateful(())
     return forward_data_store

@@ -50,7 +50,7 @@ def _wrap_all_reduce(orig):
         if lanes.active():
             got = lanes.collective(
                 "all_reduce", group, _nbytes(tensor),
-                lambda: orig(tensor, op=op, group=group, async_op=True), async_op,
+                lambda: orig(tensor, op=op, group=group, async_op=True), async_op, lanes.row_width(tensor),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -64,7 +64,7 @@ def _wrap_base(op_name, orig):
         if lanes.active():
             got = lanes.collective(
                 op_name, group, _nbytes(output if op_name == "all_gather" else input),
-                lambda: orig(output, input, group=group, async_op=True, **kw), async_op,
+                lambda: orig(output, input, group=group, async_op=True, **kw), async_op, lanes.row_width(input),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -81,7 +81,7 @@ def _wrap_a2a(orig):
                 "all_to_all", group, _nbytes(input),
                 lambda: orig(output, input, output_split_sizes, input_split_sizes,
                              group=group, async_op=True),
-                async_op,
+                async_op, lanes.row_width(input),
             )
             if got is not None:
                 return None if got is lanes.SYNC_DONE else got
@@ -107,6 +107,7 @@ def _wrap_list_reduce_scatter(orig):
             got = lanes.collective(
                 "reduce_scatter", group, sum(_nbytes(t) for t in inputs),
                 lambda: orig(out, inputs, op=op, group=group, async_op=True), False,
+                lanes.row_width(input_list[0]),
             )
             if got is not None:
                 if out is not output:
@@ -133,6 +134,7 @@ def _wrap_list_all_gather(orig):
             got = lanes.collective(
                 "all_gather", group, _nbytes(flat),
                 lambda: gather_into_tensor(flat, padded, group=group, async_op=True), False,
+                lanes.row_width(tensor),
             )
             if got is not None:
                 for i, out in enumerate(tensor_list):
@@ -267,14 +269,142 @@ def plain_schedule_steps(forward_step, backward_step):
         _STAND_INS.clear()
 
 
-SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS]
+# Per-call attributes of megatron's shared-expert overlap (transformer/moe/shared_experts.py:185-189
+# set, :228-361 pre_forward_comm .. get_output advance the state machine and fill the caches).
+SHARED_EXPERT_STATE = ("_overlap_state", "cached_fc1_input", "cached_fc2_input", "cached_fc2_output",
+                       "cached_output", "gate_score")
+
+
+def per_pass_state(model_chunks) -> list:
+    """(object, attributes) that keep state between the calls of one pass, for lanes.set_stateful:
+    every MoE layer's token dispatcher (MoELayer.token_dispatcher, moe_layer.py:299-324, ours or
+    megatron's: every attribute, they are all per-call or constant) and every SharedExpertMLP
+    with --moe-shared-expert-overlap (SHARED_EXPERT_STATE)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    out, seen = [], set()
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for d in (module.token_dispatcher, getattr(module, "_training_token_dispatcher", None)):
+                    if d is not None and id(d) not in seen:
+                        seen.add(id(d))
+                        out.append((d, None))
+            elif isinstance(module, SharedExpertMLP) and module.config.moe_shared_expert_overlap:
+                out.append((module, SHARED_EXPERT_STATE))
+    return out
+
+
+def _install_combined_plan_offload_groups():
+    """megatron/core/models/common/fine_grained_callables.py:159 build_layer_callables (looked up
+    at model_chunk_schedule_plan.py:116 when a layer's plan is built, called at :122): a
+    TransformerLayer's first node (pre_dispatch_computation, gpt/fine_grained_callables.py:67)
+    begins our activation-offload group, its last (moe_combine :209 for a MoE layer, the dense
+    mlp :259 otherwise) ends it with its output, as the layer's own forward hooks do outside
+    the plan (megatron_ext/offload/manager.py)."""
+    import functools
+
+    from megatron.core.models.common import fine_grained_callables as fgc
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_ext import offload
+
+    orig = fgc.build_layer_callables
+
+    def build_layer_callables(layer):
+        funcs, backward_dw = orig(layer)
+        manager = offload.current()
+        if manager is None or not isinstance(layer, TransformerLayer) \
+                or not manager.plans_layer(layer):
+            return funcs, backward_dw
+        funcs = list(funcs)
+        last = 3 if isinstance(layer.mlp, MoELayer) else 2
+        first_fn, last_fn = funcs[0], funcs[last]
+
+        @functools.wraps(first_fn)
+        def begin(node, *a, **k):
+            manager.plan_layer_begin(layer)
+            return first_fn(node, *a, **k)
+
+        @functools.wraps(last_fn)
+        def end(node, *a, **k):
+            out = last_fn(node, *a, **k)
+            manager.plan_layer_end(layer, out)
+            return out
+
+        funcs[0], funcs[last] = begin, end
+        return funcs, backward_dw
+
+    return set_attr(fgc, "build_layer_callables", build_layer_callables)
+
+
+COMBINED_PLAN_OFFLOAD_GROUPS = Patch(
+    "schedules.combined_plan_offload_groups",
+    [
+        "megatron/core/models/common/fine_grained_callables.py:159",
+        "megatron/core/models/common/model_chunk_schedule_plan.py:116",
+        "megatron/core/models/gpt/fine_grained_callables.py:67",
+        "megatron/core/models/gpt/fine_grained_callables.py:209",
+    ],
+    "megatron's combined-1F1B plan runs a layer as nodes: its first and last node delimit the "
+    "layer's activation-offload group",
+    _install_combined_plan_offload_groups,
+)
+
+
+_NODE_HOOK: list = []  # the benchmark's node recorder while PLAN_NODES is applied
+
+
+def _install_plan_nodes():
+    """megatron/core/pipeline_parallel/utils.py:244 ScheduleNode._forward and :290 _backward (every
+    node of megatron's combined-1F1B plan runs through them): each call reported to the
+    benchmark's recorder with its node name, direction and micro-batch (the node's chunk state)."""
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    fwd, bwd = ScheduleNode._forward, ScheduleNode._backward
+
+    def _forward(self, *inputs):
+        return _NODE_HOOK[-1](self, "F", lambda: fwd(self, *inputs))
+
+    def _backward(self, *grads):
+        return _NODE_HOOK[-1](self, "B", lambda: bwd(self, *grads))
+
+    return undo_all([set_attr(ScheduleNode, "_forward", _forward), set_attr(ScheduleNode, "_backward", _backward)])
+
+
+PLAN_NODES = Patch(
+    "schedules.plan_nodes",
+    ["megatron/core/pipeline_parallel/utils.py:244", "megatron/core/pipeline_parallel/utils.py:290"],
+    "benchmark only: the nodes of megatron's combined-1F1B plan reported as they run",
+    _install_plan_nodes,
+)
+
+
+@contextlib.contextmanager
+def plan_nodes_recorded(hook):
+    """Scoped: hook(node, "F"|"B", run) is called for every node megatron's combined-1F1B plan runs."""
+    _NODE_HOOK.append(hook)
+    try:
+        with PLAN_NODES.applied():
+            yield
+    finally:
+        _NODE_HOOK.pop()
+
+
+SEAMS = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS, PLAIN_PASS_LABELS, PLAIN_SCHEDULE_STEPS,
+         COMBINED_PLAN_OFFLOAD_GROUPS, PLAN_NODES]
 
 
 RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.schedules.lanes is active
 
 
 def for_run(args) -> list:
-    return RUN if getattr(args, "overlap_tp_comm_1f1b", False) else []
+    records = list(RUN) if getattr(args, "overlap_tp_comm_1f1b", False) else []
+    if getattr(args, "overlap_moe_expert_parallel_comm", False) and getattr(args, "activation_offload_modules", None):
+        records.append(COMBINED_PLAN_OFFLOAD_GROUPS)
+    return records
 
 
 def label_plain_schedule_passes():

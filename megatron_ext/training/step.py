@@ -19,8 +19,19 @@ class StepResult:
     update_successful: bool
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """pretrain_gpt.py's forward step. With ``return_schedule_plan`` (asked by megatron's combined
+    1F1B, --overlap-moe-expert-parallel-comm, combined_1f1b.py:384) the model's schedule plan
+    (GPTModel.build_schedule_plan) stands in for the output, as pretrain_gpt.py returns it."""
     batch = {k: v.to(platform.current().device) for k, v in next(data_iterator).items()}
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
+        return plan, partial(loss_func, batch["loss_mask"])
     output = model(
         batch["tokens"],
         batch["position_ids"],

@@ -89,7 +89,6 @@ def _args(**kw):
         (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=4),
          "every layer is recomputed"),
         (dict(cuda_graph_impl="local"), "--cuda-graph-impl=local"),
-        (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm=True"),
         (dict(activation_offload_modules=["core_attention", "router_fc1", "moe_act"],
               use_transformer_engine_op_fuser=True),
          "--use-transformer-engine-op-fuser=True: the experts run as one fused transformer-engine op"),
@@ -113,6 +112,9 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     offload.validate(a)
     assert a.activation_offload_modules == ["core_attention", "router_fc1"]
     offload.validate(_args(recompute_granularity="selective", recompute_modules=["mlp"]))
+    # megatron's combined-1F1B plan: its layer nodes delimit the offload groups (seams/schedules.py)
+    offload.validate(_args(activation_offload_modules=["router_fc1", "moe_act"],
+                           overlap_moe_expert_parallel_comm=True))
     # the op fuser only bypasses the expert linears: attention and shared-expert offload still work
     offload.validate(_args(activation_offload_modules=["core_attention", "shared_experts"],
                            use_transformer_engine_op_fuser=True))

@@ -93,6 +93,7 @@ def _summary(rec):
         "flops_between_total": sum(c.flops_between for c in tp),
         "per_owner_lane": sorted({(c.owner, c.lane) for c in tp}),
         "b_lane": rec.b_lane("tp"),
+        "b_lane_ep": rec.b_lane("ep"),
         "exposed_s": rec.exposed("tp"),
     }
 
@@ -139,6 +140,7 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
 
     seams.install_schedules_seams()  # so the plain schedule's collectives are recorded too
     args, config, model, data = build(argv_for(kind, tp, pp, vpp, extra))
+    seams.install_schedules_seams()  # again: a second build in one job tears the last run's seams down
     out = {}
     runs = {}
     if debug_after:
@@ -276,3 +278,66 @@ def train_losses(argv: list) -> dict:
         "calls": overlap_1f1b.STATS["calls"] - before["calls"],
         "pairs": overlap_1f1b.STATS["pairs"] - before["pairs"],
     }
+
+
+EP_DISPATCHERS = {
+    "alltoall": [],
+    "allgather": ["--moe-token-dispatcher-type", "allgather"],
+    "sync_free": ["--moe-sync-free-dispatcher"],
+    "zero_sync": ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"],
+}
+
+
+def check_ep_only(dispatchers=tuple(EP_DISPATCHERS), extra=()):
+    """TP1 x EP2 MoE, one model build per dispatcher: plain vs ours bit for bit (check_bitwise);
+    the flag's own validate accepts the layout (an EP collective to hide)."""
+    import arguments
+
+    out = {}
+    for name in dispatchers:
+        argv = argv_for("moe", 1, extra=["--expert-model-parallel-size", "2",
+                                         *EP_DISPATCHERS[name], *extra])
+        arguments.parse(argv + ["--overlap-tp-comm-1f1b", "--world-size", "2", "--dry-run"],
+                        exit_on_dry_run=False)
+        r = check_bitwise("moe", tp=1, extra=["--expert-model-parallel-size", "2",
+                                              *EP_DISPATCHERS[name], *extra])
+        from megatron_ext import moe
+
+        r["dispatcher_installed"] = moe.installed
+        out[name] = r
+    return out
+
+
+MEGATRON_EP_OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+OFFLOAD_ALL_MOE = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", "router_fc1",
+                   "moe_act", "router_fc2", "--activation-offload-min-tensor-kb", "0"]
+
+
+def train_digests(base: list, variants: dict) -> dict:
+    """train.main on this rank for each variant (base argv + its flags): per-iteration log
+    history, hashes of every parameter and gradient after training, and bytes offloaded per
+    hooked module (tests/training/jobs_zoo.train_digest)."""
+    from megatron.core.pipeline_parallel import schedules as S
+
+    from tests.training.jobs_zoo import train_digest
+
+    calls = {"n": 0}
+    originals = {}
+    for name in ("combined_1f1b_schedule_for_no_pipelining", "combined_1f1b_schedule_for_interleaved_pipelining"):
+        originals[name] = orig = getattr(S, name)
+
+        def counted(*a, _orig=orig, **k):
+            calls["n"] += 1
+            return _orig(*a, **k)
+
+        setattr(S, name, counted)
+    out = {}
+    try:
+        for name, extra in variants.items():
+            before = calls["n"]
+            out[name] = train_digest(list(base) + list(extra))
+            out[name]["combined_1f1b_calls"] = calls["n"] - before
+    finally:
+        for name, orig in originals.items():
+            setattr(S, name, orig)
+    return out

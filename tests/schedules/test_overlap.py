@@ -109,6 +109,63 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         _all_backward_collectives_handed_off(r)
 
 
+def test_ep_only_overlap_tp1_ep2_every_dispatcher():
+    """TP1 x EP2 MoE (no tensor parallelism: only the expert all-to-all / all-gather to hide), with
+    megatron's alltoall and allgather dispatchers and the project's sync-free and zero-sync ones:
+    bit-identical losses and gradients, the EP collectives handed to the other micro-batch, and
+    every collective a paired backward issues handed off."""
+    results = run_distributed(2, "tests.schedules.jobs:check_ep_only")
+    for rank, per in enumerate(results):
+        for name, r in per.items():
+            where = f"{name} rank {rank}"
+            assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"], where
+            assert r["n_grads"] > 0 and r["grads_nonzero"] >= r["n_grads"] - 1, where
+            assert r["ours"]["tp_collectives"] == 0, where  # TP1: no TP collective at all
+            assert r["ours"]["ep_collectives"] == r["plain"]["ep_collectives"] > 0, where
+            assert r["plain"]["ep_handed_off"] == 0, where
+            assert r["ours"]["ep_handed_off"] > 0, where
+            b = r["ours"]["b_lane_ep"]
+            # every token collective of a paired backward is handed off; metadata waited in place
+            assert b["collectives"] > 0 and b["handed_off"] > 0, (where, b)
+            assert b["handed_off"] + b["partner_done"] + b["in_place"] == b["collectives"], (where, b)
+        assert per["sync_free"]["dispatcher_installed"] > per["allgather"]["dispatcher_installed"]
+        assert per["zero_sync"]["dispatcher_installed"] > per["sync_free"]["dispatcher_installed"]
+
+
+def test_megatron_ep_overlap_with_offload_and_dispatchers_bitwise():
+    """megatron's own --overlap-moe-expert-parallel-comm (its combined-1F1B plan, as
+    pretrain_gpt.py runs it: the forward step returns model.build_schedule_plan) on tiny_moe EP2
+    bf16, alone, with our activation offload of every attention and expert module (router_fc1 =
+    expert fc1, moe_act, ...), and with the sync-free and zero-sync dispatchers: weights, gradients
+    and losses after 3 iterations equal the plain schedule's; the plan ran every iteration and the
+    expert modules' activations left the device."""
+    from tests.schedules.jobs import MEGATRON_EP_OVERLAP as M, OFFLOAD_ALL_MOE as O
+
+    base = ["--recipe", "recipes/tiny_moe.yaml", "--expert-model-parallel-size", "2", "--bf16",
+            "--train-iters", "3", "--num-layers", "2"]
+    sync_free = ["--moe-sync-free-dispatcher"]
+    zero_sync = sync_free + ["--moe-zero-sync-dropless"]
+    variants = {"plain": [], "megatron": M, "megatron+offload": M + O,
+                "megatron+sync_free+offload": M + sync_free + O,
+                "megatron+zero_sync+offload": M + zero_sync + O}
+    results = run_distributed(2, "tests.schedules.jobs:train_digests", base=base, variants=variants)
+    for rank, per in enumerate(results):
+        ref = per["plain"]
+        assert ref["combined_1f1b_calls"] == 0
+        losses = [h["lm loss"] for h in ref["history"]]
+        for name, r in per.items():
+            where = f"{name} rank {rank}"
+            assert r["params"] == ref["params"] and r["grads"] == ref["grads"], where
+            assert [h["lm loss"] for h in r["history"]] == losses, where
+            if name != "plain":
+                assert r["combined_1f1b_calls"] == 3, where
+            if name.endswith("offload"):
+                by_kind = {}
+                for key, v in r["offloaded"].items():
+                    by_kind[key.split("/")[0]] = by_kind.get(key.split("/")[0], 0) + v["offloaded"]
+                assert all(by_kind.get(m, 0) > 0 for m in ("router_fc1", "moe_act", "core_attention")), (where, by_kind)
+
+
 def test_bitwise_equal_with_data_parallel_overlapped_grad_reduce():
     """TP2 x DP2 with megatron DDP's overlapped grad reduce and the distributed optimizer: no_sync
     is left around the same backward as in the plain schedule; grads after finalize are equal."""
@@ -256,7 +313,8 @@ def test_flag_does_not_clash_with_megatron():
     "settings, needle",
     [
         (dict(tensor_model_parallel_size=1), "--tensor-model-parallel-size=1"),
-        (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm=True"),
+        (dict(tensor_model_parallel_size=1, num_experts=8, expert_model_parallel_size=1),
+         "nothing to hide"),
         (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute=True"),
         (dict(transformer_impl="transformer_engine"), "--transformer-impl=transformer_engine"),
         (dict(cuda_graph_impl="local"), "--cuda-graph-impl=local"),
@@ -280,6 +338,9 @@ def test_validate_accepts_and_ignores_when_off():
     validate(argparse.Namespace(overlap_tp_comm_1f1b=False, tensor_model_parallel_size=1))
     validate(argparse.Namespace(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=2,
                                 transformer_impl="local"))
+    # TP1 with expert parallelism: the EP all-to-all is there to hide
+    validate(argparse.Namespace(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=1,
+                                num_experts=8, expert_model_parallel_size=2, transformer_impl="local"))
 
 
 def test_get_forward_backward_func_picks_ours_only_with_flag():
@@ -299,6 +360,29 @@ def test_recipe_key_enables_it_and_refusal_happens_before_compute(tmp_path):
     assert args.overlap_tp_comm_1f1b is True
     with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=True .*--tensor-model-parallel-size=1"):
         arguments.parse(["--recipe", str(recipe), "--world-size", "2", "--dry-run"], exit_on_dry_run=False)
+    # the alias names the same flag
+    args = arguments.parse(["--recipe", "recipes/tiny_moe.yaml", "--expert-model-parallel-size", "2",
+                            "--overlap-model-parallel-comm-1f1b", "--world-size", "2", "--dry-run"],
+                           exit_on_dry_run=False)
+    assert args.overlap_tp_comm_1f1b is True
+
+
+def test_delay_wgrad_compute_with_megatron_ep_overlap_where_megatron_allows_it():
+    """--delay-wgrad-compute rides megatron's EP overlap: accepted by a CUDA dry run with
+    transformer-engine (and apex's fused wgrad accumulation), refused by name on CPU (local
+    layers), and refused by name with our schedule."""
+    import arguments
+    from megatron_ext.errors import ConfigError
+
+    base = ["--recipe", "recipes/tiny_moe.yaml", "--expert-model-parallel-size", "2", "--bf16",
+            "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--world-size", "2", "--dry-run"]
+    te = ["--transformer-impl", "transformer_engine", "--platform", "cuda", "--assume-te", "--assume-apex"]
+    args = arguments.parse(base + te, exit_on_dry_run=False)
+    assert args.delay_wgrad_compute and args.overlap_moe_expert_parallel_comm
+    with pytest.raises(ConfigError, match=r"--delay-wgrad-compute=True"):
+        arguments.parse(base, exit_on_dry_run=False)
+    with pytest.raises(ConfigError, match=r"--overlap-tp-comm-1f1b=True .*--delay-wgrad-compute=True"):
+        arguments.parse(base + te + ["--overlap-tp-comm-1f1b"], exit_on_dry_run=False)
 
 
 def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeypatch):

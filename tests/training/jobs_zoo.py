@@ -41,3 +41,8 @@ def train_digest(argv: list[str]) -> dict:
                 grads[f"{i}.{name}"] = _digest(p.main_grad)
     built.clear()
     return dict(history=history, params=params, grads=grads, offloaded=by_module)
+
+
+def train_digests(argvs: dict) -> dict:
+    """train_digest for several runs in one job (one pool, one start-up): {name: digest}."""
+    return {name: train_digest(list(argv)) for name, argv in argvs.items()}

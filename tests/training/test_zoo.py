@@ -80,3 +80,29 @@ def test_the_comparison_sees_a_one_ulp_change():
     other[other.index("--init-method-std") + 1] = "0.0200001"
     with pytest.raises(AssertionError):
         _assert_bitwise(_run(argv), _run(other), [])
+
+
+@pytest.mark.parametrize("case", list(zoo.PP_CASES))
+def test_moe_recipes_under_pp_vpp_train_bitwise_with_every_feature_on(case):
+    """Three of Megatron-LM's modelopt MoE models (DeepSeek-R1, Llama-4-Maverick, Qwen3-235B-A22B;
+    tests/training/zoo.py PP_CASES), scaled down, on 4 processes as TP2+SP x PP2 with 2 virtual
+    stages and EP2, with their own recompute flags (selective + MoE-layer recompute): plain vs
+    activation offload + sync-free/zero-sync dispatcher + the overlapped 1F1B schedule, one
+    iteration each, bit for bit. The overlap interleaves two passes on the same model chunk and
+    the MoE-layer recompute re-enters the forward inside the paired backward: the shared-expert
+    overlap state machine and the dispatchers' saved indices are kept per lane. Both runs of a case
+    in one pool job."""
+    argvs = {case + "/plain": zoo.pp_argv(case, False), case + "/features": zoo.pp_argv(case, True)}
+    results = run_distributed(4, "tests.training.jobs_zoo:train_digests", argvs=argvs)
+    for case in [case]:
+        plain = [r[case + "/plain"] for r in results]
+        featured = [r[case + "/features"] for r in results]
+        losses = [h["lm loss"] for h in plain[-1]["history"]]
+        assert len(losses) == 1 and all(math.isfinite(x) for x in losses), case
+        for rank, (a, b) in enumerate(zip(plain, featured)):
+            assert [repr((h["lm loss"], h["grad norm"])) for h in a["history"]] == \
+                [repr((h["lm loss"], h["grad norm"])) for h in b["history"]], (case, rank)  # NaN off the last stage
+            assert a["params"] == b["params"] and a["grads"] == b["grads"], (case, rank)
+            hooked = b["offloaded"]
+            assert {key.split("/")[0] for key in hooked} <= set(zoo.pp_offload_modules(case)), (case, rank)
+            assert sum(v["offloaded"] for v in hooked.values()) > 0, (case, rank)

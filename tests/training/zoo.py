@@ -158,3 +158,49 @@ def combination_argv(name: str, features: bool) -> list[str]:
     i = argv.index("--activation-offload-modules")
     j = argv.index("--activation-offload-min-tensor-kb")
     return argv[: i + 1] + modules + argv[j:]
+
+
+# Under pipeline parallelism with virtual stages: 4 processes, TP2 + SP x PP2, 2 virtual stages per
+# rank (4 layers, one per virtual stage), EP2 (expert-TP 1). Three of Megatron-LM's
+# examples/post_training/modelopt/conf/ MoE models, scaled down as above, with their own layer
+# patterns and recompute flags: (zoo architecture, flags of both runs).
+PP_VPP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+          "--world-size", "4"]
+PP_CASES = {
+    # DeepSeek-R1: DeepSeek-V3's architecture (MLA, group-limited routing, shared expert overlapped
+    # with the dispatch, MTP), first layer dense, selective recompute + MoE-layer recompute
+    "deepseek_r1": ("deepseek_v3", ["--moe-layer-freq", "([0]+[1]*3)", "--recompute-activations",
+                                    "--moe-layer-recompute"]),
+    # Llama-4-Maverick: dense and MoE layers interleaved, no RoPE on every 4th layer, MoE-layer recompute
+    "llama4_maverick": ("llama4", ["--moe-layer-freq", "([0,1]*2)", "--no-rope-freq", "4", "--moe-layer-recompute"]),
+    # Qwen3-235B-A22B: Qwen3-MoE, MoE-layer recompute
+    "qwen3_235b": ("qwen3_moe", ["--moe-layer-recompute"]),
+}
+
+
+def pp_offload_modules(case: str) -> list[str]:
+    """offload_modules of the architecture less what the recipe's recompute re-runs (offload
+    refuses those): --recompute-activations re-runs core attention; --moe-layer-recompute makes
+    megatron's granularity selective with its default modules (core_attn) plus the MoE layer."""
+    arch, extra = PP_CASES[case]
+    drop = set()
+    if "--recompute-activations" in extra or "--moe-layer-recompute" in extra:
+        drop.add("core_attention")
+    if "--moe-layer-recompute" in extra:
+        drop |= {"router_fc1", "router_fc2", "moe_act", "shared_experts"}
+    return [m for m in offload_modules(arch) if m not in drop]
+
+
+def pp_argv(case: str, features: bool) -> list[str]:
+    """`case` under PP2 x VPP2, plain or with every feature on: offload of what the recompute leaves
+    saved, the sync-free + zero-sync dispatcher, the overlapped 1F1B."""
+    arch, extra = PP_CASES[case]
+    argv = zero_sync_argv(arch) if features else plain_argv(arch)
+    if features:
+        i = argv.index("--activation-offload-modules")
+        j = argv.index("--activation-offload-min-tensor-kb")
+        argv = argv[: i + 1] + pp_offload_modules(case) + argv[j:]
+    if "--moe-layer-freq" in argv and "--moe-layer-freq" in extra:
+        k = argv.index("--moe-layer-freq")
+        argv = argv[:k] + argv[k + 2:]
+    return argv + PP_VPP + extra + ["--train-iters", "1"]
