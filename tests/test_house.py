@@ -62,6 +62,33 @@ def _graph():
     return modules, {name: list(_imports(name, path, modules)) for name, path in modules.items()}
 
 
+def _import_time_lines(path: str) -> set:
+    """Lines of the imports that run when the module is imported (not inside a function)."""
+    lines, todo = set(), list(ast.parse(open(path).read()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.add(node.lineno)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+    return lines
+
+
+def _said_why(lines: list, lineno: int) -> bool:
+    return "#" in lines[lineno - 1] or lines[lineno - 2].strip().startswith("#")
+
+
+def _upward(modules: dict, imports: dict) -> list:
+    """(module, line, target, said why, at import time) for every arrow running up a floor."""
+    found = []
+    for name, targets in imports.items():
+        lines, eager = open(modules[name]).read().splitlines(), _import_time_lines(modules[name])
+        for target, lineno in sorted(set(targets)):
+            if _floor(target) > _floor(name):
+                found.append((name, lineno, target, _said_why(lines, lineno), lineno in eager))
+    return found
+
+
 def _floor(name: str) -> int:
     best = None
     for level, rooms in enumerate(FLOORS):
@@ -103,8 +130,11 @@ def _cycles(edges: dict) -> list:
 
 
 def test_no_import_circle():
-    _, imports = _graph()
-    edges = {name: {target for target, _ in found} for name, found in imports.items()}
+    """An arrow up a floor, said why at the import and made inside a function (so it runs after
+    every module is loaded), is the one exception; every other arrow counts."""
+    modules, imports = _graph()
+    allowed = {(name, target) for name, _, target, said, eager in _upward(modules, imports) if said and not eager}
+    edges = {name: {t for t, _ in found if (name, t) not in allowed} for name, found in imports.items()}
     assert _cycles(edges) == []
 
 
@@ -114,16 +144,9 @@ def test_negative_control_finds_a_circle():
 
 def test_arrows_run_down_or_say_why():
     modules, imports = _graph()
-    unexplained = []
-    for name, found in imports.items():
-        lines = open(modules[name]).read().splitlines()
-        for target, lineno in found:
-            if _floor(target) <= _floor(name):
-                continue
-            said = "#" in lines[lineno - 1] or lines[lineno - 2].strip().startswith("#")
-            if not said:
-                unexplained.append(f"{name}:{lineno} -> {target}")
-    assert sorted(set(unexplained)) == []
+    unexplained = [f"{name}:{lineno} -> {target}" for name, lineno, target, said, eager in _upward(modules, imports)
+                   if not said or eager]
+    assert unexplained == []
 
 
 def test_planner_does_not_import_the_measurement_package():

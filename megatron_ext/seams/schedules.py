@@ -38,7 +38,17 @@ from megatron.core.tensor_parallel import layers, mappings
 
 from megatron_ext.patching import Patch, set_attr, undo_all
 from megatron_ext.platform.cpu_shims import pad_reduce_scatter_pieces
-from megatron_ext.schedules import lanes
+
+lanes = None  # megatron_ext.schedules.lanes, bound by _bind_lanes() when a record routing through it is installed
+
+
+def _bind_lanes() -> None:
+    global lanes
+    # Up a floor, on purpose: these records route megatron-core's collectives through the overlap's
+    # lanes; bound at install time, so that importing the seams imports no capability package.
+    from megatron_ext.schedules import lanes as module
+
+    lanes = module
 
 
 def _nbytes(t):
@@ -146,6 +156,7 @@ def _wrap_list_all_gather(orig):
 
 
 def _install_tp_collectives():
+    _bind_lanes()
     undos = [
         set_attr(dist, "all_reduce", _wrap_all_reduce(dist.all_reduce)),
         set_attr(dist, "all_to_all_single", _wrap_a2a(dist.all_to_all_single)),
@@ -160,6 +171,7 @@ def _install_tp_collectives():
 
 
 def _install_lane_memory_buffers():
+    _bind_lanes()
     orig = parallel_state.get_global_memory_buffer
 
     def get_global_memory_buffer():
@@ -173,6 +185,7 @@ def _install_plain_pass_labels():
     """megatron/core/pipeline_parallel/schedules.py:397 forward_step and :532 backward_step, looked
     up as module globals by every plain schedule: recorded segments and collectives name their
     micro-batch ("F3" / "B1"), for the timeline of the plain schedule."""
+    _bind_lanes()
     fwd, bwd = S.forward_step, S.backward_step
     count = {"b": 0}
 
@@ -309,6 +322,7 @@ def _install_combined_plan_offload_groups():
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    # up a floor, on purpose: the plan's layer nodes open and close activation-offload groups
     from megatron_ext import offload
 
     orig = fgc.build_layer_callables
