@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_ext.training.checkpointing import TRACKER, complete_iterations, retained
+from megatron_ext.training.ckpt_dirs import TRACKER, complete_iterations, retained
 from tests.dist import run_distributed
 
 TOTAL, SPLIT = 4, 2  # uninterrupted: iterations 1..4; interrupted: 1..2, save, resume, 3..4
@@ -146,7 +146,7 @@ def test_async_save_request_survives_validate_args_with_its_source(given, source
 def test_debris_rule():
     """Once iter_4 is committed: deletes in progress and older partial saves go; a newer partial
     save is an async save still being written (they overlap when saves come faster than writes)."""
-    from megatron_ext.training.checkpointing import debris
+    from megatron_ext.training.ckpt_dirs import debris
 
     names = ["iter_0000002", "iter_0000003.partial", "iter_0000004", "iter_0000001.deleting",
              "iter_0000005.partial", TRACKER]
@@ -343,7 +343,7 @@ def test_zero_grad_warning_only_after_a_resume():
 
 
 def test_latest_marker_rule(tmp_path):
-    from megatron_ext.training.checkpointing import read_tracker
+    from megatron_ext.training.ckpt_dirs import read_tracker
 
     assert read_tracker(str(tmp_path), [2, 4]) is None  # no marker
     for text, ok in [("4", True), ("2\n", True), ("", False), ("4x", False), ("6", False), ("release", False)]:
@@ -359,10 +359,11 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
     import torch
     from torch.distributed.checkpoint.filesystem import _write_item
 
+    from megatron_ext.seams import checkpointing as checksummed
     from megatron_ext.training import ckpt_integrity
 
-    ckpt_integrity.start_recording()
-    wrapped = ckpt_integrity.summing_write_item(_write_item)
+    checksummed.start_recording()
+    wrapped = checksummed.summing_write_item(_write_item)
     path = tmp_path / "__0_0.distcp"
     calls = []
 
@@ -375,8 +376,8 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
 
     with open(path, "wb") as f:
         for data in (io.BytesIO(b"header"), torch.arange(1000.0), torch.rand(50_000), torch.ones(3, 5, dtype=torch.int64)):
-            ckpt_integrity.summing_write_item(write_item)(None, f, data, None, "k", None)
-    sums = ckpt_integrity.recorded(str(tmp_path))
+            checksummed.summing_write_item(write_item)(None, f, data, None, "k", None)
+    sums = checksummed.recorded(str(tmp_path))
     assert sums["__0_0.distcp"][:2] == list(ckpt_integrity.crc32_file(str(path)))
     assert sums["__0_0.distcp"][2] is True
     assert all(type(s).__name__ == "_SummingStream" for s in calls)
