@@ -114,3 +114,39 @@ def init_distributed(timeout_s: int = 600) -> Platform:
             backend=platform.backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     return platform
+
+
+def dump_native_crashes(rank: int | None = None) -> None:
+    """faulthandler on: a native crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every
+    thread's Python stack to stderr, each line prefixed `[rank<R>]: ` (R: `rank`, else $RANK).
+
+    faulthandler writes from the signal handler straight into a file descriptor, and the process
+    dies right after, so the prefix is added by a small forked process that reads a pipe and
+    writes each line to stderr; it ignores the launcher's SIGTERM/SIGINT (torchrun signals the
+    whole process group when a rank dies) and exits once every writer has closed the pipe. Called
+    once per process by entry points (train.py, the test workers), before any process group."""
+    import faulthandler
+    import signal
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    read_fd, write_fd = os.pipe()
+    if os.fork() == 0:  # the printer: only os-level calls, nothing of torch
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            os.closerange(3, read_fd)  # hold no copy of the process's pipes and sockets
+            os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
+            prefix, pending = f"[rank{rank}]: ".encode(), b""
+            while True:
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    os.write(2, prefix + line + b"\n")
+            if pending:
+                os.write(2, prefix + pending + b"\n")
+        finally:
+            os._exit(0)
+    os.close(read_fd)
+    faulthandler.enable(file=write_fd, all_threads=True)
