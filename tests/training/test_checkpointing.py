@@ -382,3 +382,41 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
     assert sums["__0_0.distcp"][2] is True
     assert all(type(s).__name__ == "_SummingStream" for s in calls)
     assert wrapped.__wrapped__ is _write_item  # megatron-core reads the signature through it
+
+
+def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_path_factory, monkeypatch):
+    """The cheap look at --load (structure and metadata, no checksum pass): every checkpoint
+    damaged is refused at --dry-run with one line, as the run itself stops after reading them;
+    one intact checkpoint is enough to pass (the run falls back to it); a checkpoint whose bytes
+    changed at their size passes the look (only the load's verification reads them)."""
+    import shutil
+
+    import arguments
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.training import ckpt_integrity
+    from tests.training import jobs_ckpt
+
+    def no_checksum_pass(path):
+        raise AssertionError(f"the dry-run read {path} whole")
+
+    monkeypatch.setattr(ckpt_integrity, "crc32_file", no_checksum_pass)
+    pristine, _ = saved("dp2-distopt", tmp_path_factory)
+    copy = str(tmp_path_factory.mktemp("dry-run") / "ckpt")
+    shutil.copytree(pristine, copy)
+    newest, older = (os.path.join(copy, f"iter_{i:07d}") for i in (TOTAL, SPLIT))
+
+    def dry_run():
+        arguments.parse(DENSE + ["--mock-data", "--load", copy, "--dry-run"], exit_on_dry_run=False)
+
+    jobs_ckpt._change_tensor_bytes(copy, newest)
+    dry_run()
+    jobs_ckpt._truncate_shard(copy, newest)
+    dry_run()  # the older one is intact: the run loads it
+    jobs_ckpt._remove_metadata_json(copy, older)
+    with pytest.raises(ConfigError) as refused:
+        dry_run()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"--load={copy}: every checkpoint is damaged (iter_{TOTAL:07d}: __1_0.distcp "
+                              "truncated ("), message
+    assert message.endswith(f"iter_{SPLIT:07d}: metadata.json missing)"), message
