@@ -3,12 +3,15 @@ iteration's record appended to a file as it happens, so a killed attempt's losse
 
     torchrun ... tests/training/restart_probe.py RECORDS KILLS -- <train.py arguments>
 
-RECORDS: a directory; rank r of attempt a appends JSON lines to `a<a>.r<r>.jsonl`.
+RECORDS: a directory; rank r of attempt a appends JSON lines to `a<a>.r<r>.jsonl` (the attempt:
+platform.restart_count(), torchrun's restarts plus slurm's requeues).
 KILLS: comma-separated `attempt:rank:iteration:where`, where is
-    step   mid-step: after the forward and backward passes of the iteration, before the optimizer
-           step (the other ranks wait in its collectives)
-    save   mid-save: in the commit of the iteration's checkpoint, after this rank's files are
-           written (for --async-save, by its forked writer) and before the directory is renamed
+    step   SIGKILL mid-step: after the forward and backward passes of the iteration, before the
+           optimizer step (the other ranks wait in its collectives)
+    save   SIGKILL mid-save: in the commit of the iteration's checkpoint, after this rank's files
+           are written (for --async-save, by its forked writer) and before the directory is renamed
+    term   SIGTERM mid-step (a preemption), where `step` kills; with --exit-signal-handler the
+           run stops after that iteration, saves and exits 0
 Used by tests/training/test_restart.py and scripts/soak.py."""
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _kills(spec: str) -> dict:
     """{where: iteration} for this attempt and rank."""
-    attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
+    from megatron_ext import platform
+
+    attempt, rank = str(platform.restart_count()), os.environ.get("RANK", "0")
     out = {}
     for item in filter(None, spec.split(",")):
         a, r, iteration, where = item.split(":")
@@ -31,15 +36,16 @@ def _kills(spec: str) -> dict:
     return out
 
 
-def _die() -> None:
+def _die(sig=signal.SIGKILL) -> None:
     sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), sig)
 
 
 def install(records: str, kills: dict) -> None:
+    from megatron_ext import platform
     from megatron_ext.training import checkpointing, log_line, step
 
-    path = os.path.join(records, f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.r{os.environ.get('RANK', '0')}.jsonl")
+    path = os.path.join(records, f"a{platform.restart_count()}.r{os.environ.get('RANK', '0')}.jsonl")
     log = log_line.TrainingLogger.log
 
     upcoming = [1]  # the iteration the next step computes
@@ -60,13 +66,15 @@ def install(records: str, kills: dict) -> None:
         return upcoming[0] - 1
 
     checkpointing.Checkpointer.load = loaded
-    if "step" in kills:
+    if "step" in kills or "term" in kills:
         run_schedule = step.run_schedule
 
         def schedule_then_die(args, *rest, **kwargs):
             out = run_schedule(args, *rest, **kwargs)
-            if upcoming[0] == kills["step"]:
+            if upcoming[0] == kills.get("step"):
                 _die()
+            if upcoming[0] == kills.get("term"):
+                _die(signal.SIGTERM)
             return out
 
         step.run_schedule = schedule_then_die

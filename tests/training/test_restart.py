@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -24,6 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ARGV = ["--recipe", "recipes/tiny_dense.yaml", "--train-iters", "6", "--log-interval", "100",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--use-distributed-optimizer", "--async-save"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def records(directory: str, attempt: int, rank: int) -> list[tuple]:
@@ -41,6 +48,7 @@ def test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exact
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
+         "--master-port", str(_free_port()),
          "tests/training/restart_probe.py", out, "0:1:5:step", "--",
          *ARGV, "--save", save, "--load", save, "--save-interval", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
