@@ -14,6 +14,8 @@ the fault rotating over the cases and repeats:
            saves and exits 0), then the job launched again as a requeued slurm job would be
            (SLURM_RESTART_COUNT=1)
 
+The Megatron-FSDP cases under `optim` and `optim_grads` run without checkpoints (their
+fsdp_dtensor save with SwiGLU is refused), so without faults: repeated for races and crashes only.
 A faulted job must finish, and every iteration logged by any of its attempts must carry the
 reference's loss and grad norm bit for bit. CPU load: P jobs run at once, plus B processes that
 only spin. A native crash (a rank printing "Fatal Python error", or dying of a signal that was
@@ -52,8 +54,10 @@ DENSE = ["--recipe", "recipes/tiny_dense.yaml"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml"]
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy"]
 CASES = {  # name -> (world size, train.py arguments)
-    "fsdp-optim": (2, DENSE + FSDP + ["optim"]),
-    "fsdp-optim_grads": (2, DENSE + FSDP + ["optim_grads"]),
+    # no checkpoint, so no fault: their fsdp_dtensor save is refused (megatron-core's SwiGLU split,
+    # docs/checkpointing.md); repeated for races and native crashes, losses compared all the same
+    "fsdp-optim-nockpt": (2, DENSE + FSDP + ["optim"]),
+    "fsdp-optim_grads-nockpt": (2, DENSE + FSDP + ["optim_grads"]),
     "fsdp-optim_grads_params": (2, DENSE + FSDP + ["optim_grads_params"]),
     "async-save-ep2-distopt": (2, MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                          "--async-save"]),
@@ -107,7 +111,9 @@ def run_job(case: str, fault: str | None, work: str, faithful: bool) -> dict:
     directory = tempfile.mkdtemp(prefix=f"{case}-{fault or 'ref'}-", dir=work)
     records, save = os.path.join(directory, "records"), os.path.join(directory, "ckpt")
     os.makedirs(records)
-    argv = argv + COMMON + ["--save", save, "--load", save]
+    checkpoints = not case.endswith("-nockpt")
+    argv = argv + COMMON + (["--save", save, "--load", save] if checkpoints else [])
+    fault = fault if checkpoints else None
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("SLURM_RESTART_COUNT", None)
     env.pop("RANK", None)
@@ -119,7 +125,7 @@ def run_job(case: str, fault: str | None, work: str, faithful: bool) -> dict:
     done = _launch(world, argv, records, kills, env)
     outputs = [done.stdout + done.stderr]
     seen = _records(records, last)
-    if done.returncode == 0 and fault == "term" and max(r[0] for r in seen[max(seen)]) < ITERS:
+    if done.returncode == 0 and fault == "term" and seen and max(r[0] for r in seen[max(seen)]) < ITERS:
         done = _launch(world, argv, records, kills, dict(env, SLURM_RESTART_COUNT="1"))  # requeued
         outputs.append(done.stdout + done.stderr)
         seen = _records(records, last)
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     faults = list(FAULTS)
     jobs = [(case, None) for case in cases]
     jobs += [(case, faults[(i + r) % len(faults)]) for r in range(opts.repeats) for i, case in enumerate(cases)]
+    # a -nockpt case's repeats run without a fault (run_job drops it)
     work = tempfile.mkdtemp(prefix="soak-")
     burners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(opts.burn)]
     for p in burners:

@@ -423,6 +423,15 @@ def validate(args) -> None:
     if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist, and "
                           "fsdp_dtensor with --use-megatron-fsdp")
+    if (args.save and args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor" and args.swiglu
+            and args.data_parallel_sharding_strategy in ("optim", "optim_grads")):
+        raise ConfigError(
+            f"--data-parallel-sharding-strategy={args.data_parallel_sharding_strategy} with --save, "
+            "--ckpt-format=fsdp_dtensor and --swiglu: megatron-core's split of the fused SwiGLU fc1 "
+            "(fsdp_dtensor_checkpoint.py:317 split_swiglu_linear_fc1) builds DTensor metadata it then "
+            "rejects (uneven_dtensor.py:161, measured with tiny_dense at DP2) at the first save; "
+            "optim_grads_params saves"
+        )
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless

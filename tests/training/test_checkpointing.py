@@ -420,3 +420,17 @@ def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_
     assert message.startswith(f"--load={copy}: every checkpoint is damaged (iter_{TOTAL:07d}: __1_0.distcp "
                               "truncated ("), message
     assert message.endswith(f"iter_{SPLIT:07d}: metadata.json missing)"), message
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_fsdp_dtensor_save_under_a_strategy_megatron_cannot_split_swiglu_for_is_refused(strategy):
+    import arguments
+    from megatron_ext.errors import ConfigError
+
+    argv = DENSE + ["--mock-data", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--world-size", "2",
+                    "--data-parallel-sharding-strategy", strategy, "--dry-run"]
+    arguments.parse(argv, exit_on_dry_run=False)  # training without --save is fine
+    with pytest.raises(ConfigError, match=f"^--data-parallel-sharding-strategy={strategy} with --save, "):
+        arguments.parse(argv + ["--save", "ckpt", "--save-interval", "2"], exit_on_dry_run=False)
+    arguments.parse([*argv[:-2], "optim_grads_params", "--dry-run", "--save", "ckpt", "--save-interval", "2"],
+                    exit_on_dry_run=False)
