@@ -12,7 +12,9 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 DATA        := data/pystdlib_text_document.idx
 
-.PHONY: install data train test clean
+SOAK_ARGS   ?= --repeats 2
+
+.PHONY: install data train test soak clean
 
 install: $(STAMP)
 
@@ -34,6 +36,11 @@ train: $(STAMP) $(DATA)
 
 test: $(STAMP) $(DATA)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# not part of `test`: the race-prone distributed cases repeated under CPU load, with SIGKILL/SIGTERM
+# faults injected and the restarted runs' losses compared bit for bit (scripts/soak.py)
+soak: $(STAMP) $(DATA)
+	OMP_NUM_THREADS=1 $(PY) scripts/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) data

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    platform.dump_native_crashes()  # a native crash prints every thread's Python stack, prefixed [rank<R>]:
     platform.setup()
     import arguments
     from megatron.training.training import set_startup_timestamps

@@ -134,6 +134,8 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
 
     from megatron_ext import platform
 
+    platform.dump_native_crashes(rank)  # a native crash prints every thread's stack, prefixed [rank<R>]:
+
     platform.init_distributed(timeout_s=DEFAULT_TIMEOUT_S)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         pass  # the profiler starts its process-wide threads once: part of the baseline, not a job's leak

@@ -76,15 +76,77 @@ def setup() -> Platform:
     return _PLATFORM
 
 
+def restart_count() -> int:
+    """How many times this job was restarted: torchrun's TORCHELASTIC_RESTART_COUNT (--max-restarts)
+    plus slurm's SLURM_RESTART_COUNT (a requeued job); 0 on a first start."""
+    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def store_prefix() -> str:
+    """The key prefix of this attempt in the job's key-value store (see :func:`init_distributed`)."""
+    return f"megatron_ext/attempt_{os.environ.get('SLURM_RESTART_COUNT') or 0}.{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+
+
 def init_distributed(timeout_s: int = 600) -> Platform:
-    """setup() and, if not done yet, the default process group from torchrun's environment."""
+    """setup() and, if not done yet, the default process group from torchrun's environment.
+
+    Every key this process group (and each subgroup, which lives under it) writes into the job's
+    key-value store is under :func:`store_prefix`, one per attempt. torchrun keeps its store across
+    --max-restarts (torch 2.13's static and c10d rendezvous alike, TORCHELASTIC_USE_AGENT_STORE) and
+    torch's env:// rendezvous adds no attempt prefix: a restarted world would find the killed
+    attempt's gloo addresses under the same keys, and a rank that reads one before its peer
+    rewrites it connects to a dead process (`Gloo connectFullMesh failed ... Connection refused`).
+    Measured with a plain torch script too: a rank SIGKILLed under `torchrun --max-restarts 3`
+    and every restart failing that way unless the ranks happened to rewrite the keys in time."""
     platform = setup()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torch's own env:// rendezvous (the store torchrun's agent hosts, or rank 0's), then
+        # init_process_group as it does it, with our prefix in place of its "default_pg"
+        store, rank, world_size = next(torch.distributed.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        store = torch.distributed.PrefixStore(store_prefix(), store)
         torch.distributed.init_process_group(
-            backend=platform.backend, timeout=datetime.timedelta(seconds=timeout_s)
+            backend=platform.backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     return platform
+
+
+def dump_native_crashes(rank: int | None = None) -> None:
+    """faulthandler on: a native crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every
+    thread's Python stack to stderr, each line prefixed `[rank<R>]: ` (R: `rank`, else $RANK).
+
+    faulthandler writes from the signal handler straight into a file descriptor, and the process
+    dies right after, so the prefix is added by a small forked process that reads a pipe and
+    writes each line to stderr; it ignores the launcher's SIGTERM/SIGINT (torchrun signals the
+    whole process group when a rank dies) and exits once every writer has closed the pipe. Called
+    once per process by entry points (train.py, the test workers), before any process group."""
+    import faulthandler
+    import signal
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    read_fd, write_fd = os.pipe()
+    if os.fork() == 0:  # the printer: only os-level calls, nothing of torch
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            os.closerange(3, read_fd)  # hold no copy of the process's pipes and sockets
+            os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
+            prefix, pending = f"[rank{rank}]: ".encode(), b""
+            while True:
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    os.write(2, prefix + line + b"\n")
+            if pending:
+                os.write(2, prefix + pending + b"\n")
+        finally:
+            os._exit(0)
+    os.close(read_fd)
+    faulthandler.enable(file=write_fd, all_threads=True)

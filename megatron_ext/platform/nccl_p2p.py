@@ -87,7 +87,11 @@ def _store_client():
         base = base.underlying_store
     client = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=max(DEADLOCK_S, 30)))
-    return dist.PrefixStore(PREFIX, client)
+    # under this attempt's prefix (platform.init_distributed): a restarted world must not read the
+    # marks a killed attempt left in the same store
+    from megatron_ext import platform
+
+    return dist.PrefixStore(f"{platform.store_prefix()}/{PREFIX}", client)
 
 
 def _release_store(store) -> None:

@@ -14,9 +14,14 @@ megatron.training.checkpointing, which needs megatron's global args). Replaced o
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import pickle
 import queue
+import threading
+import time
+import zlib
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -142,10 +147,125 @@ def set_write_results_queue(async_save: bool, directory: str, rank: int) -> None
     filesystem_async._results_queue = _FileResultsQueue(directory, rank) if async_save else queue.Queue()
 
 
-def _install_checksummed_writes():
-    from megatron_ext.training import ckpt_integrity
+# ---------------------------------------------------------------------------------------------
+# the running CRC-32 of every file megatron-core's writer writes (read by training/ckpt_integrity.py)
+# ---------------------------------------------------------------------------------------------
+class _Sum:
+    __slots__ = ("size", "crc", "whole", "seconds")
 
-    return set_attr(filesystem_async, "_write_item", ckpt_integrity.summing_write_item(filesystem_async._write_item))
+    def __init__(self):
+        self.size, self.crc, self.whole, self.seconds = 0, 0, True, 0.0
+
+
+_lock = threading.Lock()
+_sums: dict[str, _Sum] = {}  # absolute path -> running sum, in the process that writes
+_open: dict[int, tuple] = {}  # id(file object) -> (file object, its _Sum): one path lookup per file
+
+
+def _sum_for(raw) -> _Sum:
+    entry = _open.get(id(raw))
+    if entry is not None and entry[0] is raw:
+        return entry[1]
+    with _lock:
+        total = _sums.setdefault(os.path.abspath(raw.name), _Sum())
+        _open[id(raw)] = (raw, total)
+    return total
+
+
+def start_recording() -> None:
+    with _lock:
+        _sums.clear()
+        _open.clear()
+
+
+def recorded(directory: str) -> dict:
+    """{file name: [size, crc32, whole]} of the files written under `directory` since
+    start_recording(); `whole` is False where some bytes did not pass through the sum. Also the
+    seconds the sums took under the key None."""
+    directory = os.path.abspath(directory)
+    with _lock:
+        mine = {p: s for p, s in _sums.items() if os.path.dirname(p) == directory}
+    out = {os.path.basename(p): [s.size, s.crc, s.whole] for p, s in mine.items()}
+    out[None] = sum(s.seconds for s in mine.values())
+    return out
+
+
+class _SummingStream:
+    """The file stream megatron-core's writer hands to torch's _write_item (one per item), folding
+    every byte written into the file's CRC-32. torch.save makes dozens of small writes per tensor
+    (zip records), so small writes are gathered and summed and written together (fewer calls than
+    without the sum); large ones go straight through. Drained when the item is written."""
+
+    __slots__ = ("_raw", "_total", "_pending")
+    SMALL = 1 << 16
+
+    def __init__(self, raw, total: _Sum):
+        self._raw, self._total, self._pending = raw, total, bytearray()
+
+    def write(self, data):
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size < self.SMALL:
+            self._pending += data
+            return size
+        self.drain()
+        self._sum_and_write(data, size)
+        return size
+
+    def drain(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self._sum_and_write(pending, len(pending))
+
+    def _sum_and_write(self, data, size: int) -> None:
+        total = self._total
+        t0 = _clock()
+        total.crc = zlib.crc32(data, total.crc)
+        total.seconds += _clock() - t0
+        if self._raw.write(data) != size:  # a short raw write: the sum is not the file's any more
+            total.whole = False
+        total.size += size
+
+    def tell(self) -> int:
+        return self._raw.tell() + len(self._pending)
+
+    def flush(self) -> None:
+        self.drain()
+        self._raw.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+_clock = time.perf_counter
+
+
+def summing_write_item(original):
+    """Wrap torch's `_write_item(transforms, stream, data, write_item, storage_key, ...)` as
+    megatron-core calls it (filesystem_async.py:404-418, positionally) so the file's bytes pass
+    through a sum."""
+    position = list(inspect.signature(original).parameters).index("stream")
+
+    @functools.wraps(original)  # megatron-core inspects the signature (filesystem_async.py:394)
+    def write_item(*args, **kwargs):
+        positional = len(args) > position
+        raw = args[position] if positional else kwargs["stream"]
+        total = _sum_for(raw)
+        if raw.tell() != total.size:  # bytes written around us: the sum would not be the file's
+            total.whole = False
+        stream = _SummingStream(raw, total)
+        if positional:
+            args = (*args[:position], stream, *args[position + 1:])
+        else:
+            kwargs["stream"] = stream
+        result = original(*args, **kwargs)
+        stream.drain()
+        return result
+
+    return write_item
+
+
+def _install_checksummed_writes():
+    return set_attr(filesystem_async, "_write_item", summing_write_item(filesystem_async._write_item))
 
 
 CHECKSUMMED_WRITES = Patch(
@@ -154,7 +274,7 @@ CHECKSUMMED_WRITES = Patch(
      "megatron/core/dist_checkpointing/strategies/filesystem_async.py:415"],
     "megatron-core's writer calls torch's _write_item by its module-global name, once per item of a "
     "shard file: the wrapper hands it a stream that folds every byte into the file's CRC-32 "
-    "(megatron_ext/training/ckpt_integrity.py), so the checksum costs no second read",
+    "(summing_write_item; training/ckpt_integrity.py records them), so the checksum costs no second read",
     _install_checksummed_writes,
 )
 
@@ -163,9 +283,7 @@ CHECKSUMMED_WRITES = Patch(
 def checksummed_writes():
     """CHECKSUMMED_WRITES for one save: while it is written, and while its --async-save writer is
     forked (the child keeps it)."""
-    from megatron_ext.training import ckpt_integrity
-
-    ckpt_integrity.start_recording()
+    start_recording()
     with CHECKSUMMED_WRITES.applied():
         yield
 

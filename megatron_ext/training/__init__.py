@@ -48,8 +48,10 @@ def validate(args) -> None:
     data.validate(args)
     training_logging.validate(args)
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
+    from megatron_ext.training.ckpt_dirs import check_loadable
 
     validate_checkpointing(args)
+    check_loadable(args)  # every checkpoint under --load damaged (a cheap look): refused here, at --dry-run too
     from megatron_ext.training.observability import validate as validate_observability
 
     validate_observability(args)

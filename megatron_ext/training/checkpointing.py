@@ -2,17 +2,15 @@
 
 Save every ``--save-interval`` iterations and at exit, resume from the newest complete checkpoint
 under ``--load`` (also into another parallel layout, where megatron-core reshards), saves that are
-atomic, keep-last-K retention. Directory layout under ``--save`` (megatron's names):
-
-    iter_0000020/                      complete checkpoint (dist_checkpointing format)
-    iter_0000030.partial/              a save in progress, or one a crash interrupted: never loaded
-    latest_checkpointed_iteration.txt  newest complete iteration, for people and tools
+atomic, keep-last-K retention. The directories under ``--save`` and what retention keeps:
+ckpt_dirs.py; the common state and RNG states every format records: ckpt_state.py.
 
 A save is written into ``iter_N.partial``; only after every rank's files and the metadata are on
 disk (for ``--async-save``: in the finalize step, after all ranks' writer processes succeeded) does
 rank 0 rename it to ``iter_N``, which is atomic on a POSIX filesystem. Resume only ever considers
 ``iter_N`` directories, so a crash at any point of a save leaves the previous checkpoint the one
-that loads.
+that loads. A run that resumes from its own --save directory (a restart after a rank was killed)
+removes what the killed run's saves left behind (`.partial`, `.deleting`) before it loads.
 
 Integrity (ckpt_integrity.py): every file's CRC-32 is taken from the bytes as they are written and
 recorded in the checkpoint's metadata.json at commit; a resume verifies every file it reads before
@@ -23,14 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import re
 import shutil
 import time
 
-import numpy as np
 import torch
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
@@ -44,13 +39,8 @@ from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
+from megatron_ext.training import ckpt_dirs, ckpt_state, fsdp_checkpoint
 from megatron_ext.training import ckpt_integrity as integrity
-from megatron_ext.training import fsdp_checkpoint
-from megatron_ext.training.ckpt_integrity import CONFIG
-
-TRACKER = "latest_checkpointed_iteration.txt"
-PARTIAL = ".partial"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 class DamagedCheckpoint(ConfigError):
@@ -69,151 +59,8 @@ def add_arguments(group) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# directory layout
+# what a checkpoint holds (the common state and RNG: ckpt_state.py)
 # ---------------------------------------------------------------------------------------------
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def committed_iterations(root: str | None) -> list[int]:
-    """Iterations with an `iter_N` directory under `root`, ascending: saves that were committed
-    (renamed from `.partial`), intact or not. Partial saves are not listed."""
-    if not root or not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
-
-
-def complete_iterations(root: str | None) -> list[int]:
-    """Committed iterations whose directory holds the dist_checkpointing metadata.json."""
-    return [i for i in committed_iterations(root) if os.path.isfile(os.path.join(checkpoint_dir(root, i), CONFIG))]
-
-
-def read_tracker(root: str, iterations: list[int]) -> str | None:
-    """What is wrong with `latest_checkpointed_iteration.txt`, or None. It is only a pointer for
-    people and tools (resume lists the directories): damaged if it is not an iteration number or
-    names no committed checkpoint. Older than the newest is the crash window between the rename
-    and its rewrite, not damage."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        raw = f.read(64)
-    text = raw.decode("utf-8", "replace").strip()
-    if not text.isdigit():
-        return f"{TRACKER} is damaged (reads {raw[:32]!r})"
-    if int(text) not in iterations:
-        return f"{TRACKER} is damaged (names iteration {int(text)}, which has no checkpoint)"
-    return None
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_dir(path: str) -> None:
-    """Rename first, so a crash half-way through deleting never leaves a half-deleted `iter_N`."""
-    doomed = f"{path}.deleting"
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def retained(iterations: list[int], keep_last: int | None, retain_interval: int | None) -> set[int]:
-    """Which complete checkpoints retention keeps: the newest `keep_last` (--save-keep-last), plus
-    every multiple of --save-retain-interval (megatron's flag: with it alone, the newest one and the
-    multiples are kept). Neither flag: keep everything."""
-    if keep_last is None and retain_interval is None:
-        return set(iterations)
-    keep = set(iterations[-(keep_last or 1):])
-    if retain_interval:
-        keep |= {i for i in iterations if i % retain_interval == 0}
-    return keep
-
-
-def debris(names: list[str], newest: int) -> list[str]:
-    """What interrupted saves and deletes left behind, once `newest` is committed: `*.deleting`,
-    and the `.partial` saves of older iterations. Async saves commit in order, so an older partial
-    save is dead; a newer one is a save still being written (--async-save with saves closer together
-    than a write takes) and stays."""
-    out = []
-    for name in names:
-        m = re.match(r"^iter_(\d{7})" + re.escape(PARTIAL) + "$", name)
-        if name.endswith(".deleting") or (m and int(m.group(1)) < newest):
-            out.append(name)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# what a checkpoint holds
-# ---------------------------------------------------------------------------------------------
-def _layout(args) -> dict:
-    return {
-        "world_size": torch.distributed.get_world_size(),
-        "tensor": args.tensor_model_parallel_size,
-        "pipeline": args.pipeline_model_parallel_size,
-        "virtual_pipeline": args.virtual_pipeline_model_parallel_size,
-        "expert": args.expert_model_parallel_size,
-        "expert_tensor": args.expert_tensor_parallel_size,
-        "context": args.context_parallel_size,
-    }
-
-
-def _sharding_metadata(args) -> dict:
-    """As megatron/training/checkpointing.py:468 (_build_sharded_state_dict_metadata) builds it.
-    The distributed optimizer is saved `dp_reshardable` (DP changes only) unless
-    --dist-ckpt-optim-fully-reshardable; megatron-core's own default, `fully_sharded_model_space`,
-    fails with this optimizer's torch-Adam path (mapping.py:134 "flattened_range is not supported")."""
-    metadata = {
-        "singleton_local_shards": False,
-        "chained_optim_avoid_prefix": True,
-        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
-    }
-    if args.ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's optimizer: per-parameter DTensors
-        metadata["distrib_optim_sharding_type"] = "fsdp_dtensor"
-    elif args.use_distributed_optimizer:
-        if args.dist_ckpt_optim_fully_reshardable:
-            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
-            metadata["distrib_optim_fully_reshardable_mem_efficient"] = getattr(
-                args, "distrib_optim_fully_reshardable_mem_efficient", False
-            )
-        else:
-            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
-    return metadata
-
-
-def _rng_state() -> dict:
-    state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _unwrap(chunk):
     """The model under megatron-core DDP: DDP.sharded_state_dict() keys carry a `module.` prefix
     that DDP.load_state_dict() does not accept, so both directions use the unwrapped module."""
@@ -250,22 +97,10 @@ def _model_key(i: int) -> str:
     return f"model{i}"
 
 
-def common_state(args, scheduler, iteration: int, *, with_rng: bool) -> dict:
-    """What every checkpoint format records beside the tensors: where the run is, its layout and
-    LR schedule, whether RNG states were saved."""
-    return {
-        "iteration": iteration,
-        "consumed_samples": iteration * args.global_batch_size,
-        "layout": _layout(args),
-        "scheduler": scheduler.state_dict(),
-        "has_rng": with_rng,
-    }
-
-
 def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loading: bool,
                        with_optimizer: bool, with_rng: bool) -> dict:
-    metadata = _sharding_metadata(args)
-    state = common_state(args, scheduler, iteration, with_rng=with_rng)
+    metadata = ckpt_state.sharding_metadata(args)
+    state = ckpt_state.common_state(args, scheduler, iteration, with_rng=with_rng)
     for i, chunk in enumerate(model):
         state[_model_key(i)] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
     if with_optimizer:
@@ -275,7 +110,7 @@ def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loa
     if with_rng:  # one object per rank (EP/TP ranks hold different tracker states)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         state["rng_state"] = ShardedObject(
-            "rng_state", _rng_state() if not loading else None, (world,), (rank,), replica_id=0
+            "rng_state", ckpt_state.rng_state() if not loading else None, (world,), (rank,), replica_id=0
         )
     return state
 
@@ -308,6 +143,9 @@ class Checkpointer:
         args = self.args
         if not args.load:
             return 0
+        if self.rank == 0 and args.save and os.path.abspath(args.load) == os.path.abspath(args.save):
+            for name in ckpt_dirs.remove_interrupted(args.load):  # nothing of this run is being written yet
+                self._print(f"removed {os.path.join(args.load, name)}: a save or delete a killed run left unfinished")
         iterations, tracker_note = self._listing()
         if tracker_note:
             self._print(f"warning: {tracker_note}: ignored; the newest checkpoint is found by listing {args.load}")
@@ -323,7 +161,7 @@ class Checkpointer:
         else:
             candidates = iterations[::-1]
         for iteration in candidates:
-            path = checkpoint_dir(args.load, iteration)
+            path = ckpt_dirs.checkpoint_dir(args.load, iteration)
             damage, loaded = self._load_verified(path, iteration)
             if damage is None:
                 if iteration != iterations[-1] and args.ckpt_step is None:
@@ -345,8 +183,8 @@ class Checkpointer:
         """Rank 0 lists the committed checkpoints and reads the tracker; every rank gets its view."""
         view = [None]
         if self.rank == 0:
-            iterations = committed_iterations(self.args.load)
-            note = read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
+            iterations = ckpt_dirs.committed_iterations(self.args.load)
+            note = ckpt_dirs.read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
             view = [(iterations, note)]
         torch.distributed.broadcast_object_list(view, src=0)
         return view[0]
@@ -378,13 +216,13 @@ class Checkpointer:
                 f"{args.ckpt_format} (a Megatron-FSDP model fsdp_dtensor, a DDP or torch FSDP2 model torch_dist)"
             )
         if args.ckpt_format == "fsdp_dtensor":
-            common = fsdp_checkpoint.load(self, path, iteration, verifier)
-            return self._loaded(path, iteration, t0, verifier, common, common["layout"] == _layout(args))
+            common, self._pending_rng = fsdp_checkpoint.load(self, path, iteration, verifier)
+            return self._loaded(path, iteration, t0, verifier, common, common["layout"] == ckpt_state.layout(args))
         common = dist_checkpointing.load_common_state_dict(path)
         if common.get("scheduler") is None and not args.finetune:  # an import (megatron_ext/hf): weights only
             raise ConfigError(f"--load={args.load}: {path} holds model weights only (an imported model): "
                               "load it with --finetune")
-        same_layout = common["layout"] == _layout(args)
+        same_layout = common["layout"] == ckpt_state.layout(args)
         # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
         with_rng = same_layout and not args.no_load_rng and not args.finetune and common.get("has_rng", False)
         with_optimizer = not args.no_load_optim and not args.finetune and "optimizer" in common
@@ -423,7 +261,7 @@ class Checkpointer:
         args = self.args
         if not same_layout:
             self._print(
-                f"checkpoint layout {common['layout']} differs from this run's {_layout(args)}: "
+                f"checkpoint layout {common['layout']} differs from this run's {ckpt_state.layout(args)}: "
                 "resharded by dist_checkpointing; RNG state not restored"
             )
         torch.distributed.barrier()
@@ -442,7 +280,7 @@ class Checkpointer:
         """Put back the loaded checkpoint's RNG states. Call after building the data iterators:
         creating a DataLoader iterator draws its base seed from the CPU generator."""
         if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng)
+            ckpt_state.set_rng_state(self._pending_rng)
             self._pending_rng = None
 
     # ---- save ------------------------------------------------------------------------------
@@ -466,8 +304,8 @@ class Checkpointer:
         if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
             raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves torch_dist or fsdp_dtensor only")
         t0 = time.perf_counter()
-        final = checkpoint_dir(args.save, iteration)
-        partial = final + PARTIAL
+        final = ckpt_dirs.checkpoint_dir(args.save, iteration)
+        partial = final + ckpt_dirs.PARTIAL
         if self.rank == 0:
             os.makedirs(args.save, exist_ok=True)
             if os.path.exists(partial):  # left by an interrupted save of the same iteration
@@ -509,8 +347,8 @@ class Checkpointer:
         """Runs on every rank once every rank's files and the metadata are written: the checksums
         go into the checkpoint's metadata.json, then the directory is renamed into place."""
         args = self.args
-        final = checkpoint_dir(args.save, iteration)
-        partial = final + PARTIAL
+        final = ckpt_dirs.checkpoint_dir(args.save, iteration)
+        partial = final + ckpt_dirs.PARTIAL
         note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
         if self.checksums:
             c0 = time.perf_counter()
@@ -529,10 +367,10 @@ class Checkpointer:
                     note += f"; written by a forked process in {writer_s:.2f} s"
         if self.rank == 0:
             if os.path.exists(final):  # re-saving an iteration (e.g. a rerun): replace it
-                _remove_dir(final)
+                ckpt_dirs.remove_dir(final)
             os.replace(partial, final)
-            _fsync_dir(args.save)
-            _write_atomic(os.path.join(args.save, TRACKER), str(iteration))
+            ckpt_dirs.fsync_dir(args.save)
+            ckpt_dirs.write_atomic(os.path.join(args.save, ckpt_dirs.TRACKER), str(iteration))
             self._apply_retention(iteration)
         torch.distributed.barrier()
         stats["save_s"] = time.perf_counter() - t0
@@ -542,12 +380,12 @@ class Checkpointer:
 
     def _apply_retention(self, newest: int) -> None:
         args = self.args
-        iterations = committed_iterations(args.save)
-        keep = retained(iterations, args.save_keep_last, args.save_retain_interval)
+        iterations = ckpt_dirs.committed_iterations(args.save)
+        keep = ckpt_dirs.retained(iterations, args.save_keep_last, args.save_retain_interval)
         for it in iterations:
             if it not in keep and it != newest:
-                _remove_dir(checkpoint_dir(args.save, it))
-        for name in debris(os.listdir(args.save), newest):
+                ckpt_dirs.remove_dir(ckpt_dirs.checkpoint_dir(args.save, it))
+        for name in ckpt_dirs.debris(os.listdir(args.save), newest):
             shutil.rmtree(os.path.join(args.save, name), ignore_errors=True)
 
     def _save_strategy(self):
@@ -590,6 +428,15 @@ def validate(args) -> None:
     if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist, and "
                           "fsdp_dtensor with --use-megatron-fsdp")
+    if (args.save and args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor" and args.swiglu
+            and args.data_parallel_sharding_strategy in ("optim", "optim_grads")):
+        raise ConfigError(
+            f"--data-parallel-sharding-strategy={args.data_parallel_sharding_strategy} with --save, "
+            "--ckpt-format=fsdp_dtensor and --swiglu: megatron-core's split of the fused SwiGLU fc1 "
+            "(fsdp_dtensor_checkpoint.py:317 split_swiglu_linear_fc1) builds DTensor metadata it then "
+            "rejects (uneven_dtensor.py:161, measured with tiny_dense at DP2) at the first save; "
+            "optim_grads_params saves"
+        )
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless

@@ -2,7 +2,7 @@
 written and checked before a load reads them.
 
 Save. megatron-core's writer (filesystem_async._write_item, a seam:
-megatron_ext/seams/checkpointing.py CHECKSUMMED_WRITES) writes each item of a shard file through a stream that folds every byte into
+megatron_ext/seams/checkpointing.py CHECKSUMMED_WRITES, which keeps the running sums) writes each item of a shard file through a stream that folds every byte into
 the file's running CRC-32 on its way to the file, so nothing is read back. A synchronous save keeps
 the sums in this process; the forked writer of --async-save leaves them in a small sidecar file
 (`.checksums.<rank>.json`) that its rank picks up and removes at commit. At commit the ranks' sums are
@@ -22,17 +22,16 @@ before this existed) are checked for completeness only: every file `.metadata` n
 holds the bytes it points to."""
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import os
 import pickle
 import re
-import threading
 import time
 import zlib
 
 import torch
+
+from megatron_ext.seams.checkpointing import recorded
 
 ALGORITHM = "crc32"
 KEY = "checksums"
@@ -57,120 +56,6 @@ def crc32_file(path: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # save: checksums of the bytes as they are written
 # ---------------------------------------------------------------------------------------------
-class _Sum:
-    __slots__ = ("size", "crc", "whole", "seconds")
-
-    def __init__(self):
-        self.size, self.crc, self.whole, self.seconds = 0, 0, True, 0.0
-
-
-_lock = threading.Lock()
-_sums: dict[str, _Sum] = {}  # absolute path -> running sum, in the process that writes
-_open: dict[int, tuple] = {}  # id(file object) -> (file object, its _Sum): one path lookup per file
-
-
-def _sum_for(raw) -> _Sum:
-    entry = _open.get(id(raw))
-    if entry is not None and entry[0] is raw:
-        return entry[1]
-    with _lock:
-        total = _sums.setdefault(os.path.abspath(raw.name), _Sum())
-        _open[id(raw)] = (raw, total)
-    return total
-
-
-def start_recording() -> None:
-    with _lock:
-        _sums.clear()
-        _open.clear()
-
-
-def recorded(directory: str) -> dict:
-    """{file name: [size, crc32, whole]} of the files written under `directory` since
-    start_recording(); `whole` is False where some bytes did not pass through the sum. Also the
-    seconds the sums took under the key None."""
-    directory = os.path.abspath(directory)
-    with _lock:
-        mine = {p: s for p, s in _sums.items() if os.path.dirname(p) == directory}
-    out = {os.path.basename(p): [s.size, s.crc, s.whole] for p, s in mine.items()}
-    out[None] = sum(s.seconds for s in mine.values())
-    return out
-
-
-class _SummingStream:
-    """The file stream megatron-core's writer hands to torch's _write_item (one per item), folding
-    every byte written into the file's CRC-32. torch.save makes dozens of small writes per tensor
-    (zip records), so small writes are gathered and summed and written together (fewer calls than
-    without the sum); large ones go straight through. Drained when the item is written."""
-
-    __slots__ = ("_raw", "_total", "_pending")
-    SMALL = 1 << 16
-
-    def __init__(self, raw, total: _Sum):
-        self._raw, self._total, self._pending = raw, total, bytearray()
-
-    def write(self, data):
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
-        if size < self.SMALL:
-            self._pending += data
-            return size
-        self.drain()
-        self._sum_and_write(data, size)
-        return size
-
-    def drain(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, bytearray()
-            self._sum_and_write(pending, len(pending))
-
-    def _sum_and_write(self, data, size: int) -> None:
-        total = self._total
-        t0 = _clock()
-        total.crc = zlib.crc32(data, total.crc)
-        total.seconds += _clock() - t0
-        if self._raw.write(data) != size:  # a short raw write: the sum is not the file's any more
-            total.whole = False
-        total.size += size
-
-    def tell(self) -> int:
-        return self._raw.tell() + len(self._pending)
-
-    def flush(self) -> None:
-        self.drain()
-        self._raw.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._raw, name)
-
-
-_clock = time.perf_counter
-
-
-def summing_write_item(original):
-    """Wrap torch's `_write_item(transforms, stream, data, write_item, storage_key, ...)` as
-    megatron-core calls it (filesystem_async.py:404-418, positionally) so the file's bytes pass
-    through a sum."""
-    position = list(inspect.signature(original).parameters).index("stream")
-
-    @functools.wraps(original)  # megatron-core inspects the signature (filesystem_async.py:394)
-    def write_item(*args, **kwargs):
-        positional = len(args) > position
-        raw = args[position] if positional else kwargs["stream"]
-        total = _sum_for(raw)
-        if raw.tell() != total.size:  # bytes written around us: the sum would not be the file's
-            total.whole = False
-        stream = _SummingStream(raw, total)
-        if positional:
-            args = (*args[:position], stream, *args[position + 1:])
-        else:
-            kwargs["stream"] = stream
-        result = original(*args, **kwargs)
-        stream.drain()
-        return result
-
-    return write_item
-
-
 def leave_sums_after(async_fn, directory: str, rank: int):
     """The forked --async-save writer runs `async_fn`; afterwards it leaves its sums beside the
     files for its rank's commit (the sums live in the writer process only)."""
@@ -251,6 +136,94 @@ def write_manifest(directory: str, gathered: list[dict]) -> tuple[int, float]:
 
 
 # ---------------------------------------------------------------------------------------------
+# structure and metadata: what can be told without reading the data files
+# ---------------------------------------------------------------------------------------------
+def read_config(directory: str) -> tuple[dict | None, dict | None, list[str]]:
+    """(metadata.json as read, its checksums {name: [size, crc32]} or None if it records none,
+    problems): the file is there, parses, and its own CRC matches."""
+    problems = []
+    config, files = None, None
+    config_path = os.path.join(directory, CONFIG)
+    if not os.path.exists(config_path):
+        problems.append(f"{CONFIG} missing")
+    else:
+        try:
+            with open(config_path) as f:
+                config = json.load(f)
+            if not isinstance(config, dict):
+                raise ValueError("not a mapping")
+        except (ValueError, UnicodeDecodeError) as e:
+            problems.append(f"{CONFIG} unreadable ({type(e).__name__})")
+            config = None
+    if config is not None and KEY in config:
+        entry = config[KEY]
+        try:
+            ok = entry.get("algorithm") == ALGORITHM and entry.get("crc32") == _self_crc(config)
+            listed = {str(k): [int(v[0]), int(v[1])] for k, v in entry["files"].items()}
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            ok, listed = False, None
+        if not ok:
+            problems.append(f"{CONFIG} checksum mismatch")
+        else:
+            files = listed
+            if DCP_METADATA not in files:
+                problems.append(f"{DCP_METADATA} not listed in {CONFIG}")
+    return config, files, problems
+
+
+def size_problem(directory: str, name: str, size: int) -> str | None:
+    """The listed file is missing or not of its recorded size."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return f"{name} missing"
+    have = os.path.getsize(path)
+    if have != size:
+        return f"{name} {'truncated' if have < size else 'longer than written'} ({have} of {size} bytes)"
+    return None
+
+
+def listed_size_problems(directory: str, files: dict) -> list[str]:
+    """Every file metadata.json lists exists with its recorded size."""
+    return [p for p in (size_problem(directory, name, files[name][0]) for name in sorted(files)) if p]
+
+
+def structure_only(directory: str) -> list[str]:
+    """No checksums: every file `.metadata` names exists and is long enough for its items."""
+    path = os.path.join(directory, DCP_METADATA)
+    if not os.path.exists(path):
+        return [f"{DCP_METADATA} missing"]
+    try:
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)
+        ends = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
+        return [f"{DCP_METADATA} unreadable ({type(e).__name__})"]
+    problems = []
+    for name, end in sorted(ends.items()):
+        file = os.path.join(directory, name)
+        if not os.path.exists(file):
+            problems.append(f"{name} missing")
+        elif os.path.getsize(file) < end:
+            problems.append(f"{name} truncated ({os.path.getsize(file)} of at least {end} bytes)")
+    return problems
+
+
+def structure_problems(directory: str) -> list[str]:
+    """What a look at the structure and metadata finds wrong with a checkpoint, on this process
+    alone and without reading the data files (no checksum pass): metadata.json and its own CRC,
+    every listed file present with its recorded size (or, without checksums, every file `.metadata`
+    names long enough). A checkpoint that passes can still fail the full verification of a load."""
+    config, files, problems = read_config(directory)
+    if files is not None:
+        problems += listed_size_problems(directory, files)
+    elif config is not None:
+        problems += structure_only(directory)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
 # load: verify before use
 # ---------------------------------------------------------------------------------------------
 class Damaged(Exception):
@@ -288,19 +261,8 @@ class Verifier:
         self.agree_seconds = 0.0  # the collectives deciding together
         self.bytes_read = 0
 
-    def _size_problem(self, name: str) -> str | None:
-        """The listed file is missing or not of its recorded size."""
-        size = self.files[name][0]
-        path = os.path.join(self.directory, name)
-        if not os.path.exists(path):
-            return f"{name} missing"
-        have = os.path.getsize(path)
-        if have != size:
-            return f"{name} {'truncated' if have < size else 'longer than written'} ({have} of {size} bytes)"
-        return None
-
     def _check(self, name: str) -> str | None:
-        problem = self._size_problem(name)
+        problem = size_problem(self.directory, name, self.files[name][0])
         if problem:
             return problem
         size, crc = self.files[name]
@@ -313,33 +275,7 @@ class Verifier:
     def inspect(self) -> tuple[list[str], bool]:
         """(problems, verifiable), the same on every rank."""
         t0 = time.perf_counter()
-        problems = []
-        config_path = os.path.join(self.directory, CONFIG)
-        config = None
-        if not os.path.exists(config_path):
-            problems.append(f"{CONFIG} missing")
-        else:
-            try:
-                with open(config_path) as f:
-                    config = json.load(f)
-                if not isinstance(config, dict):
-                    raise ValueError("not a mapping")
-            except (ValueError, UnicodeDecodeError) as e:
-                problems.append(f"{CONFIG} unreadable ({type(e).__name__})")
-                config = None
-        if config is not None and KEY in config:
-            entry = config[KEY]
-            try:
-                ok = entry.get("algorithm") == ALGORITHM and entry.get("crc32") == _self_crc(config)
-                files = {str(k): [int(v[0]), int(v[1])] for k, v in entry["files"].items()}
-            except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-                ok, files = False, None
-            if not ok:
-                problems.append(f"{CONFIG} checksum mismatch")
-            else:
-                self.files = files
-                if DCP_METADATA not in files:
-                    problems.append(f"{DCP_METADATA} not listed in {CONFIG}")
+        config, self.files, problems = read_config(self.directory)
         if self.files is not None:
             if DCP_METADATA in self.files:  # every rank reads it
                 problem = self._check(DCP_METADATA)
@@ -347,37 +283,15 @@ class Verifier:
                 if problem:
                     problems.append(problem)
             if torch.distributed.get_rank() == 0:  # the set is complete, each file whole
-                problems += [p for p in map(self._size_problem, sorted(self.files)) if p]
+                problems += listed_size_problems(self.directory, self.files)
         elif config is not None and torch.distributed.get_rank() == 0:
-            problems += self._structure_only()
+            problems += structure_only(self.directory)
         t1 = time.perf_counter()
         self.config = config
         self.problems, wait = _agree(problems)
         self.seconds += t1 - t0
         self.agree_seconds += wait
         return self.problems, self.files is not None
-
-    def _structure_only(self) -> list[str]:
-        """No checksums: every file `.metadata` names exists and is long enough for its items."""
-        path = os.path.join(self.directory, DCP_METADATA)
-        if not os.path.exists(path):
-            return [f"{DCP_METADATA} missing"]
-        try:
-            with open(path, "rb") as f:
-                metadata = pickle.load(f)
-            ends = {}
-            for info in metadata.storage_data.values():
-                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
-            return [f"{DCP_METADATA} unreadable ({type(e).__name__})"]
-        problems = []
-        for name, end in sorted(ends.items()):
-            file = os.path.join(self.directory, name)
-            if not os.path.exists(file):
-                problems.append(f"{name} missing")
-            elif os.path.getsize(file) < end:
-                problems.append(f"{name} truncated ({os.path.getsize(file)} of at least {end} bytes)")
-        return problems
 
     def verify_read(self, names) -> None:
         """Called by every rank for each read of the load (collective): verify the files this read

@@ -1,5 +1,6 @@
 """Megatron-FSDP checkpoints in megatron's fsdp_dtensor format, inside the Checkpointer's directory
-layout, atomic commit, retention and integrity (training/checkpointing.py, ckpt_integrity.py).
+layout, atomic commit, retention and integrity (training/checkpointing.py, ckpt_dirs.py,
+ckpt_integrity.py); the common and RNG state as ckpt_state.py builds it for both formats.
 
 As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's
 state dict of DTensors (each rank holds its shard of every parameter) and the optimizer's
@@ -26,20 +27,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 
 from megatron_ext import seams
+from megatron_ext.training import ckpt_state
 from megatron_ext.training.ckpt_integrity import CONFIG
 
 RNG = "rng_state.{rank}.pt"
 
 
 def _state(ckpt, *, loading: bool, with_optimizer: bool) -> dict:
-    from megatron_ext.training.checkpointing import _sharding_metadata
-
     (chunk,) = ckpt.model  # Megatron-FSDP has no pipeline stages (model.before_validate)
     state = {"model": chunk.state_dict_for_save_checkpoint()}
     if with_optimizer:
         seams.complete_fsdp_optimizer_state(ckpt.optimizer)  # loading: megatron materialises the optimizer's state with a zero step
         state["optimizer"] = ckpt.optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata=_sharding_metadata(ckpt.args))
+            state, is_loading=loading, metadata=ckpt_state.sharding_metadata(ckpt.args))
     return state
 
 
@@ -75,8 +75,6 @@ def save(ckpt, directory: str, iteration: int):
     (checkpointing.py:918-957), and as every torch_dist save here does: its writes are the ones
     seams.checksummed_writes() sums. With --async-save they are planned here and written by the
     returned AsyncRequest; without it the request runs now and None is returned."""
-    from megatron_ext.training.checkpointing import _rng_state, common_state
-
     args, rank = ckpt.args, torch.distributed.get_rank()
     state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
     prepared = _prepared(args, state, ckpt.model[0])
@@ -85,9 +83,9 @@ def save(ckpt, directory: str, iteration: int):
         request.execute_sync()
         request = None
     if not args.no_save_rng:
-        torch.save(_rng_state(), os.path.join(directory, RNG.format(rank=rank)))
+        torch.save(ckpt_state.rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
-        common = {**common_state(args, ckpt.scheduler, iteration, with_rng=not args.no_save_rng),
+        common = {**ckpt_state.common_state(args, ckpt.scheduler, iteration, with_rng=not args.no_save_rng),
                   "has_optimizer": not args.no_save_optim}
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
@@ -110,14 +108,13 @@ def _write_request(prepared: dict, directory: str):
                         preload_fn=preload_fn)
 
 
-def load(ckpt, path: str, iteration: int, verifier) -> dict:
-    """Load `path` into the model, optimizer and scheduler (the files verified as they are read);
-    the RNG states wait in ckpt._pending_rng. Returns the checkpoint's common state."""
-    from megatron_ext.training.checkpointing import _layout
-
+def load(ckpt, path: str, iteration: int, verifier) -> tuple[dict, dict | None]:
+    """Load `path` into the model, optimizer and scheduler (the files verified as they are read).
+    Returns the checkpoint's common state and this rank's saved RNG states (None when they are not
+    to be restored), which the caller puts back once the data iterators exist."""
     args, rank = ckpt.args, torch.distributed.get_rank()
     common = verifier.config["megatron_ext"]  # metadata.json, as the Verifier's inspect() read (and verified) it
-    with_rng = common["layout"] == _layout(args) and not args.no_load_rng and common["has_rng"]
+    with_rng = common["layout"] == ckpt_state.layout(args) and not args.no_load_rng and common["has_rng"]
     with_optimizer = not args.no_load_optim and common["has_optimizer"]
     state = _state(ckpt, loading=True, with_optimizer=with_optimizer)
     raw = dict(state)  # the preprocessing rewrites keys; the load fills the same tensors in place
@@ -133,5 +130,5 @@ def load(ckpt, path: str, iteration: int, verifier) -> dict:
         name = RNG.format(rank=rank)
         if verifier.files is not None:
             verifier.verify_read({name})  # collective: each rank its own file
-        ckpt._pending_rng = torch.load(os.path.join(path, name), weights_only=False)
-    return common
+        return common, torch.load(os.path.join(path, name), weights_only=False)
+    return common, None

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_ext.training.checkpointing import TRACKER, complete_iterations, retained
+from megatron_ext.training.ckpt_dirs import TRACKER, complete_iterations, retained
 from tests.dist import run_distributed
 
 TOTAL, SPLIT = 4, 2  # uninterrupted: iterations 1..4; interrupted: 1..2, save, resume, 3..4
@@ -146,7 +146,7 @@ def test_async_save_request_survives_validate_args_with_its_source(given, source
 def test_debris_rule():
     """Once iter_4 is committed: deletes in progress and older partial saves go; a newer partial
     save is an async save still being written (they overlap when saves come faster than writes)."""
-    from megatron_ext.training.checkpointing import debris
+    from megatron_ext.training.ckpt_dirs import debris
 
     names = ["iter_0000002", "iter_0000003.partial", "iter_0000004", "iter_0000001.deleting",
              "iter_0000005.partial", TRACKER]
@@ -343,7 +343,7 @@ def test_zero_grad_warning_only_after_a_resume():
 
 
 def test_latest_marker_rule(tmp_path):
-    from megatron_ext.training.checkpointing import read_tracker
+    from megatron_ext.training.ckpt_dirs import read_tracker
 
     assert read_tracker(str(tmp_path), [2, 4]) is None  # no marker
     for text, ok in [("4", True), ("2\n", True), ("", False), ("4x", False), ("6", False), ("release", False)]:
@@ -359,10 +359,11 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
     import torch
     from torch.distributed.checkpoint.filesystem import _write_item
 
+    from megatron_ext.seams import checkpointing as checksummed
     from megatron_ext.training import ckpt_integrity
 
-    ckpt_integrity.start_recording()
-    wrapped = ckpt_integrity.summing_write_item(_write_item)
+    checksummed.start_recording()
+    wrapped = checksummed.summing_write_item(_write_item)
     path = tmp_path / "__0_0.distcp"
     calls = []
 
@@ -375,9 +376,61 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
 
     with open(path, "wb") as f:
         for data in (io.BytesIO(b"header"), torch.arange(1000.0), torch.rand(50_000), torch.ones(3, 5, dtype=torch.int64)):
-            ckpt_integrity.summing_write_item(write_item)(None, f, data, None, "k", None)
-    sums = ckpt_integrity.recorded(str(tmp_path))
+            checksummed.summing_write_item(write_item)(None, f, data, None, "k", None)
+    sums = checksummed.recorded(str(tmp_path))
     assert sums["__0_0.distcp"][:2] == list(ckpt_integrity.crc32_file(str(path)))
     assert sums["__0_0.distcp"][2] is True
     assert all(type(s).__name__ == "_SummingStream" for s in calls)
     assert wrapped.__wrapped__ is _write_item  # megatron-core reads the signature through it
+
+
+def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_path_factory, monkeypatch):
+    """The cheap look at --load (structure and metadata, no checksum pass): every checkpoint
+    damaged is refused at --dry-run with one line, as the run itself stops after reading them;
+    one intact checkpoint is enough to pass (the run falls back to it); a checkpoint whose bytes
+    changed at their size passes the look (only the load's verification reads them)."""
+    import shutil
+
+    import arguments
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.training import ckpt_integrity
+    from tests.training import jobs_ckpt
+
+    def no_checksum_pass(path):
+        raise AssertionError(f"the dry-run read {path} whole")
+
+    monkeypatch.setattr(ckpt_integrity, "crc32_file", no_checksum_pass)
+    pristine, _ = saved("dp2-distopt", tmp_path_factory)
+    copy = str(tmp_path_factory.mktemp("dry-run") / "ckpt")
+    shutil.copytree(pristine, copy)
+    newest, older = (os.path.join(copy, f"iter_{i:07d}") for i in (TOTAL, SPLIT))
+
+    def dry_run():
+        arguments.parse(DENSE + ["--mock-data", "--load", copy, "--dry-run"], exit_on_dry_run=False)
+
+    jobs_ckpt._change_tensor_bytes(copy, newest)
+    dry_run()
+    jobs_ckpt._truncate_shard(copy, newest)
+    dry_run()  # the older one is intact: the run loads it
+    jobs_ckpt._remove_metadata_json(copy, older)
+    with pytest.raises(ConfigError) as refused:
+        dry_run()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"--load={copy}: every checkpoint is damaged (iter_{TOTAL:07d}: __1_0.distcp "
+                              "truncated ("), message
+    assert message.endswith(f"iter_{SPLIT:07d}: metadata.json missing)"), message
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_fsdp_dtensor_save_under_a_strategy_megatron_cannot_split_swiglu_for_is_refused(strategy):
+    import arguments
+    from megatron_ext.errors import ConfigError
+
+    argv = DENSE + ["--mock-data", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--world-size", "2",
+                    "--data-parallel-sharding-strategy", strategy, "--dry-run"]
+    arguments.parse(argv, exit_on_dry_run=False)  # training without --save is fine
+    with pytest.raises(ConfigError, match=f"^--data-parallel-sharding-strategy={strategy} with --save, "):
+        arguments.parse(argv + ["--save", "ckpt", "--save-interval", "2"], exit_on_dry_run=False)
+    arguments.parse([*argv[:-2], "optim_grads_params", "--dry-run", "--save", "ckpt", "--save-interval", "2"],
+                    exit_on_dry_run=False)

@@ -1,0 +1,150 @@
+"""Checkpoint directories under --save / --load, and their retention (megatron's names):
+
+    iter_0000020/                      committed checkpoint (dist_checkpointing or fsdp_dtensor)
+    iter_0000030.partial/              a save in progress, or one a crash interrupted: never loaded
+    iter_0000010.deleting/             a checkpoint retention (or a re-save) is deleting
+    latest_checkpointed_iteration.txt  newest committed iteration, for people and tools
+
+Only `iter_N` directories are ever loaded. What a killed save or delete leaves behind (`.partial`,
+`.deleting`) is removed by the next run that resumes from the same directory
+(:func:`remove_interrupted`) or after the next committed save (:func:`debris`).
+:func:`check_loadable` is the cheap look (structure and metadata, no checksum pass) that --dry-run
+and argument validation take at --load. Nothing here is collective."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.training import ckpt_integrity
+from megatron_ext.training.ckpt_integrity import CONFIG
+
+TRACKER = "latest_checkpointed_iteration.txt"
+PARTIAL = ".partial"
+DELETING = ".deleting"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_PARTIAL_DIR = re.compile(r"^iter_(\d{7})" + re.escape(PARTIAL) + "$")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def committed_iterations(root: str | None) -> list[int]:
+    """Iterations with an `iter_N` directory under `root`, ascending: saves that were committed
+    (renamed from `.partial`), intact or not. Partial saves are not listed."""
+    if not root or not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
+
+
+def complete_iterations(root: str | None) -> list[int]:
+    """Committed iterations whose directory holds the dist_checkpointing metadata.json."""
+    return [i for i in committed_iterations(root) if os.path.isfile(os.path.join(checkpoint_dir(root, i), CONFIG))]
+
+
+def read_tracker(root: str, iterations: list[int]) -> str | None:
+    """What is wrong with `latest_checkpointed_iteration.txt`, or None. It is only a pointer for
+    people and tools (resume lists the directories): damaged if it is not an iteration number or
+    names no committed checkpoint. Older than the newest is the crash window between the rename
+    and its rewrite, not damage."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        return f"{TRACKER} is damaged (reads {raw[:32]!r})"
+    if int(text) not in iterations:
+        return f"{TRACKER} is damaged (names iteration {int(text)}, which has no checkpoint)"
+    return None
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_dir(path: str) -> None:
+    """Rename first, so a crash half-way through deleting never leaves a half-deleted `iter_N`."""
+    doomed = f"{path}{DELETING}"
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def retained(iterations: list[int], keep_last: int | None, retain_interval: int | None) -> set[int]:
+    """Which complete checkpoints retention keeps: the newest `keep_last` (--save-keep-last), plus
+    every multiple of --save-retain-interval (megatron's flag: with it alone, the newest one and the
+    multiples are kept). Neither flag: keep everything."""
+    if keep_last is None and retain_interval is None:
+        return set(iterations)
+    keep = set(iterations[-(keep_last or 1):])
+    if retain_interval:
+        keep |= {i for i in iterations if i % retain_interval == 0}
+    return keep
+
+
+def debris(names: list[str], newest: int) -> list[str]:
+    """What interrupted saves and deletes left behind, once `newest` is committed: `*.deleting`,
+    and the `.partial` saves of older iterations. Async saves commit in order, so an older partial
+    save is dead; a newer one is a save still being written (--async-save with saves closer together
+    than a write takes) and stays."""
+    out = []
+    for name in names:
+        m = _PARTIAL_DIR.match(name)
+        if name.endswith(DELETING) or (m and int(m.group(1)) < newest):
+            out.append(name)
+    return out
+
+
+def interrupted(root: str) -> list[str]:
+    """Every `.partial` save and `.deleting` directory under `root`: before this run has saved
+    anything, none of them is being written, so all are what a killed run left behind."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if _PARTIAL_DIR.match(n) or n.endswith(DELETING))
+
+
+def remove_interrupted(root: str) -> list[str]:
+    """Remove what :func:`interrupted` lists; returns the names removed. Called on rank 0 by a run
+    that resumes from its own --save directory, before its first save."""
+    names = interrupted(root)
+    for name in names:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return names
+
+
+def check_loadable(args) -> None:
+    """The cheap look at --load: when it holds committed checkpoints and a look at structure and
+    metadata (ckpt_integrity.structure_problems: metadata.json and its own CRC, every file present
+    at its recorded size; no checksum pass over the data) finds every one of them damaged, raise
+    ConfigError naming the directory and what is wrong with each, as the run itself would stop
+    ("every checkpoint is damaged") after reading them. Checkpoints that pass can still fail the
+    load's full verification, which then falls back or stops as usual."""
+    root = getattr(args, "load", None)
+    iterations = committed_iterations(root)
+    if not iterations:
+        return
+    found = {}
+    for iteration in iterations:
+        problems = ckpt_integrity.structure_problems(checkpoint_dir(root, iteration))
+        if not problems:
+            return
+        found[iteration] = problems
+    more = lambda ps: "; ".join(ps[:2]) + (f"; +{len(ps) - 2} more" if len(ps) > 2 else "")  # noqa: E731
+    each = ", ".join(f"iter_{i:07d}: {more(ps)}" for i, ps in sorted(found.items(), reverse=True))
+    raise ConfigError(f"--load={root}: every checkpoint is damaged ({each})")

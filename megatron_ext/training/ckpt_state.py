@@ -1,0 +1,82 @@
+"""What a checkpoint holds beside the tensors, shared by both formats (checkpointing.py: torch_dist,
+fsdp_checkpoint.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
+sharding metadata megatron-core's sharded state dicts take, the RNG states, the common state
+(iteration, consumed samples, LR schedule)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+
+def layout(args) -> dict:
+    """The parallel layout of this run; a checkpoint saved in another one is resharded on load and
+    its RNG states are not restored."""
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tensor": args.tensor_model_parallel_size,
+        "pipeline": args.pipeline_model_parallel_size,
+        "virtual_pipeline": args.virtual_pipeline_model_parallel_size,
+        "expert": args.expert_model_parallel_size,
+        "expert_tensor": args.expert_tensor_parallel_size,
+        "context": args.context_parallel_size,
+    }
+
+
+def sharding_metadata(args) -> dict:
+    """As megatron/training/checkpointing.py:468 (_build_sharded_state_dict_metadata) builds it.
+    The distributed optimizer is saved `dp_reshardable` (DP changes only) unless
+    --dist-ckpt-optim-fully-reshardable; megatron-core's own default, `fully_sharded_model_space`,
+    fails with this optimizer's torch-Adam path (mapping.py:134 "flattened_range is not supported")."""
+    metadata = {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    if args.ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's optimizer: per-parameter DTensors
+        metadata["distrib_optim_sharding_type"] = "fsdp_dtensor"
+    elif args.use_distributed_optimizer:
+        if args.dist_ckpt_optim_fully_reshardable:
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = getattr(
+                args, "distrib_optim_fully_reshardable_mem_efficient", False
+            )
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
+
+
+def rng_state() -> dict:
+    """This rank's RNG states: Python, NumPy, torch (CPU and CUDA), the model-parallel tracker."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def common_state(args, scheduler, iteration: int, *, with_rng: bool) -> dict:
+    """What every checkpoint format records beside the tensors: where the run is, its layout and
+    LR schedule, whether RNG states were saved."""
+    return {
+        "iteration": iteration,
+        "consumed_samples": iteration * args.global_batch_size,
+        "layout": layout(args),
+        "scheduler": scheduler.state_dict(),
+        "has_rng": with_rng,
+    }
