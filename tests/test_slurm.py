@@ -72,6 +72,13 @@ def test_checkpoint_dir_and_port(fake_slurm):
     out = run({**env, "DRY_RUN": "1", "CKPT_DIR": "/ckpt/run1", "RDZV_PORT": "29411"})
     assert "--rdzv-endpoint gpu-node03:29411" in out.stdout
     assert f"--recipe {RECIPE} --save /ckpt/run1 --load /ckpt/run1" in out.stdout
+    assert "--rdzv-endpoint gpu-node03:29411 --max-restarts 3 train.py" in out.stdout  # resumable: restarted
+
+
+def test_max_restarts_without_a_checkpoint_dir(fake_slurm):
+    env, _ = fake_slurm
+    out = run({**env, "DRY_RUN": "1", "MAX_RESTARTS": "5"})
+    assert "--rdzv-endpoint gpu-node03:29500 --max-restarts 5 train.py" in out.stdout
 
 
 def test_required_variables_named(fake_slurm):
