@@ -99,22 +99,20 @@ def _published_names() -> list:
 
 
 def published_case(name: str) -> dict:
-    """The planner on a published run (as given): predicted peak and throughput beside the published."""
-    import arguments
+    """The planner on a published run as given (a fresh process per case), beside the published."""
+    from megatron_ext.bench.plan import plan_published
+    from megatron_ext.measure.launch import run_world
 
-    from megatron_ext.planner import cli
-    from megatron_ext.planner.published import CASES as PUBLISHED, GIB
-
-    c = PUBLISHED[name]
-    report = cli.main([*c["argv"], "--gpu", c["gpu"], "--json"], "--", arguments.parse)
-    g = report["as_given"]
-    row = dict(case=name, gpu=c["gpu"], source=c["source"], published_peak_gib=c["peak_gib"],
-               predicted_peak_gib=max(g["peak_bytes_per_stage"]) / GIB,
-               published_tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"],
-               predicted_tokens_per_s_per_gpu=g["tokens_per_s_per_gpu"], fits_as_given=g["fits"], time=g["time"])
-    print(f"{name}: peak {row['predicted_peak_gib']:.1f} GiB (published {c['peak_gib']}), "
-          f"{row['predicted_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (published {c['tokens_per_s_per_gpu']:.0f})",
-          file=sys.stderr)
+    # planned as scripts/plan.py plans (the CUDA-faithful CPU mode is for the measured cases)
+    faithful = os.environ.pop("MEGATRON_EXT_CUDA_FAITHFUL", None)
+    try:
+        row = run_world(1, plan_published, name=name)[0]
+    finally:
+        if faithful is not None:
+            os.environ["MEGATRON_EXT_CUDA_FAITHFUL"] = faithful
+    print(f"{name}: peak {row['predicted_peak_gib']:.1f} GiB (published {row['published_peak_gib']}), "
+          f"{row['predicted_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (published "
+          f"{row['published_tokens_per_s_per_gpu']:.0f})", file=sys.stderr, flush=True)
     return row
 
 

@@ -60,7 +60,7 @@ def estimate(recipe: str, extra: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     opts = parser.parse_args(argv)

@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.utils import ScheduleNode
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
@@ -50,6 +51,8 @@ TARGETS = {
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,
     "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
+    "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
+    "torch.nn.LayerNorm": torch.nn.LayerNorm,
 }
 
 

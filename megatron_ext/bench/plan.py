@@ -222,3 +222,23 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
                 measured_with_choice=max(r[1] for r in with_rows), measured_without=max(r[1] for r in without_rows),
                 predicted_with_choice=max(r[2]["peak_bytes"] for r in with_rows),
                 predicted_without=w_small["peak_bytes"])
+
+
+def plan_published(name: str) -> dict:
+    """Job (one rank): the planner on a published run as given (``megatron_ext.planner.published``),
+    its predicted peak and throughput beside the published figures."""
+    import arguments
+
+    from megatron_ext.planner import cli
+    from megatron_ext.planner.published import CASES, GIB
+
+    c = CASES[name]
+    _, _, report = cli.run([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse, refuse=False)
+    g = report["as_given"]
+    return dict(case=name, gpu=c["gpu"], source=c["source"], published_peak_gib=c["peak_gib"],
+                predicted_peak_gib=max(g["peak_bytes_per_stage"]) / GIB,
+                published_tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"],
+                predicted_tokens_per_s_per_gpu=g["tokens_per_s_per_gpu"], fits_as_given=g["fits"],
+                model_tflops_per_gpu=g["model_tflops_per_gpu"], time=g["time"],
+                peak_gib_per_stage=[p / GIB for p in g["peak_bytes_per_stage"]],
+                winner=report["candidates"][0]["flags"] if report["candidates"] else None)

@@ -136,11 +136,12 @@ def candidate_table(cands: list) -> str:
     return _grid(rows)
 
 
-def main(argv: list | None, prefix: str, parse_run) -> dict:
+def run(argv: list, prefix: str, parse_run, refuse: bool = True) -> tuple:
+    """(options, the search's result, the --json report) for a command line, printing nothing on
+    stdout. ``refuse``: a budget nothing meets is a ConfigError (else the result says so)."""
     from megatron_ext import platform
     from megatron_ext.planner.search import plan
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     opts, args = parse(argv, prefix, parse_run)
     platform.init_distributed()  # the trace runs a tiny copy of the model on this process
     log = logging.getLogger("megatron")
@@ -150,13 +151,9 @@ def main(argv: list | None, prefix: str, parse_run) -> dict:
         with contextlib.redirect_stdout(sys.stderr):
             result = plan(args, gpu=opts["gpu"], memory_gb=opts["memory_gb"], host_link_gbps=opts["host_link_gbps"],
                           search_parallelism=opts["search_parallelism"], top=opts["top"], flag_prefix=prefix,
-                          reparse=reparse(parse_run))
+                          reparse=reparse(parse_run), refuse=refuse)
     finally:
         log.setLevel(level)
-    if opts["png"]:
-        from megatron_ext.planner.picture import draw
-
-        draw(result, opts["png"])
     report = dict(stages=[dict(stage=s["stage"], peak_bytes=round(s["peak_bytes"]),
                                components={k: round(v) for k, v in s["components"].items()},
                                in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
@@ -164,6 +161,16 @@ def main(argv: list | None, prefix: str, parse_run) -> dict:
                   candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
                   budget_bytes=round(result["budget_bytes"]), layout=result["layout"],
                   as_given=as_given_json(result["as_given"]))
+    return opts, result, report
+
+
+def main(argv: list | None, prefix: str, parse_run) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, result, report = run(argv, prefix, parse_run)
+    if opts["png"]:
+        from megatron_ext.planner.picture import draw
+
+        draw(result, opts["png"])
     if opts["json"]:
         print(json.dumps(report, indent=1))
         return report

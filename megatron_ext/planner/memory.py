@@ -88,8 +88,22 @@ def chunk_layers(args, config, pp_rank: int, vp_stage: int | None) -> list:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None and not isinstance(layout, str):
+        # --pipeline-model-parallel-layout: its per-stage lists, counted as megatron's
+        # PipelineParallelLayerLayout.get_num_layers_to_build / get_layer_offset count them
+        # (transformer/pipeline_parallel_layer_layout.py:152, :170), which read the pipeline rank
+        # from the model-parallel state this process does not have
+        from megatron.core.transformer.enums import LayerType
+
+        v = vp_stage or 0
+        stages = layout.layout
+        n = stages[pp_rank][v].count(LayerType.decoder)
+        offset = sum(stages[p][u].count(LayerType.decoder) for u in range(v + 1)
+                     for p in range(layout.pipeline_model_parallel_size if u < v else pp_rank))
+    else:
+        n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return layer_kinds(args)[offset: offset + n]
 
 

@@ -61,6 +61,7 @@ def buildable_here(args):
     """A copy of the arguments whose TransformerConfig this machine can build (sizes unchanged)."""
     a = copy.copy(args)
     local_unfused(a)
+    a.fp8 = None  # FP8 needs transformer-engine to build; the layer layout does not depend on it
     if getattr(a, "recompute_modules", None):
         a.recompute_modules = [m for m in a.recompute_modules if m not in MODELED_RECOMPUTE] or ["core_attn"]
     return a

@@ -208,7 +208,8 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
-         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None) -> dict:
+         flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None,
+         refuse: bool = True) -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
     Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets. ``reparse``
     (argv -> parsed arguments) validates the layouts of ``search_parallelism``."""
@@ -247,7 +248,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
             seen.add(key)
             unique.append(c)
     unique.sort(key=lambda c: not c.fits)  # stable: the fitting ones, in the order above
-    if not unique or not unique[0].fits:
+    if refuse and (not unique or not unique[0].fits):
         closest = unique[0] if unique else None
         what = (f"; closest: {' '.join(closest.flags) or 'as given'} ({closest.layout}) needs "
                 f"{max(closest.peak_bytes_per_stage) / GIB:.1f} GiB" if closest else "")

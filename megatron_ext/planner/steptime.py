@@ -110,6 +110,6 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
                  dp_exposed_s=dp, pp_s=pp, offload_exposed_s=offload)
     total = sum(terms.values())
     tokens = args.global_batch_size * s
-    return dict(terms, step_time_s=total, layer_forward_s=layer_fwd, model_flops=base,
+    return dict(terms, step_time_s=total, layer_forward=layer_fwd, model_flops=base,
                 tokens_per_s_per_gpu=tokens / total / layout.world,
                 model_tflops_per_gpu=base / total / layout.world / 1e12)

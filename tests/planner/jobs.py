@@ -75,6 +75,18 @@ def published_throughput():
     return rows
 
 
+def plan_as_given(argv):
+    """The plan of the run as given only (one trace): its --json as_given and stages."""
+    import arguments
+
+    from megatron_ext.planner import cli, search
+
+    opts, args = cli.parse(argv, "--", arguments.parse)
+    result = search.plan(args, gpu=opts["gpu"], memory_gb=opts["memory_gb"], recomputes=())
+    return dict(as_given=cli.as_given_json(result["as_given"]), first=result["candidates"][0].as_given,
+                chunks=[ch["activations_per_microbatch"] for ch in result["stages"][0]["chunks"]])
+
+
 def published_plan(name):
     """The plan of one published run (the search without recompute: one trace), as --json has it,
     with the published figures."""
