@@ -420,8 +420,8 @@ def section_moe_layer(size, claims) -> dict:
 
 def section_offload(size, claims) -> dict:
     from megatron_ext import platform
+    from megatron_ext.offload import canonical_modules, theory
     from megatron_ext.offload import manager as om
-    from megatron_ext.offload import theory
     from megatron_ext.platform import streams
     from megatron_ext.bench import offload as jobs
     from megatron_ext.training import parallel
@@ -489,7 +489,7 @@ def section_offload(size, claims) -> dict:
             off = measure(chunks, c, None)
             for modules in sets:
                 group = theory.group_bytes(
-                    om.canonical_modules(modules), kind == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
+                    canonical_modules(modules), kind == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
                     heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], dtype_bytes=dtype_bytes)
                 theo = theory.theoretical_saving(group, 1, None, 0, c["microbatches"], c["layers"], 1)
                 options = jobs.offload_options(modules, pool_bytes=max(64 << 20, int(theo * 1.25) + (64 << 20)),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_ext.offload.manager import MODULES
+from megatron_ext.offload import MODULES
 from scripts import gpu_check
 
 NO_CUDA = "skipped: no CUDA"

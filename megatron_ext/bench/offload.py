@@ -139,7 +139,7 @@ def _same(ga: dict, gb: dict) -> tuple[bool, list]:
 
 
 def offload_options(modules, **kw):
-    from megatron_ext.offload.manager import Options, canonical_modules
+    from megatron_ext.offload import Options, canonical_modules
 
     o = dict(pool_bytes=64 << 20, chunk_bytes=16 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=True)
     o.update(kw)
@@ -147,8 +147,7 @@ def offload_options(modules, **kw):
 
 
 def theory_group_bytes(modules, c) -> int:
-    from megatron_ext.offload import theory
-    from megatron_ext.offload.manager import canonical_modules
+    from megatron_ext.offload import canonical_modules, theory
 
     return theory.group_bytes(
         canonical_modules(modules), c["model"] == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
@@ -278,7 +277,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
                 step_s = time.perf_counter() - t0
                 last = dict(mgr.stats)
                 free_after = mgr.pool.free_slots == mgr.pool.num_slots
-                idle = mgr._pending is None and not mgr._outstanding and not mgr._offloading and not mgr._alive
+                idle = mgr._pending is None and not mgr.order.outstanding and not mgr._offloading and not mgr._alive
                 om.detach()
                 threads_left = streams.worker_threads()
             eq = [_same(b[1], o[1]) for b, o in zip(base, on)]

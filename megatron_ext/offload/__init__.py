@@ -8,7 +8,8 @@ is a different mechanism and cannot be combined with this one.
 from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.offload.manager import ALIASES, MODULES, Options, attach, canonical_modules, current, detach
+from megatron_ext.offload.manager import attach, current, detach
+from megatron_ext.offload.vocabulary import ALIASES, MODULES, Options, canonical_modules
 from megatron_ext.counters import SinceLastCall
 
 __all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
@@ -72,7 +73,7 @@ def validate(args) -> None:
             f"{', '.join(MODULES)} (aliases {', '.join(ALIASES)})"
         )
     modules = canonical_modules(names)
-    args.activation_offload_modules = list(modules)
+    args.activation_offload_modules = list(modules)  # canonical from here on: options_from_args reads it
 
     pool, chunk = args.activation_offload_pool_mb, args.activation_offload_chunk_mb
     if not pool > 0:
@@ -138,8 +139,9 @@ def validate(args) -> None:
 
 
 def options_from_args(args) -> Options:
+    """The options of a validated run (``validate`` left the module names canonical)."""
     return Options(
-        modules=canonical_modules(args.activation_offload_modules),
+        modules=tuple(args.activation_offload_modules),  # canonicalised by validate
         pool_bytes=int(args.activation_offload_pool_mb * (1 << 20)),
         chunk_bytes=max(1, int(args.activation_offload_chunk_mb * (1 << 20))),
         prefetch_depth=args.activation_offload_prefetch_depth,
@@ -169,8 +171,6 @@ _SINCE = SinceLastCall()
 
 def log_counters() -> dict:
     """Activation bytes offloaded / kept on the device since the previous log line."""
-    from megatron_ext.offload.manager import current
-
     manager = current()
     if manager is None:
         return {}

@@ -39,102 +39,26 @@ Life of a group (one layer of one micro-batch)::
   bytes and released storages are resized to 0; on CPU the two copy streams are deferred
   (``streams.Stream(deferred=True)``: they run as late as a device could), so a missing wait or an
   early release gives NaN or an error instead of silently right or wrong numbers.
+
+Here: the engine (the pool, the two copy streams, offload / release / reload of a group). Beside it:
+``records.py`` (what a record, a group and a pass hold), ``hooks.py`` (the module, saved-tensor and
+backward hooks that drive the engine), ``predictor.py`` (which pass runs backward next),
+``vocabulary.py`` (the module names and ``Options``).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import time
-import weakref
 
 import torch
 
-from megatron_ext.errors import ConfigError
+from megatron_ext.offload.hooks import Hooks
 from megatron_ext.offload.pool import POISON, HostPool
+from megatron_ext.offload.predictor import BackwardOrder
+from megatron_ext.offload.records import COPYING, KEPT, OFFLOADED, PACKED, RELOADING, Group, Pass
+from megatron_ext.offload.vocabulary import Options
 from megatron_ext.platform import streams
-
-MODULES = ("core_attention", "qkv_linear", "router_fc1", "router_fc2", "shared_experts", "attn_proj", "moe_act")
-ALIASES = {"core_attn": "core_attention", "expert_fc1": "router_fc1"}
-
-
-def canonical_modules(names) -> tuple:
-    out = []
-    for n in names:
-        n = ALIASES.get(n, n)
-        if n not in MODULES:
-            raise ValueError(n)
-        if n not in out:
-            out.append(n)
-    return tuple(out)
-
-
-@dataclasses.dataclass
-class Options:
-    modules: tuple
-    pool_bytes: int = 1 << 30
-    chunk_bytes: int = 4 << 20
-    prefetch_depth: int = 1
-    min_tensor_bytes: int = 64 << 10
-    debug: bool = False
-    # prefetch into the pass predicted to run backward next: "off"; "after-forward" (when a chunk's
-    # forward returns and backward comes next); "always" (also at the end of a pass's backward)
-    cross_pass_prefetch: str = "after-forward"
-    # CPU copy streams deferred (run only when waited on: the latest a device could); None: as debug
-    deferred_copies: bool | None = None
-
-
-# record states
-PACKED, KEPT, COPYING, OFFLOADED, RELOADING = "packed", "kept", "copying", "offloaded", "reloading"
-
-
-class _Record:
-    """One device storage saved by a group."""
-
-    __slots__ = ("storage", "nbytes", "device", "slots", "state", "d2h_event", "h2d_event", "reloaded",
-                 "waited", "group", "module", "__weakref__")
-
-    def __init__(self, storage, device, group, module=None):
-        self.storage = storage
-        self.module = module  # (offload module name, the hooked sub-module's path in its layer)
-        self.nbytes = storage.nbytes()
-        self.device = device
-        self.slots = None
-        self.state = PACKED
-        self.d2h_event = self.h2d_event = self.reloaded = None
-        self.waited = False
-        self.group = weakref.ref(group)
-
-
-class _Saved:
-    """What autograd holds instead of the tensor: the record and the view to rebuild."""
-
-    __slots__ = ("record", "dtype", "size", "stride", "offset")
-
-    def __init__(self, record, t):
-        self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-
-
-class _Pass:
-    __slots__ = ("chunk", "index", "groups", "listed", "started")
-
-    def __init__(self, chunk, index):
-        self.chunk, self.index, self.groups = chunk, index, []
-        self.listed = self.started = False
-
-
-class _Group:
-    __slots__ = ("key", "records", "state", "pass_", "__weakref__")
-
-    def __init__(self, key, pass_):
-        self.key, self.records, self.state, self.pass_ = key, {}, "forward", pass_
-
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.records.values()) if self.records else 0
 
 
 def _bytes_view(storage, device) -> torch.Tensor:
@@ -154,40 +78,6 @@ def _solely_ours(rec) -> bool:
     return _use_count(rec.storage) == 1 and sys.getrefcount(rec.storage) == 2
 
 
-class _WrappedCall:
-    """An instance method wrapped in push/pop of the saved-tensor hooks; remove() restores it."""
-
-    def __init__(self, obj, name, push, pop):
-        self.obj, self.name = obj, name
-        original = getattr(obj, name)
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            push()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                pop()
-
-        setattr(obj, name, call)
-
-    def remove(self) -> None:
-        if self.name in vars(self.obj):
-            delattr(self.obj, self.name)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    """The identity of a tensor's StorageImpl: unchanged when the storage is resized (freed and
-    reallocated in place), unlike its data pointer."""
-    if isinstance(t, torch.distributed.tensor.DTensor):
-        t = t.to_local()
-    return t.untyped_storage()._cdata
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 STAT_KEYS = (
     "offloaded_bytes", "reloaded_bytes", "prefetched_groups", "on_demand_groups", "d2h_chunks", "h2d_chunks",
     "kept_small_bytes", "kept_shared_bytes", "kept_pool_full_bytes", "kept_last_bytes", "served_in_flight_bytes",
@@ -195,7 +85,10 @@ STAT_KEYS = (
 )
 
 
-class OffloadManager:
+class OffloadManager(Hooks):
+    """The engine: a host pool, a D2H and an H2D stream, the groups in flight. Its hooks (``hooks.py``)
+    tell it when a group is saved, when a layer or pass ends and when backward reaches a group."""
+
     def __init__(self, options: Options):
         self.options = options
         self.debug = options.debug
@@ -214,21 +107,12 @@ class OffloadManager:
         self._layer_params: dict = {}  # id(layer) -> its parameters
         self._layer_chunk: dict = {}  # id(layer) -> model chunk index (layers with offload targets)
         self._first_layer: dict = {}  # chunk index -> id of its first such layer
-        self._pass: _Pass | None = None
-        # backward order, observed: passes waiting for backward (forward order); for each pass that
-        # started backward in this "epoch" (until none waits), its index among those not started yet.
-        # The previous epoch's log predicts the next pass to run backward, so prefetch can cross passes.
-        # The event sequence ("F" a pass forwarded, "B" a pass started backward) tells whether the
-        # next thing after a forward pass or a finished backward pass is a backward (only then is a
-        # cross-pass prefetch issued, so a prefetched layer never waits through a whole forward).
-        self._outstanding: list = []
-        self._epoch_log: list = []
-        self._prev_log: list = []
-        self._events: list = []
-        self._prev_events: list = []
+        self._pass: Pass | None = None
+        # which pass runs backward next, as in the previous epoch: prefetch can cross passes
+        self.order = BackwardOrder()
         self._pass_counter: dict = {}
-        self._group: _Group | None = None
-        self._pending: _Group | None = None
+        self._group: Group | None = None
+        self._pending: Group | None = None
         self._offloading: list = []  # groups whose D2H was issued since the last tick
         self._last_d2h = None  # the D2H stream's latest event: waiting for it covers every earlier copy
         self._alive: list = []  # CUDA reload buffers (h2d event, record, buffer) until the compute stream waited
@@ -240,65 +124,7 @@ class OffloadManager:
         # sub-module saved for backward and how much of it left the device (none may be bypassed)
         self.module_stats: dict = {}
 
-    # ------------------------------------------------------------------ attach
-    def attach(self, model_chunks) -> "OffloadManager":
-        from megatron_ext import seams
-
-        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        modules = self.options.modules
-        for chunk_idx, chunk in enumerate(chunks):
-            for p in chunk.parameters():
-                self._static_keys.add(_storage_key(p))
-                if getattr(p, "main_grad", None) is not None:
-                    self._static_keys.add(_storage_key(p.main_grad))
-            root = seams.offload_unwrap(chunk)
-            self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
-            self._handles.append(root.register_forward_hook(self._end_pass))
-            for layer in seams.offload_layers(root):
-                fused = [m for m in modules if m in ("router_fc1", "router_fc2", "moe_act")]
-                if fused and seams.offload_fused_experts(layer):
-                    raise ConfigError(
-                        f"--use-transformer-engine-op-fuser=True: the experts run as one fused op that never "
-                        f"calls their linear_fc1/linear_fc2; --activation-offload-modules {' '.join(fused)} "
-                        "would offload nothing"
-                    )
-                targets = seams.offload_targets(layer, modules)
-                if not targets:
-                    continue
-                self._layer_params[id(layer)] = list(layer.parameters())
-                self._layer_chunk[id(layer)] = chunk_idx
-                self._first_layer.setdefault(chunk_idx, id(layer))
-                path = {id(m): n for n, m in layer.named_modules()}
-                for _, _, mods in targets:  # modules run in place of registered ones (grouped experts)
-                    for m in mods:
-                        for one in (m if isinstance(m, tuple) else (m,)):
-                            if id(one) not in path and hasattr(one, "path_in"):
-                                path[id(one)] = one.path_in(path)
-                self._handles.append(layer.register_forward_pre_hook(functools.partial(self._begin_group, chunk_idx)))
-                self._handles.append(layer.register_forward_hook(self._end_group, always_call=True))
-                for name, kind, mods in targets:
-                    if kind == "module":
-                        for m in mods:
-                            push = functools.partial(self._push, (name, path[id(m)]))
-                            self._handles.append(m.register_forward_pre_hook(push))
-                            self._handles.append(m.register_forward_hook(self._pop, always_call=True))
-                    elif kind == "calls":  # methods called instead of the module's forward
-                        for obj, method in mods:
-                            self._handles.append(_WrappedCall(obj, method, functools.partial(
-                                self._push, (name, f"{path[id(obj)]}.{method}")), self._pop))
-                    else:  # "window": from fc1's exit to fc2's entry (the expert activation)
-                        for fc1, fc2 in mods:
-                            push = functools.partial(self._push, (name, path[id(fc1)] + ".."))
-                            self._handles.append(fc1.register_forward_hook(push, always_call=True))
-                            self._handles.append(fc2.register_forward_pre_hook(self._pop, prepend=True))
-        return self
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.close()
-
+    # ------------------------------------------------------------------ engine
     def close(self) -> None:
         """Finish the copies in flight and stop the copy streams' CPU workers (they restart if used
         again); the counters stay readable."""
@@ -308,174 +134,9 @@ class OffloadManager:
             self.d2h.close()
             self.h2d.close()
 
-    # ------------------------------------------------------------------ forward hooks
-    def _active(self) -> bool:
-        return torch.is_grad_enabled() and not _in_backward()
-
-    def _begin_pass(self, chunk_idx, _module, _args):
-        if self._active():
-            index = self._pass_counter.get(chunk_idx, 0)
-            self._pass_counter[chunk_idx] = index + 1
-            self._pass = _Pass(chunk_idx, index)
-
-    def _begin_group(self, chunk_idx, layer, _args):
-        if not self._active():
-            self._group = None
-            return
-        self._tick()
-        if self._pending is not None:
-            self._offload(self._pending)
-            self._pending = None
-        if self._pass is None or self._pass.chunk != chunk_idx:
-            self._begin_pass(chunk_idx, None, None)
-        self._layer_keys = {_storage_key(p) for p in self._layer_params.get(id(layer), ())}
-        group = _Group((chunk_idx, self._pass.index, getattr(layer, "layer_number", None)), self._pass)
-        self._pass.groups.append(group)
-        self._group = group
-
-    # megatron's combined-1F1B plan (--overlap-moe-expert-parallel-comm) runs a layer as separate
-    # nodes, never calling the layer itself: its first node begins the group, its last ends it
-    # (megatron_ext/seams/schedules.py, COMBINED_PLAN_OFFLOAD_GROUPS). The layer's sub-modules'
-    # own hooks (linear_fc1, ...) fire as usual inside the nodes.
-    def plans_layer(self, layer) -> bool:
-        return id(layer) in self._layer_chunk
-
-    def plan_layer_begin(self, layer) -> None:
-        chunk = self._layer_chunk[id(layer)]
-        if self._active() and self._first_layer.get(chunk) == id(layer):
-            self._begin_pass(chunk, None, None)  # the model's forward hook never fires in the plan
-        self._begin_group(chunk, layer, None)
-
-    def plan_layer_end(self, layer, output) -> None:
-        self._end_group(layer, None, output)
-
-    def _push(self, module, *_):
-        if self._group is not None:
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-            self._pushed += 1
-            self._saving.append(module)
-
-    def _pop(self, *_):
-        if self._pushed:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._pushed -= 1
-            self._saving.pop()
-
-    def _end_group(self, _layer, _args, output):
-        group, self._group = self._group, None
-        while self._pushed:  # a window left open (e.g. an exception) closes with its layer
-            self._pop()
-        if group is None:
-            return
-        self._tick()  # the previous layer's copy had this layer's forward to finish
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if not group.records or not (isinstance(hidden, torch.Tensor) and hidden.requires_grad):
-            group.state = "kept"
-            self._drop(group)
-            if group in group.pass_.groups:
-                group.pass_.groups.remove(group)
-            return
-        self.stats["groups"] += 1
-        pass_ = group.pass_
-        if not pass_.listed:  # the pass now waits for backward
-            pass_.listed = True
-            self._outstanding.append(pass_)
-            self._events.append("F")
-        group.state = "pending"
-        self._pending = group
-        hidden.register_hook(functools.partial(self._on_backward, group))
-
-    # ------------------------------------------------------------------ saved-tensor hooks
-    def _pack(self, t: torch.Tensor):
-        group = self._group
-        if group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
-            return t
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if storage.nbytes() == 0 or storage._cdata in self._static_keys or storage._cdata in self._layer_keys:
-            return t
-        ptr = storage.data_ptr()
-        rec = group.records.get(ptr)
-        if rec is None:
-            if storage.nbytes() < self.options.min_tensor_bytes:
-                self.stats["kept_small_bytes"] += storage.nbytes()
-                return t
-            module = self._saving[-1] if self._saving else None
-            rec = group.records[ptr] = _Record(storage, t.device, group, module)
-            self._count(rec, "saved")
-        return _Saved(rec, t)
-
     def _count(self, rec, what: str) -> None:
         entry = self.module_stats.setdefault(rec.module, {"saved": 0, "offloaded": 0})
         entry[what] += rec.nbytes
-
-    def _unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved
-        rec = saved.record
-        if rec.state == PACKED:  # backward reached the group before its hook: keep it on the device
-            group = rec.group()
-            if group is not None and group is self._pending:
-                self._cancel(group)
-        elif rec.state == OFFLOADED:  # nothing prefetched it: reload now
-            group = rec.group()
-            self._reload(list(group.records.values()) if group is not None and group.records else [rec], group)
-            self.stats["on_demand_groups"] += 1
-        if rec.state == RELOADING:
-            if not rec.waited:
-                if "skip_h2d_wait" not in self._faults:
-                    t0 = time.perf_counter()
-                    rec.h2d_event.wait(streams.Stream.current())
-                    self._exposed("exposed_h2d_s", t0)
-                rec.waited = True
-            storage = rec.reloaded
-        else:
-            storage = rec.storage
-        return torch.empty(0, dtype=saved.dtype, device=rec.device).set_(
-            storage, saved.offset, saved.size, saved.stride
-        )
-
-    # ------------------------------------------------------------------ backward hook
-    def _on_backward(self, group: _Group, _grad):
-        pass_ = group.pass_
-        if not pass_.started and pass_ in self._outstanding:
-            waiting = [p for p in self._outstanding if not p.started]
-            self._epoch_log.append(waiting.index(pass_))
-            self._events.append("B")
-            pass_.started = True
-        groups = pass_.groups
-        before = []
-        if group in groups:
-            i = groups.index(group)
-            before = groups[:i]
-            del groups[i]
-        if not groups and pass_ in self._outstanding:
-            self._outstanding.remove(pass_)
-            if not self._outstanding:  # every forwarded pass is back-propagated: an epoch ends
-                self._prev_log, self._epoch_log = self._epoch_log, []
-                self._prev_events, self._events = self._events, []
-        self._tick()
-        if group is self._pending:
-            self._cancel(group)
-        else:
-            if self._pending is not None:
-                self._offload(self._pending)
-                self._pending = None
-            if group.state in ("offloading", "offloaded"):
-                self._reload(list(group.records.values()), group)
-                self.stats["on_demand_groups"] += 1
-        # prefetch window: the next `depth` groups backward will reach: this pass's earlier layers,
-        # then (if fewer remain) the last layers of the pass predicted to run backward next
-        window = list(reversed(before))[: self.options.prefetch_depth]
-        if (len(window) < self.options.prefetch_depth and self.options.cross_pass_prefetch == "always"
-                and self._next_is_backward()):
-            nxt = self._predict_next_pass(pass_)
-            if nxt is not None:
-                window += list(reversed(nxt.groups))[: self.options.prefetch_depth - len(window)]
-        self._prefetch(window)
-        return None
 
     def _prefetch(self, groups) -> None:
         for g in groups:
@@ -483,50 +144,7 @@ class OffloadManager:
                 self._reload(list(g.records.values()), g)
                 self.stats["prefetched_groups"] += 1
 
-    def _end_pass(self, _module, _args, _output):
-        """A chunk's forward returned. Its last group's copy starts now unless this pass's own
-        backward is predicted to come first (so it is released by the next tick instead of staying
-        on the device through the first layer of another pass's backward). If backward comes next
-        (as in the last epoch), prefetch the last layers of the pass predicted to run backward next,
-        overlapping the pipeline's send/recv wait instead of holding them through another forward."""
-        if not self._active():
-            return
-        self._tick()  # before the loss and its gradient: the last copies of this pass are released
-        pending = self._pending
-        if pending is not None and pending.pass_ is self._pass and self._other_comes_next(pending.pass_):
-            self._pending = None
-            self._offload(pending)
-        if self._events and self._events[-1] == "F" and self._next_is_backward():
-            nxt = self._predict_next_pass(None)
-            if nxt is not None:
-                self._prefetch(list(reversed(nxt.groups))[: self.options.prefetch_depth])
-
-    def _other_comes_next(self, pass_) -> bool:
-        """As in the last epoch, what follows this forward is a forward or another pass's backward
-        (no prediction in the first epoch: False)."""
-        n = len(self._events)
-        if n >= len(self._prev_events) or self._prev_events[:n] != self._events:
-            return False
-        if self._prev_events[n] == "F":
-            return True
-        nxt = self._predict_next_pass(None)
-        return nxt is not None and nxt is not pass_
-
-    def _next_is_backward(self) -> bool:
-        if self.options.cross_pass_prefetch in ("off", None, False):
-            return False
-        n = len(self._events)
-        return n < len(self._prev_events) and self._prev_events[:n] == self._events and self._prev_events[n] == "B"
-
-    def _predict_next_pass(self, current):
-        k = len(self._epoch_log)
-        if k >= len(self._prev_log):
-            return None
-        waiting = [p for p in self._outstanding if not p.started and p is not current]
-        j = self._prev_log[k]
-        return waiting[j] if j < len(waiting) else None
-
-    def _cancel(self, group: _Group) -> None:
+    def _cancel(self, group: Group) -> None:
         """The group's backward comes before its offload was issued: it never leaves the device."""
         self._pending = None
         for rec in group.records.values():
@@ -537,7 +155,7 @@ class OffloadManager:
         self._drop(group)
 
     # ------------------------------------------------------------------ copies
-    def _offload(self, group: _Group) -> None:
+    def _offload(self, group: Group) -> None:
         compute_done = None
         for rec in group.records.values():
             if rec.state != PACKED:
@@ -584,7 +202,7 @@ class OffloadManager:
             n = min(c, nbytes - j * c)
             dst[j * c : j * c + n].copy_(self.pool.slots[sid][:n], non_blocking=True)
 
-    def _release(self, group: _Group) -> None:
+    def _release(self, group: Group) -> None:
         for rec in group.records.values():
             if rec.state == COPYING:
                 if self.debug:
@@ -624,7 +242,7 @@ class OffloadManager:
             stream.run(functools.partial(self.pool.poison, slots))
         self.pool.give(slots, fence=stream.record())
 
-    def _reload(self, records, group: _Group | None) -> None:
+    def _reload(self, records, group: Group | None) -> None:
         current = None
         for rec in records:
             if rec.state == COPYING and "reload_in_flight" not in self._faults:
@@ -656,7 +274,7 @@ class OffloadManager:
             group.state = "consumed"
             self._drop(group)
 
-    def _drop(self, group: _Group) -> None:
+    def _drop(self, group: Group) -> None:
         """The manager forgets the group: its records now live only as long as autograd's handles."""
         if group in self._offloading:
             self._offloading.remove(group)

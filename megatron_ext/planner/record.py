@@ -190,7 +190,7 @@ def _budget_as_the_run(rows_per_token):
 
 def _run_built(args, kinds, seed: int) -> dict:
     from megatron_ext.measure.memtrack import model_state_ptrs
-    from megatron_ext.offload.manager import MODULES, Options
+    from megatron_ext.offload import MODULES, Options
     from megatron_ext.seams.planner import buffer_requests
     from megatron_ext.training import model as models
 
