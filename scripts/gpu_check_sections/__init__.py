@@ -1,0 +1,18 @@
+"""The sections of ``scripts/gpu_check.py`` (its docstring says what each checks), in the order it runs
+them: each is ``section_<name>(size, claims) -> dict``, run at ``size`` (the harness's SIZES), appending
+its claims."""
+from __future__ import annotations
+
+from scripts.gpu_check_sections.cuda_facts import section_cuda_facts
+from scripts.gpu_check_sections.moe_layer import section_moe_layer
+from scripts.gpu_check_sections.multihot import section_multihot
+from scripts.gpu_check_sections.offload import section_offload
+from scripts.gpu_check_sections.planner import section_planner
+from scripts.gpu_check_sections.train_script import section_train
+from scripts.gpu_check_sections.transformer_engine import section_transformer_engine
+
+
+SECTIONS = ("cuda_facts", "multihot", "moe_layer", "offload", "train", "planner", "transformer_engine")
+RUNNERS = {"cuda_facts": section_cuda_facts, "multihot": section_multihot, "moe_layer": section_moe_layer,
+           "offload": section_offload, "train": section_train, "planner": section_planner,
+           "transformer_engine": section_transformer_engine}

@@ -1,0 +1,116 @@
+"""What the sections of ``scripts/gpu_check.py`` measure with: CUDA-event timing, counted or
+refused host-device synchronisations, and the claim list each section appends to."""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import warnings
+
+import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NO_CUDA = "skipped: no CUDA"
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def sync():
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, reps: int) -> float | str:
+    """Median device time of fn (CUDA events), after one warm-up call."""
+    if not cuda():
+        return NO_CUDA
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 4)
+
+
+@contextlib.contextmanager
+def sync_watch(mode: str):
+    """torch.cuda.set_sync_debug_mode(mode) over the block; the explicit waits (Event/Stream
+    .synchronize, torch.cuda.synchronize: megatron's dropless alltoall waits on an event,
+    token_dispatcher.py:950) are counted ("warn") or refused ("error") here, each exactly once,
+    since torch's mode does not report every one of them."""
+    explicit = []
+    restore = []
+
+    def watch(owner, name):
+        original = getattr(owner, name)
+
+        def waiting(*a, **k):
+            if mode == "error":
+                raise RuntimeError(f"called a synchronizing CUDA operation ({owner.__name__}.{name})")
+            explicit.append(name)
+            torch.cuda.set_sync_debug_mode("default")  # counted here, once, whether or not torch warns
+            try:
+                return original(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+
+        setattr(owner, name, waiting)
+        restore.append((owner, name, original))
+
+    sync()
+    for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")):
+        watch(owner, name)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield lambda: len(explicit) + sum(1 for w in seen if "synchroniz" in str(w.message))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            for owner, name, original in reversed(restore):
+                setattr(owner, name, original)
+
+
+def count_cuda_syncs(fn):
+    """(host-device synchronisations fn performs on CUDA, fn's result); (NO_CUDA, result) on CPU."""
+    if not cuda():
+        return NO_CUDA, fn()
+    with sync_watch("warn") as count:
+        result = fn()
+        return count(), result
+
+
+def sync_free(fn) -> bool | str:
+    """True if fn runs with every synchronisation raising (set_sync_debug_mode("error") and the
+    explicit waits)."""
+    if not cuda():
+        return NO_CUDA
+    try:
+        with sync_watch("error"):
+            fn()
+        return True
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return False
+
+
+def package_version(dist: str):
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def claim(claims: list, text: str, holds) -> None:
+    """holds: True / False, or a "skipped: ..." string."""
+    claims.append({"claim": text, "holds": holds})
