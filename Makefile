@@ -35,7 +35,7 @@ train: $(STAMP) $(DATA)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc-per-node $(NPROC) train.py --recipe $(RECIPE) $(ARGS)
 
 test: $(STAMP) $(DATA)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # not part of `test`: the race-prone distributed cases repeated under CPU load, with SIGKILL/SIGTERM
 # faults injected and the restarted runs' losses compared bit for bit (scripts/soak.py)
