@@ -19,6 +19,7 @@ from megatron_ext.config import domains, megatron_checks, rules
 from megatron_ext import errors
 from megatron_ext.errors import ConfigError
 from megatron_ext.platform import target
+from tests.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE = os.path.join(ROOT, "recipes", "tiny_dense.yaml")
@@ -363,18 +364,9 @@ def _line_of(text: str) -> int:
 # --- docs/flags.md ------------------------------------------------------------------------------
 
 
-def _flags_doc():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("flags_doc", os.path.join(ROOT, "scripts", "flags_doc.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_docs_page_is_generated_from_the_table():
     committed = open(os.path.join(ROOT, "docs", "flags.md")).read()
-    assert committed == _flags_doc().markdown(arguments.build_parser()), "run: python scripts/flags_doc.py > docs/flags.md"
+    assert committed == load_script("flags_doc").markdown(arguments.build_parser()), "run: python scripts/flags_doc.py > docs/flags.md"
 
 
 def test_domain_text():

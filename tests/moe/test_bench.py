@@ -1,15 +1,9 @@
 """scripts/bench_dispatcher.py's multihot part (the layer part is the audit the dist tests assert)."""
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.scripts import load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_dispatcher", os.path.join(ROOT, "scripts", "bench_dispatcher.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_dispatcher")
 
 
 def test_multihot_section():
