@@ -178,6 +178,10 @@ def start_server():
     return ctx
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended (a signal or an exit) while running a job."""
+
+
 class WorkerPool:
     def __init__(self, world_size: int):
         ctx = start_server()
@@ -212,7 +216,7 @@ class WorkerPool:
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"{target}: worker process died: " + ", ".join(
+                    raise WorkerDied(f"{target}: worker process died: " + ", ".join(
                         f"rank {r} (exit code {code})" for r, code in dead))
                 if time.monotonic() >= deadline:
                     break
