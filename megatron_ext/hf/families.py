@@ -223,7 +223,7 @@ def _deepseek_v3(c: Config) -> dict:
     c.get("num_nextn_predict_layers")  # transformers has no MTP layers: their weights, if present, are refused
     topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1)
     if groups > 1 and topk != 2 * group_topk:
-        raise refuse("topk_group", group_topk, f"megatron scores a group by its top num_experts_per_tok/topk_group "
+        raise refuse("topk_group", group_topk, "megatron scores a group by its top num_experts_per_tok/topk_group "
                      "experts, transformers by its top 2: they agree when num_experts_per_tok = 2 x topk_group")
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or c["rope_theta"]

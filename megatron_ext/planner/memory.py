@@ -225,7 +225,7 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
         others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
         ns, ss, oo = names[v], saved[v], off[v]
         if kind == "F":
-            prefix = prefix_off = 0.0
+            prefix = 0.0
             for j, n in enumerate(ns):
                 held_off = sum(oo[:max(0, j - 1)])  # one group late: the previous layer is still resident
                 removed = min(others_off + held_off, offload.pool_bytes)
