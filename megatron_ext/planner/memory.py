@@ -32,7 +32,7 @@ import dataclasses
 import math
 
 from megatron_ext.planner import schedule
-from megatron_ext.planner.run import fixed_budget_rows, layer_kinds
+from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _name(scaled, comp) -> str:
 
 def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: int) -> dict:
     """Bytes of parameters, gradients and optimizer state on one rank of this stage."""
-    dense = expert = 0.0
+    dense = expert = gemm = 0.0
     seen_head = False
     for comps in comps_per_chunk:
         for comp in comps:
@@ -136,6 +136,7 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
             seen_head |= comp == "head"
             dense += scaled.params_dense[name]
             expert += scaled.params_expert[name]
+            gemm += scaled.gemm_weights.get(name, 0.0)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     if tied and layout.pp > 1 and pp_rank == layout.pp - 1:
         dense += scaled.params_dense["embedding"]  # the last stage's copy of the word embeddings
@@ -151,7 +152,11 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
     if fsdp:
         params = dense / layout.dp + expert / layout.edp
         grads = grad_elem * (dense / elem / layout.dp + expert / elem / layout.edp)
-    return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count)
+    # FP8 GEMMs on 16-bit weights: transformer-engine casts each weight once per step and keeps the
+    # FP8 copy across micro-batches (row-wise for the forward and dgrad, column-wise for Hopper's
+    # wgrad: 2 bytes per weight); with --fp8-param-gather the parameters are those FP8 tensors
+    fp8 = 2 * gemm / elem if fp8_gemms(args) and not getattr(args, "fp8_param_gather", False) else 0.0
+    return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count, fp8_weights=fp8)
 
 
 def boundary_bytes(args, layout: Layout) -> float:
@@ -268,7 +273,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
                        chunk_held=[0.0] * vpp,
                        where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
-                      buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
+                      **({"fp8_weights": state["fp8_weights"]} if state["fp8_weights"] else {}), buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
                       moe_dispatch=act["dispatch"], offload_removed=-act["offload_removed"] or 0.0)
     chunks = []
     for v, comps in enumerate(comps_per_chunk):

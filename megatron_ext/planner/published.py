@@ -23,7 +23,7 @@ _QWEN3_235B = ["--num-layers", "94", "--hidden-size", "4096", "--ffn-hidden-size
                "--qk-layernorm", "--num-experts", "128", "--moe-router-topk", "8", "--vocab-size", "151936",
                "--rotary-base", "1000000", "--seq-length", "4096", "--max-position-embeddings", "4096",
                "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--moe-router-load-balancing-type",
-               "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--grad-reduce-in-bf16"]
+               "aux_loss", "--moe-aux-loss-coeff", "1e-3"]
 _LLAMA3_70B = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
                "--group-query-attention", "--num-query-groups", "8", "--vocab-size", "128256", "--rotary-base", "500000",
                "--seq-length", "8192", "--max-position-embeddings", "8192"]
@@ -38,7 +38,11 @@ _DEEPSEEK_V3 = ["--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-siz
                 "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
                 "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
                 "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--mtp-num-layers", "1"]
-_FP8_CS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+# Megatron-Bridge's performance recipes: FP8 current scaling with FP8 parameters
+# (training/mixed_precision.py bf16_with_fp8_current_scaling_mixed: fp8_param_gather; its perf
+# precision drops the BF16 first / last layers) and gradients reduced in BF16
+# (perf_recipes/_common.py _benchmark_common, _perf_precision)
+_FP8_CS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--grad-reduce-in-bf16"]
 
 CASES = {
     # examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh model flags; skills/

@@ -11,24 +11,37 @@ import torch
 
 class _Tagger:
     """Which component runs, forward and backward; every storage saved outside the offload
-    manager's hooks is recorded with it."""
+    manager's hooks is recorded with it. A storage that a layer's linear (a GEMM transformer-engine
+    runs in FP8 when asked; not the output layer) saves as its input is marked: FP8 keeps that
+    input in one byte per element."""
 
     def __init__(self, model, exclude):
         from megatron_ext.seams import offload_layers
 
         self.exclude = exclude
         self.current = "embedding"
-        self.saved: dict = {}  # the tracker's storage index -> [component, offload module]
+        self.saved: dict = {}  # the tracker's storage index -> [component, offload module, GEMM input]
         self.handles = []
         self.marks: list = []  # (tracker op index, component, "F"/"B")
         self.tracker = None
+        self.gemm_inputs: list = []  # per linear being run: its inputs' storage addresses
         self.layers = offload_layers(model)
+        for name, module in model.named_modules():
+            if _is_layer_gemm(name, module):
+                self.handles.append(module.register_forward_pre_hook(self._enter_gemm))
+                self.handles.append(module.register_forward_hook(self._leave_gemm))
         for i, layer in enumerate(self.layers):
             self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(f"layer{i}")))
             self.handles.append(layer.register_forward_hook(lambda m, a, o, i=i: self._leave_layer(i, o)))
         emb = getattr(model, "embedding", None)
         if emb is not None:
             self.handles.append(emb.register_forward_hook(lambda m, a, o: self._grad_mark(o, "embedding")))
+
+    def _enter_gemm(self, module, args):
+        self.gemm_inputs.append({t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)})
+
+    def _leave_gemm(self, module, args, output):
+        self.gemm_inputs.pop()
 
     def _enter(self, name):
         self.current = name
@@ -58,11 +71,15 @@ class _Tagger:
         k = self.tracker.ids.get(ptr)
         if k is None:  # not allocated by the step (its inputs) or excluded (parameters)
             return
+        gemm = bool(self.gemm_inputs) and ptr in self.gemm_inputs[-1]
         rec = self.saved.get(k)
         if rec is None:
-            self.saved[k] = [self.current, module]
-        elif rec[1] != module:
+            self.saved[k] = [self.current, module, "only" if gemm else None]
+            return
+        if rec[1] != module:
             rec[1] = "shared"  # saved by two places: offloading one frees nothing
+        if rec[2] != ("only" if gemm else None):
+            rec[2] = "shared"  # also kept by something else: its FP8 copy comes on top
 
     def remove(self):
         """Unhook, and drop what the hooks reach: a model keeps tensors of its last forward (the MoE
@@ -71,6 +88,15 @@ class _Tagger:
         for h in self.handles:
             h.remove()
         self.handles, self.layers, self.tracker = [], [], None
+
+
+def _is_layer_gemm(name: str, module) -> bool:
+    """A decoder layer's tensor-parallel linear (attention, MLP, experts, shared experts, latent
+    projections): transformer-engine linears in the cluster's spec. The output layer stays a
+    megatron linear there, outside FP8."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in f".{name}"
 
 
 def _trace_manager_class():
@@ -244,8 +270,8 @@ def _run_built(args, kinds, seed: int) -> dict:
         manager.tagger = None
         tagger.remove()
     comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
-    saved = {}  # alloc index -> (component, offload module or None)
-    saved = {k: (comp, None if module == "shared" else module) for k, (comp, module) in tagger.saved.items()}
+    # alloc index -> (component, offload module or None, GEMM input: None / "only" / "shared")
+    saved = {k: (comp, None if module == "shared" else module, gemm) for k, (comp, module, gemm) in tagger.saved.items()}
     phases = {(w, c): [] for w in "FB" for c in comps}
     for which, stop in (("F", end_fwd), ("B", end)):
         marks = [(i, c) for i, c, k in tagger.marks if k == which] + [(stop, None)]

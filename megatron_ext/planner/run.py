@@ -57,11 +57,30 @@ def modeled_saved_delta(args, kind: str) -> float:
     return float(delta)
 
 
+def fp8_gemms(args) -> bool:
+    """The run's layer GEMMs are transformer-engine's, in FP8 (--fp8-format on the TE spec)."""
+    return on_transformer_engine(args) and bool(getattr(args, "fp8", None))
+
+
+def fp8_saved_delta(args, gemm_only: float, gemm_shared: float) -> float:
+    """Bytes a component saves under FP8 beyond (negative: below) its trace: a layer linear's input
+    kept for the weight gradient is transformer-engine's FP8 copy, one byte per element (the
+    column-wise data the wgrad GEMM reads; TE's ``_Linear`` / ``_LayerNormLinear`` /
+    ``_GroupedLinear`` forward casts the input and saves the quantized tensor); the 16-bit tensor
+    is freed unless something else keeps it too (attention's output, kept by the fused attention),
+    and then the FP8 copy is on top. ``gemm_only`` / ``gemm_shared``: the traced bytes of the two."""
+    if not fp8_gemms(args):
+        return 0.0
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    return -gemm_only * (1 - 1 / elem) + gemm_shared / elem
+
+
 def buildable_here(args):
     """A copy of the arguments whose TransformerConfig this machine can build (sizes unchanged)."""
     a = copy.copy(args)
     local_unfused(a)
     a.fp8 = None  # FP8 needs transformer-engine to build; the layer layout does not depend on it
+    a.fp8_param_gather = False
     if getattr(a, "recompute_modules", None):
         a.recompute_modules = [m for m in a.recompute_modules if m not in MODELED_RECOMPUTE] or ["core_attn"]
     return a

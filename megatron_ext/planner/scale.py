@@ -122,6 +122,13 @@ def param_items(base: dict, doubled: dict) -> dict:
     return out
 
 
+def is_gemm_weight(name: str) -> bool:
+    """A decoder layer's linear weight (attention, MLP, experts, latent projections), not a norm's or
+    the router's."""
+    parts = name.split(".")
+    return ".layers." in f".{name}" and parts[-1] == "weight" and len(parts) > 1 and parts[-2].startswith("linear")
+
+
 class Scaled:
     """The base trace replayed at a target shape, each storage re-sized by its exponents: per
     component, saved bytes (per offload module: ``offloadable_at``), forward and backward working
@@ -143,9 +150,13 @@ class Scaled:
             live.append(acc)
         self.saved = dict.fromkeys(self.comps, 0.0)
         self._saved_items = []  # (component, offload module, bytes)
-        for k, (comp, module) in base["saved"].items():
+        self.gemm_inputs = dict.fromkeys(self.comps, 0.0)  # saved only as a layer linear's input
+        self.gemm_inputs_shared = dict.fromkeys(self.comps, 0.0)  # ... and by something else too
+        for k, (comp, module, *gemm) in base["saved"].items():
             self.saved[comp] += self.sizes[k]
             self._saved_items.append((comp, module, self.sizes[k]))
+            if gemm and gemm[0]:
+                (self.gemm_inputs if gemm[0] == "only" else self.gemm_inputs_shared)[comp] += self.sizes[k]
         self.fwd, self.bwd = {}, {}
         for i, c in enumerate(self.comps):
             held = sum(self.saved[x] for x in self.comps[: i + 1])
@@ -157,6 +168,9 @@ class Scaled:
                              for c, items in tr["params"].items()}
         self.params_expert = {c: sum(it.at(factors) for it in items if it.routed) / ep
                               for c, items in tr["params"].items()}
+        # the layers' linear weights (the GEMMs transformer-engine runs in FP8 when asked)
+        self.gemm_weights = {c: sum(it.at(factors) / (ep if it.routed else 1) for it in items if is_gemm_weight(it.name))
+                             for c, items in tr["params"].items()}
         self.buffers = sum(max(it.at(factors) for it in items) for items in tr["buffers"].values())
         self.peak = max(live) if live else 0.0
 

@@ -95,6 +95,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a.micro_batch_size = mbs
     a.activation_offload_modules = None
     a.fp8 = None
+    a.fp8_param_gather = False
     modules = ["core_attn"]
     if recompute is None:  # as the run (full recompute: of every traced layer)
         recompute = recompute_of(args)
@@ -116,6 +117,12 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a.cross_entropy_loss_fusion = False
     a.moe_layer_recompute = False
     a.planner_fused_attention = on_transformer_engine(args)  # core attention as TE's keeps (seams.planner)
+    if a.planner_fused_attention:
+        # the cluster's fused kernels that keep less than the unfused ones: megatron's SwiGLU (its
+        # own, runs here) and TE's RoPE (a stand-in that saves what it saves, seams.planner); not
+        # multi-latent attention's fused RoPE (a Triton kernel): traced unfused, an upper bound
+        a.bias_swiglu_fusion = getattr(args, "bias_swiglu_fusion", False)
+        a.apply_rope_fusion = getattr(args, "apply_rope_fusion", False) and not getattr(args, "multi_latent_attention", False)
     return a
 
 

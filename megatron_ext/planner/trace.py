@@ -34,7 +34,7 @@ architecture: the tensors and their exponents are what megatron's modules do.
 from __future__ import annotations
 
 from megatron_ext.planner.record import run_once
-from megatron_ext.planner.run import layer_kinds, modeled_saved_delta, recompute_of
+from megatron_ext.planner.run import fp8_saved_delta, layer_kinds, modeled_saved_delta, recompute_of
 from megatron_ext.planner.scale import FACTORS, Scaled, buffer_items, factors_for, param_items, storage_exponents
 from megatron_ext.planner.tiny import base_shape, trace_args, traced_experts, width_divisor
 
@@ -99,8 +99,11 @@ def _run_pickled(payload: bytes) -> dict:
 
 def scaled(args, traced: dict) -> Scaled:
     """The trace at the run's shape, per rank (expert parameters / EP), with what the local copy
-    could not build modeled on top (``run.modeled_saved_delta``; recompute as the trace had it)."""
+    could not build modeled on top: FP8's saved GEMM inputs (``run.fp8_saved_delta``) and the
+    recompute modules it lacks (``run.modeled_saved_delta``; recompute as the trace had it)."""
     out = Scaled(traced, factors_for(args, traced), ep=args.expert_model_parallel_size)
+    for comp in out.comps:
+        out.saved[comp] += fp8_saved_delta(args, out.gemm_inputs[comp], out.gemm_inputs_shared[comp])
     if traced.get("recompute") == recompute_of(args):
         for kind in out.kinds:
             delta = modeled_saved_delta(args, kind)

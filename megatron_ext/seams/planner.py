@@ -186,6 +186,43 @@ def _install_te_norms():
     return restore
 
 
+class _FusedRope(torch.autograd.Function):
+    """t [s, b, heads, d] rotated by ``freqs`` as megatron's unfused RoPE computes it; saves only
+    ``freqs`` (transformer-engine's fused RoPE keeps no activation: the rotation is linear, its
+    backward the inverse rotation of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, freqs, interleaved):
+        from megatron.core.models.common.embeddings import rope_utils
+
+        with torch.no_grad():
+            out = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+        ctx.save_for_backward(freqs)
+        ctx.interleaved = interleaved
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core.models.common.embeddings import rope_utils
+
+        (freqs,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = torch.zeros_like(grad, requires_grad=True)  # linear in t: the Jacobian is the same anywhere
+            out = rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=ctx.interleaved)
+            (dt,) = torch.autograd.grad(out, x, grad)
+        return dt, None, None
+
+
+def _fused_rope(t, freqs, interleaved=False, **_unused):
+    return _FusedRope.apply(t, freqs, interleaved)
+
+
+def _install_fused_rope():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return set_attr(rope_utils, "fused_apply_rotary_pos_emb", _fused_rope)
+
+
 def _install_fused_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -208,7 +245,14 @@ TE_NORMS = Patch(
     "planner trace of a transformer-engine run only: norms keep what TE's norms keep (input, fp32 statistics)",
     _install_te_norms,
 )
-SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS]
+FUSED_ROPE = Patch(
+    "planner.fused_rope",
+    ["megatron/core/models/common/embeddings/rope_utils.py:317"],
+    "planner trace of a transformer-engine run with RoPE fusion only: megatron's call of TE's fused "
+    "RoPE (absent here) keeps what it keeps (no activation)",
+    _install_fused_rope,
+)
+SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS, FUSED_ROPE]
 
 
 @contextlib.contextmanager
@@ -219,8 +263,8 @@ def balanced_routing():
 
 @contextlib.contextmanager
 def transformer_engine_saves():
-    """Core attention and norms keep for backward what transformer-engine's keep."""
-    with FUSED_ATTENTION.applied(), TE_NORMS.applied():
+    """Core attention, norms and fused RoPE keep for backward what transformer-engine's keep."""
+    with FUSED_ATTENTION.applied(), TE_NORMS.applied(), FUSED_ROPE.applied():
         yield
 
 

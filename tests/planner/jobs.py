@@ -51,7 +51,7 @@ def saved_seq_exponents(argv):
         t = tr.trace(args)
         s = tr.scaled(args, t)
         comp = s.kind("dense")
-        exps = [t["exps"][k].get("seq", 0.0) for k, (c, _m) in t["raw"]["saved"].items() if c == comp]
+        exps = [t["exps"][k].get("seq", 0.0) for k, (c, *_rest) in t["raw"]["saved"].items() if c == comp]
         out[impl] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
     return out
 
@@ -100,3 +100,36 @@ def published_plan(name):
     report = dict(as_given=cli.as_given_json(result["as_given"]),
                   candidates=[dict(flags=x.flags, as_given=x.as_given, fits=x.fits) for x in result["candidates"]])
     return dict(report=report, published=dict(peak_gib=c["peak_gib"], tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"]))
+
+
+def fp8_saved(argv):
+    """One dense layer on a transformer-engine target, traced once: what it saves for backward as
+    given and with --fp8-format hybrid, the bytes the trace marked as saved layer-linear inputs (only
+    as such / also kept by something else), and the expected ones from the shape (per token: the
+    two normed inputs of QKV and FC1, the activation output into FC2; attention's output into the
+    projection, which the fused attention keeps too)."""
+    import contextlib
+    import io
+
+    import arguments
+
+    from megatron_ext.planner import trace as tr
+
+    parsed = {}
+    for name, extra in (("bf16", []), ("fp8", ["--fp8-format", "hybrid"])):
+        with contextlib.redirect_stdout(io.StringIO()):
+            parsed[name] = arguments.parse([*argv, "--transformer-impl", "transformer_engine", "--platform", "cuda",
+                                            "--assume-te", *extra, "--dry-run"], exit_on_dry_run=False)
+    t = tr.trace(parsed["bf16"])
+    out = {}
+    for name, args in parsed.items():
+        s = tr.scaled(args, t)
+        comp = s.kind("dense")
+        out[name] = dict(saved=s.saved[comp], only=s.gemm_inputs[comp], shared=s.gemm_inputs_shared[comp],
+                         gemm_weights=s.gemm_weights[comp])
+    a = parsed["bf16"]
+    tokens = a.seq_length * a.micro_batch_size
+    elem = 2 if (a.bf16 or a.fp16) else 4
+    out["expected"] = dict(only=tokens * (2 * a.hidden_size + a.ffn_hidden_size) * elem,
+                           shared=tokens * a.num_attention_heads * a.kv_channels * elem, elem=elem)
+    return out

@@ -3,6 +3,8 @@ against a measured training step (within 5 %), its refusals, and its choice for 
 validated by running that choice scaled down."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.dist import run_distributed
@@ -224,6 +226,19 @@ def test_transformer_engine_attention_keeps_no_scores():
     assert r["transformer_engine"]["max_seq_exponent"] == 1.0, r
     assert r["local"]["max_seq_exponent"] == 2.0, r
     assert r["transformer_engine"]["saved"] < r["local"]["saved"], r
+
+
+def test_fp8_keeps_saved_gemm_inputs_in_one_byte():
+    """--fp8-format on a transformer-engine target: the trace marks exactly the storages a layer's
+    linears save as their input (QKV's and FC1's normed inputs and FC2's activation input only there;
+    the projection's input also kept by the fused attention), and the FP8 plan counts those at one
+    byte per element, with the FP8 copy on top where the 16-bit tensor stays."""
+    r = run_distributed(1, "tests.planner.jobs:fp8_saved", argv=DENSE)[0]
+    exp, bf16, fp8 = r["expected"], r["bf16"], r["fp8"]
+    assert bf16["only"] == exp["only"] and bf16["shared"] == exp["shared"], r
+    want = bf16["saved"] - exp["only"] * (1 - 1 / exp["elem"]) + exp["shared"] / exp["elem"]
+    assert math.isclose(fp8["saved"], want, rel_tol=1e-12), r
+    assert bf16["gemm_weights"] > 0, r
 
 
 def test_published_throughput_within_25_percent():
