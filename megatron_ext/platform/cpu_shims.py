@@ -367,6 +367,69 @@ def _install_fsdp_premul_sum_as_scale():
     return _patch(buffers, "gradient_reduce_preprocessing", gradient_reduce_preprocessing)
 
 
+# --------------------------------------------------------------------------------------------
+# 14. torch/distributed/distributed_c10d.py:2837 (_coalescing_manager), as imported by
+#     megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:33 (Megatron-FSDP's
+#     parameter all-gathers, :4561) and megatron/core/distributed/param_and_grad_buffer.py:15 (the
+#     distributed optimizer's overlapped parameter gather). On gloo, torch's coalesced all-gather
+#     (ProcessGroupGloo::allgather_into_tensor_coalesced, one flat gather copied back into every
+#     output) corrupts the heap when its output storages are later freed and re-allocated by
+#     resizing (Megatron-FSDP's _free_storage / _alloc_storage): glibc's "malloc(): unaligned tcache
+#     chunk detected" or a segfault, now and then, even with every wait() done before the resize
+#     (scripts/gloo_coalesced_crash.py reproduces it with torch alone; docs/reliability.md). The
+#     same all-gathers issued one by one at the block's end, each an ordinary async all_gather_single
+#     whose work the manager waits for, are what NCCL's coalescing launches anyway (one kernel per
+#     tensor in a group): the same collectives, the same order, the same waits. Every other kind of
+#     coalesced op still goes through torch's manager.
+# --------------------------------------------------------------------------------------------
+def all_gathers_one_by_one(torch_manager):
+    """A ``_coalescing_manager`` that issues the block's all-gathers individually on the group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    @contextlib.contextmanager
+    def manager(group=None, device=None, async_ops=False):
+        group = group or c10d._get_default_group()
+        if device is not None:  # the backend's own start/end coalescing: torch's path
+            with torch_manager(group, device, async_ops) as cm:
+                yield cm
+            return
+        state = c10d._world.pg_coalesce_state
+        if state.get(group):
+            raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+        state[group] = []
+        cm = c10d._CoalescingManager()
+        try:
+            yield cm
+        finally:
+            ops = state.pop(group, [])
+        if ops and all(op.op is c10d.all_gather_single for op in ops):
+            opts = c10d.AllgatherOptions()
+            opts.asyncOp = async_ops
+            works = [group.all_gather_single(op.dst_tensor, op.tensor, opts) for op in ops]
+            for work in works:
+                if async_ops:
+                    cm.append(work)
+                else:
+                    work.wait()
+            return
+        with torch_manager(group, None, async_ops) as inner:  # the recorded ops, issued by torch
+            state[group].extend(ops)
+        cm.works.extend(inner.works)
+
+    manager.__wrapped__ = torch_manager
+    return manager
+
+
+def _install_gloo_all_gathers_one_by_one():
+    import megatron.core.distributed.param_and_grad_buffer as ddp_buffers
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d._coalescing_manager
+    safe = all_gathers_one_by_one(original)
+    return _undo_all([_patch(module, "_coalescing_manager", safe) for module in (c10d, dist, ddp_buffers, fsdp_buffers)])
+
+
 SHIMS: Dict[str, Shim] = {
     s.name: s
     for s in [
@@ -471,6 +534,15 @@ SHIMS: Dict[str, Shim] = {
             ],
             "validate_args reads the GPU compute capability when TP or CP > 1",
             _install_no_device_arch,
+        ),
+        Shim(
+            "gloo_all_gathers_one_by_one",
+            ["torch/distributed/distributed_c10d.py:2837",
+             "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:4561",
+             "megatron/core/distributed/param_and_grad_buffer.py:15"],
+            "gloo's coalesced all-gather corrupts the heap once its outputs' storages are resized "
+            "(Megatron-FSDP's buckets): the block's all-gathers are issued one by one",
+            _install_gloo_all_gathers_one_by_one,
         ),
         Shim(
             "fsdp_premul_sum_as_scale",

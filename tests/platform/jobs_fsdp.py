@@ -27,3 +27,41 @@ def premul_reduce_scatter(without_shim: bool):
         except Exception as e:  # noqa: BLE001 - the probe reports what gloo said
             return f"error: {type(e).__name__}: {e}"
     return out.tolist()
+
+
+def coalesced_all_gathers(without_shim: bool) -> dict:
+    """param_and_grad_buffer.py:4561 — Megatron-FSDP's coalesced parameter all-gathers (async, two
+    buckets, waited through the manager) and a coalesced reduce-scatter, through the manager its
+    module imported: which ProcessGroup calls reach gloo, and the results."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    from megatron_ext.platform import cpu_shims
+
+    rank = torch.distributed.get_rank()
+    calls = []
+    group_class = torch.distributed.ProcessGroup
+    names = ("all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single_coalesced")
+    originals = {n: getattr(group_class, n) for n in names}
+
+    def counting(name):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return originals[name](self, *args, **kwargs)
+        return call
+
+    outs = [torch.empty(8), torch.empty(2)]
+    shard = torch.empty(4)
+    with cpu_shims.without("gloo_all_gathers_one_by_one") if without_shim else contextlib.nullcontext():
+        for n in names:
+            setattr(group_class, n, counting(n))
+        try:
+            with buffers._coalescing_manager(torch.distributed.group.WORLD, async_ops=True) as cm:
+                torch.distributed.all_gather_into_tensor(outs[0], torch.full((4,), rank + 1.0), async_op=True)
+                torch.distributed.all_gather_into_tensor(outs[1], torch.full((1,), rank + 3.0), async_op=True)
+            cm.wait()
+            with buffers._coalescing_manager(torch.distributed.group.WORLD):
+                torch.distributed.reduce_scatter_tensor(shard, torch.arange(8.0) + rank)
+        finally:
+            for n, fn in originals.items():
+                setattr(group_class, n, fn)
+    return dict(calls=calls, outs=[o.tolist() for o in outs], shard=shard.tolist(), waits=len(cm.works))

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_every_shim_names_its_upstream_site_and_is_active():
     for shim in cpu_shims.SHIMS.values():
         assert shim.active, shim.name
-        assert shim.upstream and all(":" in site and site.startswith("megatron/") for site in shim.upstream)
+        assert shim.upstream and all(":" in site and site.startswith(("megatron/", "torch/")) for site in shim.upstream)
 
 
 def test_triton_free_paged_stash():
@@ -195,3 +195,19 @@ def test_fsdp_premul_sum_as_scale():
     assert with_shim == expected
     without = run_distributed(2, "tests.platform.jobs_fsdp:premul_reduce_scatter", without_shim=True)
     assert all(isinstance(r, str) and "PREMUL_SUM" in r for r in without), without
+
+
+def test_gloo_all_gathers_one_by_one():
+    """Megatron-FSDP's coalesced parameter all-gathers reach gloo as one all_gather_single each (its
+    coalesced all-gather corrupts the heap once the buckets' storages are resized:
+    scripts/gloo_coalesced_crash.py, docs/reliability.md), waited for through the manager as before,
+    with the same results bit for bit; other coalesced ops still go through torch's manager."""
+    with_shim = run_distributed(2, "tests.platform.jobs_fsdp:coalesced_all_gathers", without_shim=False)
+    without = run_distributed(2, "tests.platform.jobs_fsdp:coalesced_all_gathers", without_shim=True)
+    for rank in (0, 1):
+        w, wo = with_shim[rank], without[rank]
+        assert w["calls"] == ["all_gather_single", "all_gather_single", "reduce_scatter_single_coalesced"], w
+        assert wo["calls"] == ["all_gather_single_coalesced", "reduce_scatter_single_coalesced"], wo
+        assert w["waits"] == 2 and wo["waits"] == 1
+        assert w["outs"] == wo["outs"] == [[1.0] * 4 + [2.0] * 4, [3.0, 4.0]]
+        assert w["shard"] == wo["shard"] == [2.0 * i + 1 + 8 * rank for i in range(4)]

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from tests.dist import WorkerDied, run_distributed
+from tests.dist import run_distributed
 
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--lr-warmup-iters", "1",
          "--layout-invariant-init", "--log-interval", "100"]
@@ -142,12 +142,6 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     assert out["cross"].startswith("--auto-detect-ckpt-format: ") and "is a fsdp_dtensor checkpoint" in out["cross"]
 
 
-# A known native crash, not yet root-caused (docs/reliability.md): in about half of the suite's runs a
-# rank of the resume run dies (SIGSEGV / SIGABRT) inside gloo's wait of a coalesced parameter
-# all-gather at its first backward. Only a dead worker is expected; a wrong loss or a missed damage
-# still fails the test.
-@pytest.mark.xfail(raises=WorkerDied, strict=False,
-                   reason="native crash under Megatron-FSDP, open: docs/reliability.md")
 def test_async_save_resumes_exactly_and_is_verified(tmp_path):
     """--async-save: the fsdp_dtensor files are written by megatron-core's forked writer, summed as
     written, committed when every rank is done; the resume is bitwise and a damaged byte is named."""
