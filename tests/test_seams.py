@@ -19,6 +19,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.models.common import fine_grained_callables
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.utils import ScheduleNode
 from megatron.core.tensor_parallel import layers, mappings
@@ -52,7 +53,7 @@ TARGETS = {
     "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
     "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
-    "torch.nn.LayerNorm": torch.nn.LayerNorm,
+    "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils,
 }
 
 

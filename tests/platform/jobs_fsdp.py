@@ -41,12 +41,13 @@ def coalesced_all_gathers(without_shim: bool) -> dict:
     calls = []
     group_class = torch.distributed.ProcessGroup
     names = ("all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single_coalesced")
-    originals = {n: getattr(group_class, n) for n in names}
+    # the class's own descriptors (getattr would give pybind's unbound functions, which do not bind)
+    originals = {n: group_class.__dict__[n] for n in names}
 
     def counting(name):
         def call(self, *args, **kwargs):
             calls.append(name)
-            return originals[name](self, *args, **kwargs)
+            return originals[name].__get__(self, group_class)(*args, **kwargs)
         return call
 
     outs = [torch.empty(8), torch.empty(2)]

@@ -247,7 +247,8 @@ def test_deepseek_v3_fsdp_tiny_recipe_trains():
     device), Megatron-FSDP materialises and initialises them, and the buffers of the modules it
     materialises keep their built values; the loss is finite and falls."""
     out = run_distributed(2, "tests.training.jobs_fsdp:meta_built",
-                          argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6"])
+                          argv=["--recipe", "recipes/deepseek_v3_fsdp_tiny.yaml", "--train-iters", "6",
+                                "--global-batch-size", "4"])  # one micro-batch per rank and step
     losses = [r["lm loss"] for r in out[-1]["history"]]
     assert out[0]["experimental"] == [True, False]  # --enable-experimental: megatron-core's flag, for the run
     meta = out[0]["meta"]
