@@ -29,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_ext.bench import fixed_width  # noqa: E402
+
 SIZES = [4096, 256, 65664, 65664, 64, 130000]  # elements per bucket: large and small (tcache-sized) ones
 
 
@@ -158,10 +160,10 @@ def main(argv=None) -> int:
     summary = dict(one_by_one=opts.one_by_one, resize=not opts.no_resize, worlds=len(rows),
                    iterations=sum(r["iterations"] for r in rows), died=sum(r["died"] for r in rows),
                    seconds=round(time.time() - t0, 1), runs=rows)
-    print(f"{'worlds':>7} {'iterations':>11} {'died':>5} {'seconds':>8}  one-by-one={opts.one_by_one} "
-          f"resize={not opts.no_resize}", file=sys.stderr)
-    print(f"{summary['worlds']:>7} {summary['iterations']:>11} {summary['died']:>5} {summary['seconds']:>8}",
-          file=sys.stderr)
+    cols = [("worlds", 6), ("iterations", 10), ("died", 4), ("seconds", 7)]
+    for line in fixed_width(cols, [[summary[k] for k, _ in cols]]):
+        print(line, file=sys.stderr)
+    print(f"one-by-one={opts.one_by_one} resize={not opts.no_resize}", file=sys.stderr)
     if opts.json is not None:
         text = json.dumps(summary, indent=1)
         if opts.json == "-":

@@ -272,8 +272,9 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
             act = dict(act, peak=copy, saved=0.0, working=copy, offload_removed=0.0, dispatch=0.0,
                        chunk_held=[0.0] * vpp,
                        where="gradient reduce-scatter (gloo's flat copy of the gradient buffers)")
+    fp8 = {"fp8_weights": state["fp8_weights"]} if state["fp8_weights"] else {}
     components = dict(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
-                      **({"fp8_weights": state["fp8_weights"]} if state["fp8_weights"] else {}), buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
+                      **fp8, buffers=scaled.buffers, activations=act["saved"], working_set=act["working"],
                       moe_dispatch=act["dispatch"], offload_removed=-act["offload_removed"] or 0.0)
     chunks = []
     for v, comps in enumerate(comps_per_chunk):

@@ -152,11 +152,11 @@ class Scaled:
         self._saved_items = []  # (component, offload module, bytes)
         self.gemm_inputs = dict.fromkeys(self.comps, 0.0)  # saved only as a layer linear's input
         self.gemm_inputs_shared = dict.fromkeys(self.comps, 0.0)  # ... and by something else too
-        for k, (comp, module, *gemm) in base["saved"].items():
+        for k, (comp, module, gemm) in base["saved"].items():
             self.saved[comp] += self.sizes[k]
             self._saved_items.append((comp, module, self.sizes[k]))
-            if gemm and gemm[0]:
-                (self.gemm_inputs if gemm[0] == "only" else self.gemm_inputs_shared)[comp] += self.sizes[k]
+            if gemm:
+                (self.gemm_inputs if gemm == "only" else self.gemm_inputs_shared)[comp] += self.sizes[k]
         self.fwd, self.bwd = {}, {}
         for i, c in enumerate(self.comps):
             held = sum(self.saved[x] for x in self.comps[: i + 1])

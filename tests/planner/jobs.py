@@ -51,7 +51,7 @@ def saved_seq_exponents(argv):
         t = tr.trace(args)
         s = tr.scaled(args, t)
         comp = s.kind("dense")
-        exps = [t["exps"][k].get("seq", 0.0) for k, (c, *_rest) in t["raw"]["saved"].items() if c == comp]
+        exps = [t["exps"][k].get("seq", 0.0) for k, (c, _module, _gemm) in t["raw"]["saved"].items() if c == comp]
         out[impl] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
     return out
 
