@@ -125,10 +125,10 @@ def measure(argv: list, tracer=None) -> dict:
 # A cluster recipe scaled down to this machine: its structure (attention kind and heads, experts,
 # top-k, norms, activation) kept, sizes divided so the ratios that decide activation memory stay
 # close (heads x sequence / hidden, FFN / hidden, vocabulary / hidden), two pipeline stages.
-SCALED_DOWN = ["--num-layers", "16", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
+SCALED_DOWN = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "224", "--moe-ffn-hidden-size", "224",
                "--num-attention-heads", "32", "--num-query-groups", "8", "--kv-channels", "2", "--seq-length", "64",
                "--max-position-embeddings", "64", "--vocab-size", "500", "--make-vocab-size-divisible-by", "128",
-               "--micro-batch-size", "1", "--global-batch-size", "4", "--lr-warmup-iters", "0", "--pipeline-model-parallel-size", "2",
+               "--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "0", "--pipeline-model-parallel-size", "2",
                "--expert-model-parallel-size", "1", "--transformer-impl", "local", "--train-iters", "4",
                "--num-workers", "0", "--world-size", "2"]
 SMALL_OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625",
