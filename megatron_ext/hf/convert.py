@@ -5,7 +5,8 @@ import: HF directory -> CKPT/recipe.yaml (every architecture flag the config imp
         CKPT/iter_0000000 (the project's torch_dist checkpoint, model weights only; dist_checkpointing
         reshards it into any layout). The model is built once in this process (one rank) and the HF
         shards stream into it one file at a time, one tensor at a time: peak host memory is the model
-        plus the largest tensor group of one row (a layer's q/k/v, an expert's gate/up).
+        plus the largest tensor group of one row (a layer's q/k/v, an expert's gate/up, a layer's stacked
+        experts).
 export: CKPT (any layout it was trained on, resharded to one rank on load) -> config.json, safetensors
         shards (and their index above one shard), tokenizer files; written one shard at a time.
 logits: the fp32 logits [seq, vocab] of the model's forward on given ids, on any layout (torchrun).
@@ -182,18 +183,22 @@ class _NoScheduler:
 # ---------------------------------------------------------------------------------------------
 # the table, expanded for one model
 # ---------------------------------------------------------------------------------------------
-def expand(model_type: str, c: families.Config, names) -> list[tuple[str, list[str], str]]:
-    """The family's table with {L} and {E} filled in, kept where the model has the megatron name."""
+def expand(model_type: str, c: families.Config, names) -> list[tuple[tuple[str, ...], list[str], str]]:
+    """The family's table with {L} and {E} filled in, kept where the model has the megatron names:
+    rows of (megatron names, HF names, transform); a stacked row has one megatron name per expert."""
     layers = c["num_hidden_layers"]
     experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
     rows = []
     for mg, hf, kind in families.TABLES[model_type]:
+        stacked = kind.startswith("stacked")
         for layer in range(layers) if "{L}" in mg else [None]:
-            for expert in range(experts) if "{E}" in mg else [None]:
-                fill = lambda s: s.replace("{L}", str(layer)).replace("{E}", str(expert))  # noqa: E731
-                if fill(mg) in names:
-                    rows.append((fill(mg), [fill(h) for h in hf], kind))
-    covered = {r[0] for r in rows}
+            for expert in range(experts) if "{E}" in mg and not stacked else [None]:
+                def fill(s, e=expert):
+                    return s.replace("{L}", str(layer)).replace("{E}", str(e))
+                mgs = tuple(fill(mg, e) for e in range(experts)) if stacked else (fill(mg),)
+                if all(m in names for m in mgs):
+                    rows.append((mgs, [fill(h) for h in hf], kind))
+    covered = {m for r in rows for m in r[0]}
     uncovered = sorted(n for n in names if n not in covered)
     if uncovered:
         raise ConfigError(f"the {model_type} table maps no HF tensor to {uncovered[0]} (the recipe builds a model "
@@ -201,27 +206,57 @@ def expand(model_type: str, c: families.Config, names) -> list[tuple[str, list[s
     return rows
 
 
-def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> torch.Tensor:
-    if kind == "copy":
-        return parts[0]
-    if kind == "glu":
-        return torch.cat(parts, 0)
-    q, k, v = parts  # kind == "qkv"
-    groups = k.shape[0] // _head_dim(c)
-    return torch.cat([q.reshape(groups, -1, *q.shape[1:]), k.reshape(groups, -1, *k.shape[1:]),
-                      v.reshape(groups, -1, *v.shape[1:])], 1).reshape(-1, *q.shape[1:])
+def _interleaved(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate (even) and up (odd) of an interleaved last dimension."""
+    return t[..., ::2], t[..., 1::2]
 
 
-def to_hf(kind: str, t: torch.Tensor, c: families.Config) -> list[torch.Tensor]:
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack([gate, up], -1).flatten(-2)
+
+
+def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
+    """One row's HF tensors -> its megatron tensors (one per megatron name)."""
     if kind == "copy":
-        return [t]
+        return [parts[0]]
     if kind == "glu":
-        return [p.clone() for p in t.chunk(2, 0)]
-    d = _head_dim(c)
-    heads, groups = c.raw["num_attention_heads"], c.raw.get("num_key_value_heads") or c.raw["num_attention_heads"]
-    g = t.reshape(groups, (heads // groups + 2) * d, *t.shape[1:])
-    q, k, v = g.split([heads // groups * d, d, d], 1)
-    return [x.reshape(-1, *t.shape[1:]).clone() for x in (q, k, v)]
+        return [torch.cat(parts, 0)]
+    if kind == "qkv":
+        q, k, v = parts
+        groups = k.shape[0] // _head_dim(c)
+        return [torch.cat([q.reshape(groups, -1, *q.shape[1:]), k.reshape(groups, -1, *k.shape[1:]),
+                           v.reshape(groups, -1, *v.shape[1:])], 1).reshape(-1, *q.shape[1:])]
+    (t,) = parts
+    if kind == "stacked_glu_t":  # [E, h, 2f] -> [2f, h] each
+        return [torch.cat(_interleaved(e), -1).t() for e in t]
+    if kind == "stacked_glu":  # [E, 2f] -> [2f] each
+        return [torch.cat(_interleaved(e), -1) for e in t]
+    if kind == "stacked_t":  # [E, f, h] -> [h, f] each
+        return [e.t() for e in t]
+    assert kind == "stacked", kind
+    return list(t)
+
+
+def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
+    """One row's megatron tensors -> its HF tensors (the inverse of to_megatron)."""
+    if kind == "copy":
+        return [ts[0]]
+    if kind == "glu":
+        return [p.clone() for p in ts[0].chunk(2, 0)]
+    if kind == "qkv":
+        t, d = ts[0], _head_dim(c)
+        heads, groups = c.raw["num_attention_heads"], c.raw.get("num_key_value_heads") or c.raw["num_attention_heads"]
+        g = t.reshape(groups, (heads // groups + 2) * d, *t.shape[1:])
+        q, k, v = g.split([heads // groups * d, d, d], 1)
+        return [x.reshape(-1, *t.shape[1:]).clone() for x in (q, k, v)]
+    if kind == "stacked_glu_t":
+        return [torch.stack([_interleave(*t.t().chunk(2, -1)) for t in ts])]
+    if kind == "stacked_glu":
+        return [torch.stack([_interleave(*t.chunk(2, -1)) for t in ts])]
+    if kind == "stacked_t":
+        return [torch.stack([t.t() for t in ts])]
+    assert kind == "stacked", kind
+    return [torch.stack(ts)]
 
 
 def _head_dim(c: families.Config) -> int:
@@ -264,17 +299,19 @@ def import_hf(hf_dir: str, save: str) -> str:
                 for key in f.keys():
                     if key not in wanted:
                         raise ConfigError(f"{path}: tensor {key} is not part of a {model_type} model with this config")
-                    mg, hf_names, kind = wanted[key]
-                    parts = pending.setdefault(mg, {})
+                    mgs, hf_names, kind = wanted[key]
+                    parts = pending.setdefault(mgs, {})
                     parts[key] = f.get_tensor(key)
                     if len(parts) == len(hf_names):
-                        _fill(tensors[mg], to_megatron(kind, [parts[h] for h in hf_names], c), mg, hf_names, path)
-                        del pending[mg]
-                        filled.add(mg)
+                        _check_stack(parts, hf_names, mgs, kind, path)
+                        for mg, value in zip(mgs, to_megatron(kind, [parts[h] for h in hf_names], c)):
+                            _fill(tensors[mg], value, mg, hf_names, path)
+                        del pending[mgs]
+                        filled.add(mgs)
                     if bar is not None:
                         bar.update(1)
-        missing = [h for mg, hf_names, _ in rows if mg not in filled for h in hf_names
-                   if h not in pending.get(mg, {})]
+        missing = [h for mgs, hf_names, _ in rows if mgs not in filled for h in hf_names
+                   if h not in pending.get(mgs, {})]
         if missing:
             raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
         from megatron_ext.training import checkpointing
@@ -285,6 +322,14 @@ def import_hf(hf_dir: str, save: str) -> str:
     finally:
         teardown()
     return recipe
+
+
+def _check_stack(parts: dict, hf_names: list[str], mgs: tuple, kind: str, path: str) -> None:
+    """A stacked HF tensor holds one entry per expert on its first dimension."""
+    t = parts[hf_names[0]]
+    if kind.startswith("stacked") and (t.dim() < 1 or t.shape[0] != len(mgs)):
+        raise ConfigError(f"{path}: {hf_names[0]}: shape {tuple(t.shape)} does not match the config's "
+                          f"{len(mgs)} experts")
 
 
 def _fill(param: torch.Tensor, value: torch.Tensor, mg: str, hf_names: list[str], path: str) -> None:
@@ -341,7 +386,7 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         # shards: consecutive rows until the next would pass max_shard_bytes
         shards, size = [[]], 0
         for row in rows:
-            nbytes = tensors[row[0]].numel() * tensors[row[0]].element_size()
+            nbytes = sum(tensors[m].numel() * tensors[m].element_size() for m in row[0])
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -357,8 +402,8 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         for name, shard in zip(names, shards):
             with _progress(len(shard), name) as bar, torch.no_grad():
                 out_tensors = {}
-                for mg, hf_names, kind in shard:
-                    for h, t in zip(hf_names, to_hf(kind, tensors[mg].detach(), c)):
+                for mgs, hf_names, kind in shard:
+                    for h, t in zip(hf_names, to_hf(kind, [tensors[m].detach() for m in mgs], c)):
                         out_tensors[h] = t.contiguous()
                         weight_map[h] = name
                         total += t.numel() * t.element_size()

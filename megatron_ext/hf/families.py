@@ -11,6 +11,15 @@ holds them and as the torch_dist checkpoint keys them. Transforms (import direct
          for each group its heads/groups query heads, then its key head, then its value head
   glu    gate [f, h], up [f, h] -> linear_fc1 = cat(gate, up) (megatron's --swiglu: first half is gated)
 
+A row whose megatron name has {E} and whose HF names do not is *stacked*: one HF tensor holds every
+expert on its first dimension (gpt-oss), and the row fills all the experts' megatron tensors at once:
+
+  stacked_glu_t   [E, h, 2f], gate and up interleaved on the last dimension (gate at even columns,
+                  transposed against nn.Linear) -> each expert's linear_fc1 [2f, h] = cat(gate, up)
+  stacked_glu     [E, 2f], interleaved the same way -> each expert's linear_fc1 bias [2f]
+  stacked_t       [E, f, h] (transposed against nn.Linear) -> each expert's linear_fc2 [h, f]
+  stacked         [E, ...] -> each expert's tensor [...]
+
 Only rows whose megatron name the built model has are used (tied embeddings have no output_layer,
 a dense layer of a MoE model has no router); every model parameter must come from a row, every HF
 tensor must go into one.
@@ -70,6 +79,18 @@ TABLES = {
         (M + "mlp.shared_experts.linear_fc1.weight",
          [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
         (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
+    ],
+    "gpt_oss": _EMBEDDING + _ATTENTION + [  # biases on every linear, attention sinks, stacked experts
+        (M + "self_attention.linear_qkv.bias",
+         [L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"], "qkv"),
+        (M + "self_attention.linear_proj.bias", [L + "self_attn.o_proj.bias"], "copy"),
+        (M + "self_attention.core_attention.softmax_offset", [L + "self_attn.sinks"], "copy"),
+        (M + "mlp.router.weight", [L + "mlp.router.weight"], "copy"),
+        (M + "mlp.router.bias", [L + "mlp.router.bias"], "copy"),
+        (_E + "linear_fc1.weight", [L + "mlp.experts.gate_up_proj"], "stacked_glu_t"),
+        (_E + "linear_fc1.bias", [L + "mlp.experts.gate_up_proj_bias"], "stacked_glu"),
+        (_E + "linear_fc2.weight", [L + "mlp.experts.down_proj"], "stacked_t"),
+        (_E + "linear_fc2.bias", [L + "mlp.experts.down_proj_bias"], "stacked"),
     ],
     "mixtral": _EMBEDDING + _ATTENTION + [
         (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
@@ -205,6 +226,8 @@ def flags(model_type: str, c: Config) -> dict:
         return out
     if model_type == "deepseek_v3":
         return _deepseek_v3(c)
+    if model_type == "gpt_oss":
+        return _gpt_oss(c)
     raise ConfigError(f"architecture {model_type} is not supported")
 
 
@@ -268,3 +291,66 @@ def _deepseek_v3(c: Config) -> dict:
     if dense:
         out["moe_layer_freq"] = "[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]"
     return out
+
+
+def _gpt_oss(c: Config) -> dict:
+    """gpt-oss: biases on every linear (megatron's default --add-bias-linear), learnable softmax sinks,
+    sliding-window attention on the layers `layer_types` names, the clamped GLU of quick-GELU with
+    the linear half offset by 1, yarn rope (rotate-half), top-k of the router's logits then a
+    softmax over them, experts stacked in one tensor per layer."""
+    heads, groups = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    c.expect("hidden_act", ["silu"], "gpt-oss's GLU gates with x * sigmoid(alpha x) (megatron's --quick-geglu)")
+    c.expect("attention_bias", [True], "megatron's --add-bias-linear puts a bias on every linear or on none")
+    c.expect("swiglu_alpha", [1.702], "megatron's --quick-geglu fixes alpha at 1.702")
+    layers = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if set(types) - {"sliding_attention", "full_attention"}:
+        raise refuse("layer_types", sorted(set(types)), "supported: sliding_attention, full_attention")
+    out = {
+        "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
+        "num_attention_heads": heads, "kv_channels": c.get("head_dim") or c["hidden_size"] // heads,
+        "group_query_attention": groups != heads, "num_query_groups": groups,
+        "normalization": "RMSNorm", "norm_epsilon": float(c["rms_norm_eps"]),
+        "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": float(c["swiglu_limit"]),
+        "softmax_type": "learnable", "max_position_embeddings": c["max_position_embeddings"],
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
+        "transformer_impl": "local", "rotary_interleaved": False,
+        # megatron's fused kernels take neither sinks nor the clamped GLU's bias
+        "masked_softmax_fusion": False, "bias_gelu_fusion": False, "bias_dropout_fusion": False,
+        "num_experts": c["num_local_experts"], "moe_router_topk": c["num_experts_per_tok"],
+        "moe_ffn_hidden_size": c["intermediate_size"], "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": False, "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)), "moe_token_dispatcher_type": "alltoall",
+    }
+    if "sliding_attention" in types:
+        # transformers keeps the sliding_window newest keys (the query's own included); megatron's
+        # window (left, 0) keeps left + 1
+        out.update(window_size=f"{c['sliding_window'] - 1},0",
+                   window_attn_skip_freq="[" + ",".join(str(int(t == "sliding_attention")) for t in types) + "]")
+    else:
+        c.get("sliding_window")
+    out.update(_yarn(c))
+    return out
+
+
+def _yarn(c: Config) -> dict:
+    """Rotate-half yarn rope (gpt-oss): megatron's --position-embedding-type yarn with its beta,
+    original positions and rounding; the attention factor transformers derives from the factor
+    (0.1 ln(factor) + 1) is megatron's with --mscale 1, --mscale-all-dim 0."""
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or c["rope_theta"]
+    if float(theta) != int(theta):
+        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind != "yarn":
+        raise refuse("rope_parameters.rope_type", kind, "supported for gpt_oss: yarn")
+    flags = {"position_embedding_type": "yarn", "rotary_base": int(theta), "rotary_percent": 1.0,
+             "rotary_scaling_factor": float(rope.pop("factor")),
+             "yarn_original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
+             "yarn_beta_fast": float(rope.pop("beta_fast", 32.0)), "yarn_beta_slow": float(rope.pop("beta_slow", 1.0)),
+             "yarn_correction_range_round_to_int": bool(rope.pop("truncate", True))}
+    if rope:
+        key = sorted(rope)[0]
+        raise refuse(f"rope_parameters.{key}", rope[key], "not representable for rope_type yarn")
+    return flags

@@ -20,6 +20,7 @@ intact older one loads instead, or, with --no-ckpt-fallback, the run stops there
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import time
@@ -116,6 +117,52 @@ def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loa
 
 
 # ---------------------------------------------------------------------------------------------
+# --finetune from torch_dist into a Megatron-FSDP model
+# ---------------------------------------------------------------------------------------------
+_LOADED_BEFORE_SHARDING: dict[int, list] = {}  # id(args) -> the lines the loop's load prints
+
+
+class _WeightsOnly:
+    """The schedule of a weights-only load (--finetune starts a fresh one)."""
+
+    def state_dict(self):
+        return None
+
+
+def load_before_sharding(args, chunks: list) -> None:
+    """--finetune --load of a torch_dist checkpoint (an import from Hugging Face, a DDP run) into a
+    Megatron-FSDP model, which loads fsdp_dtensor only: the weights load into the model
+    megatron-core built, through the same sharded_state_dict (and resharding) as any other layout,
+    before Megatron-FSDP shards it; the loop's load then prints what was loaded. Call on every rank
+    before wrapping."""
+    if not (args.use_megatron_fsdp and args.finetune and args.load):
+        return
+    listing = [None]
+    if torch.distributed.get_rank() == 0:
+        iterations = ckpt_dirs.committed_iterations(args.load) if os.path.isdir(args.load) else []
+        pick = args.ckpt_step if args.ckpt_step is not None else (iterations[-1] if iterations else None)
+        found = None
+        if pick is not None and pick in iterations:
+            config = integrity.read_config(ckpt_dirs.checkpoint_dir(args.load, pick))[0]
+            found = (config or {}).get("sharded_backend")  # unreadable: the loop's load names the damage
+        listing = [found]
+    torch.distributed.broadcast_object_list(listing, src=0)
+    if listing[0] != "torch_dist":
+        return  # fsdp_dtensor (the loop loads it), or nothing to load (the loop says so)
+    if args.init_model_with_meta_device:
+        raise ConfigError(f"--init-model-with-meta-device=True cannot be combined with --finetune --load={args.load}: "
+                          "a torch_dist checkpoint loads into the model before Megatron-FSDP shards it, "
+                          "and a model built on the meta device has no storage to load into")
+    plain = copy.copy(args)
+    plain.use_megatron_fsdp, plain.ckpt_format, plain.auto_detect_ckpt_format, plain.save = False, "torch_dist", False, None
+    ckpt = Checkpointer(plain, chunks, None, _WeightsOnly())
+    lines = _LOADED_BEFORE_SHARDING.setdefault(id(args), [])
+    ckpt._print = lines.append
+    ckpt.load()
+    lines.append("the torch_dist weights were loaded before Megatron-FSDP sharded the model")
+
+
+# ---------------------------------------------------------------------------------------------
 # the checkpointer the loop uses
 # ---------------------------------------------------------------------------------------------
 class Checkpointer:
@@ -142,6 +189,11 @@ class Checkpointer:
         --no-ckpt-fallback (or --ckpt-step) asks for exactly that one."""
         args = self.args
         if not args.load:
+            return 0
+        preloaded = _LOADED_BEFORE_SHARDING.pop(id(args), None)
+        if preloaded is not None:  # load_before_sharding
+            for line in preloaded:
+                self._print(line)
             return 0
         if self.rank == 0 and args.save and os.path.abspath(args.load) == os.path.abspath(args.save):
             for name in ckpt_dirs.remove_interrupted(args.load):  # nothing of this run is being written yet

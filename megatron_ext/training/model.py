@@ -25,7 +25,7 @@ from megatron.training.training import (
 )
 
 from megatron_ext import platform, seams
-from megatron_ext.training import features
+from megatron_ext.training import checkpointing, features
 
 
 def transformer_config(args) -> TransformerConfig:
@@ -103,6 +103,8 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
+    if wrap_with_ddp and args.use_megatron_fsdp:
+        checkpointing.load_before_sharding(args, chunks)  # --finetune from torch_dist: before the shards exist
     if wrap_with_ddp and args.use_torch_fsdp2:
         chunks = wrap_fsdp2(args, config, chunks)
     elif wrap_with_ddp and args.use_megatron_fsdp:

@@ -35,3 +35,21 @@ def train(argv: list) -> list:
         return entry.main(list(argv))
     finally:
         offload.detach()
+
+
+def finetune_under_ddp_and_fsdp(argv: list, fsdp: list) -> dict:
+    """The same fine-tune from an import under DDP + the distributed optimizer and under
+    Megatron-FSDP (`fsdp`): each iteration's loss and grad norm, and what the checkpointer printed."""
+    import contextlib
+    import io
+
+    import train as entry
+
+    out = {}
+    for name, flags in (("ddp", ["--use-distributed-optimizer"]), ("fsdp", fsdp)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            history = entry.main([*argv, *flags])
+        out[name] = [(h["lm loss"], h["grad norm"]) for h in history]
+        out[name + " printed"] = [line for line in printed.getvalue().splitlines() if line.startswith("[checkpoint]")]
+    return out

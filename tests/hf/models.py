@@ -31,6 +31,12 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                          "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # gpt-oss: biases everywhere, sinks, a 4-token sliding window on the even layers, experts stacked in
+    # one tensor (gate and up interleaved), the GLU clamped low enough to clip, yarn without truncation
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    head_dim=16, sliding_window=4, swiglu_limit=0.1, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512}),
     # Mixtral: 4 experts top-2, renormalised
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     tie_word_embeddings=False),
@@ -54,11 +60,11 @@ def make(root, family: str, shard_size: str = "40KB") -> str:
     torch.manual_seed(7)
     config = AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms away from their initial ones, score-correction biases away from 0
+    with torch.no_grad():  # norms away from their initial ones, biases and sinks away from 0
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "e_score_correction_bias" in name:
+            elif "e_score_correction_bias" in name or name.endswith(("bias", "sinks")):
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out, max_shard_size=shard_size)
     AutoTokenizer.from_pretrained(os.path.join(tok_dir, "hf")).save_pretrained(out)

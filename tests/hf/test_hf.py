@@ -78,7 +78,7 @@ LAYOUTS = {  # world 2: TP2 with sequence parallelism; MoE models also EP2
 
 
 def _layout(family):
-    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3") else "dense"]
+    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss") else "dense"]
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES))
@@ -125,6 +125,52 @@ def test_finetune_three_iterations_then_export_equals_ours(workdir):
     assert not torch.allclose(torch.as_tensor(ours), models.hf_logits(r["hf"]), atol=1e-3)
 
 
+def test_finetune_from_an_import_under_megatron_fsdp(workdir):
+    """An import (torch_dist, weights only) fine-tuned under Megatron-FSDP (ZeRO-3, EP2): the weights
+    load into the model before Megatron-FSDP shards it, and the losses and grad norms are those of
+    the same fine-tune under DDP + the distributed optimizer."""
+    import math
+
+    r = imported(workdir, "qwen3_moe")
+    argv = ["--recipe", os.path.join(r["ckpt"], "recipe.yaml"), "--load", r["ckpt"], "--finetune", "--mock-data",
+            "--num-workers", "0", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "2", "--lr", "1e-2", "--world-size", "2", "--log-interval", "1",
+            "--expert-model-parallel-size", "2"]
+    fsdp = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy",
+            "optim_grads_params"]
+    out = run_distributed(2, "tests.hf.jobs:finetune_under_ddp_and_fsdp", argv=argv, fsdp=fsdp)[0]
+    assert len(out["fsdp"]) == 2 and out["fsdp"][0][0] == out["ddp"][0][0], out  # the same weights, bit for bit
+    assert all(math.isclose(a, b, rel_tol=1e-6) for x, y in zip(out["ddp"], out["fsdp"]) for a, b in zip(x, y)), out
+    assert any("resuming from checkpoint" in line and "iter_0000000" in line for line in out["fsdp printed"]), out
+    assert out["fsdp printed"][-1] == "[checkpoint] the torch_dist weights were loaded before Megatron-FSDP sharded the model"
+
+
+def test_grouped_gemm_loads_an_import_unchanged(workdir):
+    """--moe-grouped-gemm (a CUDA flag) with an import: the recipe builds the local spec, where
+    megatron-core's LocalSpecProvider gives SequentialMLP with the flag as without it, so the
+    per-expert names the import wrote are the ones the model loads; the flag passes validation for
+    a CUDA target."""
+    import contextlib
+    import io
+
+    import arguments
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for grouped in (False, True):
+        experts = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=grouped).submodules.mlp.keywords[
+            "submodules"].experts
+        assert experts.func is SequentialMLP
+    r = imported(workdir, "qwen3_moe")
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = arguments.parse(["--recipe", os.path.join(r["ckpt"], "recipe.yaml"), "--mock-data", "--world-size", "2",
+                                "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--load", r["ckpt"],
+                                "--finetune", "--lr", "1e-5", "--micro-batch-size", "1", "--global-batch-size", "2",
+                                "--train-iters", "1", "--dry-run", "--platform", "cuda", "--assume-no-te"],
+                               exit_on_dry_run=False)
+    assert args.moe_grouped_gemm and args.transformer_impl == "local"
+
+
 def test_refusals_are_one_line_naming_what(workdir):
     from megatron_ext import hf
 
@@ -135,9 +181,9 @@ def test_refusals_are_one_line_naming_what(workdir):
     with pytest.raises(ConfigError, match=r"no config.json"):
         hf.import_hf(str(workdir), str(bad))
 
-    def variant(name, edit=None, drop=None):
+    def variant(name, edit=None, drop=None, src=r["hf"]):
         d = str(workdir / name)
-        shutil.copytree(r["hf"], d)
+        shutil.copytree(src, d)
         if edit:
             with open(os.path.join(d, "config.json")) as f:
                 config = json.load(f)
@@ -156,6 +202,11 @@ def test_refusals_are_one_line_naming_what(workdir):
         hf.import_hf(variant("bias", lambda c: c.update(attention_bias=True)), str(bad))
     with pytest.raises(ConfigError, match=r"rope_parameters.low_freq_factor=2.0: megatron's llama3 rope scaling fixes it at 1.0"):
         hf.import_hf(variant("rope", lambda c: c["rope_parameters"].update(low_freq_factor=2.0)), str(bad))
+    oss = imported(workdir, "gpt_oss")["hf"]
+    with pytest.raises(ConfigError, match=r"swiglu_alpha=1.5: megatron's --quick-geglu fixes alpha at 1.702"):
+        hf.import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
+    with pytest.raises(ConfigError, match=r"quantization_config=.*this field is not representable"):  # MXFP4
+        hf.import_hf(variant("mxfp4", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), src=oss), str(bad))
     with pytest.raises(ConfigError, match=r"config.json: some_new_field=3: this field is not representable"):
         hf.import_hf(variant("field", lambda c: c.update(some_new_field=3)), str(bad))
     jobs = run_distributed(1, "tests.hf.test_hf:_refused_in_build",
@@ -193,10 +244,10 @@ def _refused_in_build(shape, dtype, bad, ckpt):
 
 
 def test_cli_refuses_in_one_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron", "architectures": ["NemotronForCausalLM"]}))
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), "import", "--hf", str(tmp_path),
                         "--save", str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 1, p
     assert p.stderr.strip().splitlines()[-1:] == [
-        f"error: --hf={tmp_path}: architecture GptOssForCausalLM (model_type gpt_oss) is not supported "
-        "(supported: deepseek_v3, llama, mixtral, qwen3, qwen3_moe)"], p.stderr
+        f"error: --hf={tmp_path}: architecture NemotronForCausalLM (model_type nemotron) is not supported "
+        "(supported: deepseek_v3, gpt_oss, llama, mixtral, qwen3, qwen3_moe)"], p.stderr
