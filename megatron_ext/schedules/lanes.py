@@ -60,6 +60,23 @@ def is_metadata(kind: Optional[str], width: Optional[int]) -> bool:
 GROUPS = _Groups()
 
 
+def waits_in_place(kind: Optional[str], width: Optional[int], lane: Optional["Lane"]) -> bool:
+    """Collectives waited for where they are issued, without handing the baton over:
+
+    * EP metadata (is_metadata);
+    * a TP collective while the other lane has a token all-to-all in flight ("EP first"): handing
+      the baton back there would make the other lane wait for its all-to-all after only the compute
+      up to this lane's next TP collective. Kept, the all-to-all has all of this lane's compute up
+      to its own next token all-to-all behind it. On a cluster the all-to-all crosses nodes and
+      costs several times the TP collectives inside a node; both kinds' figures are reported.
+
+    Every rank of a group runs the same two programs under the same rules, so the baton moves at
+    the same collectives everywhere and their order stays the same on every rank."""
+    if is_metadata(kind, width):
+        return True
+    return kind == "tp" and lane is not None and lane.other.ep_in_flight > 0
+
+
 def set_groups() -> None:
     """Read the current layout's TP / expert groups from megatron's parallel_state. A group is
     "tp" if its ranks are a tensor-parallel group's (expert-TP, or expert groups with EP=1), and
@@ -220,6 +237,7 @@ class Lane:
         self.objs = None  # this lane's view of the stateful objects (set_stateful)
         self.exc: Optional[BaseException] = None
         self.t_resumed = 0.0
+        self.ep_in_flight = 0  # token all-to-alls issued and not yet waited for (waits_in_place)
         self.thread: Optional[threading.Thread] = None  # runs the lane's program (not its backward)
 
     @property
@@ -442,6 +460,8 @@ def _finish(work, token, lane: Optional[Lane], kind: str, in_place: bool = False
     if in_place and token is not None:
         token.in_place = True
     t0, t1, events = _timed_wait(work, kind)
+    if lane is not None and kind == "ep" and not in_place:
+        lane.ep_in_flight -= 1
     if HOOK is not None and token is not None:
         HOOK.collective_waited(token, t0, t1, events, handed, partner_done)
 
@@ -461,11 +481,13 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
     async handle, return a handle that does the same in wait(). ``width``: elements per row of the
     payload (is_metadata)."""
     kind = group_kind(group)
-    in_place = is_metadata(kind, width)
     lane = current_lane()
+    in_place = waits_in_place(kind, width, lane)
     hook = HOOK
     if kind is None or (lane is None and hook is None):
         return None  # caller falls back to the original call
+    if lane is not None and kind == "ep" and not in_place:
+        lane.ep_in_flight += 1
     token = None
     if hook is not None:
         token = hook.collective_issued(op, kind, nbytes, current_label(),

@@ -22,13 +22,16 @@ LAYOUTS = {
 }
 
 
-def _all_backward_collectives_handed_off(r, where=""):
+def _all_backward_collectives_handed_off(r, where="", ep_first=False):
     """Under the CUDA-faithful mode (backward on the autograd device thread) every TP collective a
-    paired backward issues is handed to the forward, unless that forward had already finished."""
+    paired backward issues is handed to the forward, unless that forward had already finished or
+    (`ep_first`: TP with expert parallelism) it has a token all-to-all in flight, which keeps the
+    baton (lanes.waits_in_place)."""
     b = r["ours"]["b_lane"]
     assert r["cuda_faithful"], where
     assert b["collectives"] > 0 and b["handed_off"] > 0, (where, b)
-    assert b["handed_off"] + b["partner_done"] == b["collectives"], (where, b)
+    assert b["handed_off"] + b["partner_done"] + b["in_place"] == b["collectives"], (where, b)
+    assert (b["in_place"] > 0) == ep_first, (where, b)
 
 
 def _check_pipeline_messages(results):
@@ -106,7 +109,7 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"]
         assert r["ours"]["ep_collectives"] == r["plain"]["ep_collectives"] > 0
         assert r["ours"]["ep_handed_off"] > 0 and r["ours"]["tp_handed_off"] > 0
-        _all_backward_collectives_handed_off(r)
+        _all_backward_collectives_handed_off(r, ep_first=True)
 
 
 def test_ep_only_overlap_tp1_ep2_every_dispatcher():

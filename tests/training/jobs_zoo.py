@@ -46,3 +46,26 @@ def train_digest(argv: list[str]) -> dict:
 def train_digests(argvs: dict) -> dict:
     """train_digest for several runs in one job (one pool, one start-up): {name: digest}."""
     return {name: train_digest(list(argv)) for name, argv in argvs.items()}
+
+
+def train_digests_without_state_swap(argvs: dict) -> dict:
+    """Negative control: train_digests with the overlap's per-pass swap of the stateful modules'
+    attributes (schedules/lanes.py set_stateful) turned off; a run that raises gives its error.
+    The ranks whose pipeline peers stopped at the error wait for them as on NCCL; the faithful
+    mode's p2p reports that after 5 s here instead of its default minute."""
+    from megatron_ext.platform import nccl_p2p
+    from megatron_ext.schedules import lanes
+
+    snapshot, restore, patience = lanes._state_snapshot, lanes._state_restore, nccl_p2p.DEADLOCK_S
+    lanes._state_snapshot, lanes._state_restore = (lambda: []), (lambda state: None)
+    nccl_p2p.DEADLOCK_S = 5.0
+    try:
+        out = {}
+        for name, argv in argvs.items():
+            try:
+                out[name] = train_digest(list(argv))
+            except Exception as e:  # noqa: BLE001 - the failure is the result
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+    finally:
+        lanes._state_snapshot, lanes._state_restore, nccl_p2p.DEADLOCK_S = snapshot, restore, patience

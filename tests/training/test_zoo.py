@@ -82,6 +82,19 @@ def test_the_comparison_sees_a_one_ulp_change():
         _assert_bitwise(_run(argv), _run(other), [])
 
 
+def test_per_pass_state_swap_is_needed():
+    """Negative control for the test below: with the overlap's per-pass swap of the stateful
+    modules' attributes turned off, Qwen3-235B-A22B's case (MoE-layer recompute, the zero-sync
+    dispatcher) no longer trains as the plain run does: the forward recomputed inside a paired
+    backward finds the state the other pass left."""
+    argvs = {"plain": zoo.pp_argv("qwen3_235b", False), "features": zoo.pp_argv("qwen3_235b", True)}
+    results = run_distributed(4, "tests.training.jobs_zoo:train_digests_without_state_swap", argvs=argvs)
+    assert all("error" not in r["plain"] for r in results)  # no pair in the plain run: nothing to swap
+    broken = [r["features"] for r in results]
+    assert any("index_select" in b.get("error", "") or "error" not in b and (
+        b["params"] != r["plain"]["params"] or b["grads"] != r["plain"]["grads"]) for b, r in zip(broken, results)), broken
+
+
 @pytest.mark.parametrize("case", list(zoo.PP_CASES))
 def test_moe_recipes_under_pp_vpp_train_bitwise_with_every_feature_on(case):
     """Three of Megatron-LM's modelopt MoE models (DeepSeek-R1, Llama-4-Maverick, Qwen3-235B-A22B;
