@@ -141,6 +141,9 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
         pass  # the profiler starts its process-wide threads once: part of the baseline, not a job's leak
     results.put((rank, "ready", None))  # also starts the queue's feeder thread before the baseline
     baseline = snapshot()
+    import gc
+
+    gc.freeze()  # the imports' objects live as long as the worker: no collection needs to scan them
     while True:
         job = jobs.get()
         if job is None:

@@ -17,6 +17,17 @@ def _run(argv):
     return run_distributed(2, "tests.training.jobs_zoo:train_digest", argv=argv)
 
 
+_PLAIN: dict = {}
+
+
+def _plain(name):
+    """The plain run of an architecture, once per module: several tests compare against it (runs
+    are deterministic: the same flags give the same digests)."""
+    if name not in _PLAIN:
+        _PLAIN[name] = _run(zoo.plain_argv(name))
+    return _PLAIN[name]
+
+
 def _assert_bitwise(plain, featured, modules):
     losses = [r["lm loss"] for r in plain[-1]["history"]]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -35,13 +46,13 @@ def _assert_bitwise(plain, featured, modules):
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_architecture_trains_bitwise_with_every_feature_on(name):
-    _assert_bitwise(_run(zoo.plain_argv(name)), _run(zoo.features_argv(name)), zoo.offload_modules(name))
+    _assert_bitwise(_plain(name), _run(zoo.features_argv(name)), zoo.offload_modules(name))
 
 
 @pytest.mark.parametrize("name", [n for n, case in zoo.ZOO.items() if case["moe"] and not case.get("expert_bias")])
 def test_moe_architecture_trains_bitwise_zero_sync_dropless(name):
     featured = _run(zoo.zero_sync_argv(name))
-    _assert_bitwise(_run(zoo.plain_argv(name)), featured, zoo.offload_modules(name))
+    _assert_bitwise(_plain(name), featured, zoo.offload_modules(name))
     for r in featured:  # the experts ran grouped: offload saw (and moved) their grouped linears
         grouped = [k for k, v in r["offloaded"].items() if ".grouped_experts.linear_fc" in k and v["offloaded"]]
         assert {k.split("/")[0] for k in grouped} == {"router_fc1", "router_fc2", "moe_act"}, sorted(r["offloaded"])
@@ -58,7 +69,7 @@ def test_zero_sync_dropless_allgather_trains_bitwise_with_every_feature_on():
 def test_expert_biases_zero_sync_dropless_equal_to_rounding():
     """gpt-oss's experts have biases: the grouped path sums each expert's bias gradient in another
     order than torch's per-expert column sum (docs/moe.md), so only the first loss is bitwise."""
-    plain, featured = _run(zoo.plain_argv("gpt_oss")), _run(zoo.zero_sync_argv("gpt_oss"))
+    plain, featured = _plain("gpt_oss"), _run(zoo.zero_sync_argv("gpt_oss"))
     for a, b in zip(plain, featured):
         first_a, first_b = a["history"][0], b["history"][0]
         assert first_a["lm loss"] == first_b["lm loss"]
@@ -75,11 +86,10 @@ def test_features_with_recompute_and_mtp_train_bitwise(name):
 
 def test_the_comparison_sees_a_one_ulp_change():
     """Negative control: the same run with another init scale differs in every digest."""
-    argv = zoo.plain_argv("llama3")
-    other = list(argv)
+    other = zoo.plain_argv("llama3")
     other[other.index("--init-method-std") + 1] = "0.0200001"
     with pytest.raises(AssertionError):
-        _assert_bitwise(_run(argv), _run(other), [])
+        _assert_bitwise(_plain("llama3"), _run(other), [])
 
 
 def test_per_pass_state_swap_is_needed():
