@@ -53,6 +53,26 @@ _DENSE_MLP = [
 ]
 _E = M + "mlp.experts.local_experts.{E}."
 
+_DEEPSEEK = _EMBEDDING + [  # MLA (with query LoRA: the q down/up rows); dense first layers, then routed + shared experts
+    (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
+    (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
+    (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
+    (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
+    (M + "self_attention.linear_kv_down_proj.weight", [L + "self_attn.kv_a_proj_with_mqa.weight"], "copy"),
+    (M + "self_attention.kv_layernorm.weight", [L + "self_attn.kv_a_layernorm.weight"], "copy"),
+    (M + "self_attention.linear_kv_up_proj.weight", [L + "self_attn.kv_b_proj.weight"], "copy"),
+    (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
+    (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
+    *_DENSE_MLP,  # the first_k_dense_replace layers
+    (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
+    (M + "mlp.router.expert_bias", [L + "mlp.gate.e_score_correction_bias"], "copy"),
+    (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
+    (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
+    (M + "mlp.shared_experts.linear_fc1.weight",
+     [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
+    (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
+]
+
 TABLES = {
     "llama": _EMBEDDING + _ATTENTION + _DENSE_MLP,
     "qwen3": _EMBEDDING + _ATTENTION + _QK_NORM + _DENSE_MLP,
@@ -61,25 +81,8 @@ TABLES = {
         (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
         (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
     ],
-    "deepseek_v3": _EMBEDDING + [  # MLA with query LoRA; dense first layers, then routed + shared experts
-        (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
-        (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
-        (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
-        (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
-        (M + "self_attention.linear_kv_down_proj.weight", [L + "self_attn.kv_a_proj_with_mqa.weight"], "copy"),
-        (M + "self_attention.kv_layernorm.weight", [L + "self_attn.kv_a_layernorm.weight"], "copy"),
-        (M + "self_attention.linear_kv_up_proj.weight", [L + "self_attn.kv_b_proj.weight"], "copy"),
-        (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
-        (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
-        *_DENSE_MLP,  # the first_k_dense_replace layers
-        (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
-        (M + "mlp.router.expert_bias", [L + "mlp.gate.e_score_correction_bias"], "copy"),
-        (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
-        (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
-        (M + "mlp.shared_experts.linear_fc1.weight",
-         [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
-        (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
-    ],
+    "deepseek_v3": _DEEPSEEK,
+    "deepseek_v2": [row for row in _DEEPSEEK if not row[0].endswith("expert_bias")],  # softmax scores
     "gpt_oss": _EMBEDDING + _ATTENTION + [  # biases on every linear, attention sinks, stacked experts
         (M + "self_attention.linear_qkv.bias",
          [L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"], "qkv"),
@@ -91,6 +94,13 @@ TABLES = {
         (_E + "linear_fc1.bias", [L + "mlp.experts.gate_up_proj_bias"], "stacked_glu"),
         (_E + "linear_fc2.weight", [L + "mlp.experts.down_proj"], "stacked_t"),
         (_E + "linear_fc2.bias", [L + "mlp.experts.down_proj_bias"], "stacked"),
+    ],
+    "nemotron": _EMBEDDING + _ATTENTION + [  # LayerNorm with biases (weights stored zero-centred), squared ReLU
+        ("decoder.final_layernorm.bias", ["model.norm.bias"], "copy"),
+        (M + "input_layernorm.bias", [L + "input_layernorm.bias"], "copy"),
+        (M + "pre_mlp_layernorm.bias", [L + "post_attention_layernorm.bias"], "copy"),
+        (M + "mlp.linear_fc1.weight", [L + "mlp.up_proj.weight"], "copy"),
+        (M + "mlp.linear_fc2.weight", [L + "mlp.down_proj.weight"], "copy"),
     ],
     "mixtral": _EMBEDDING + _ATTENTION + [
         (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
@@ -148,7 +158,8 @@ def _rope(c: Config) -> dict:
         theta = c["rope_theta"]
     if float(theta) != int(theta):
         raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
-    flags = {"position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0}
+    partial = rope.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0
+    flags = {"position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": float(partial)}
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     if kind == "llama3":
         # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor only;
@@ -219,6 +230,8 @@ def flags(model_type: str, c: Config) -> dict:
         if not all(pattern):
             out["moe_layer_freq"] = "[" + ",".join(map(str, pattern)) + "]"
         return out
+    if model_type == "nemotron":
+        return _nemotron(c)
     if model_type == "mixtral":
         out = _dense(c)
         c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
@@ -226,28 +239,61 @@ def flags(model_type: str, c: Config) -> dict:
         return out
     if model_type == "deepseek_v3":
         return _deepseek_v3(c)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2(c)
     if model_type == "gpt_oss":
         return _gpt_oss(c)
     raise ConfigError(f"architecture {model_type} is not supported")
 
 
 def _deepseek_v3(c: Config) -> dict:
-    heads = c["num_attention_heads"]
-    c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
-    c.expect("attention_bias", [False], "attention biases are not mapped")
-    c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
-    c.expect("rope_interleave", [True], "megatron's multi-latent attention rotates interleaved pairs")
+    """DeepSeek-V3 / Kimi-K2: sigmoid scores with a score-correction bias, renormalised top-k, a
+    group scored by its top two experts."""
     c.expect("norm_topk_prob", [True], "megatron normalises the top-k sigmoid scores")
-    if c.get("num_key_value_heads", heads) != heads:
-        raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
     if c.get("q_lora_rank") is None:
-        raise refuse("q_lora_rank", None, "multi-latent attention without query LoRA is not mapped")
-    c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
+        raise refuse("q_lora_rank", None, "multi-latent attention without query LoRA is not mapped for deepseek_v3")
     c.get("num_nextn_predict_layers")  # transformers has no MTP layers: their weights, if present, are refused
     topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1)
     if groups > 1 and topk != 2 * group_topk:
         raise refuse("topk_group", group_topk, "megatron scores a group by its top num_experts_per_tok/topk_group "
                      "experts, transformers by its top 2: they agree when num_experts_per_tok = 2 x topk_group")
+    routing = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+    return _mla_moe(c, routing, groups, group_topk)
+
+
+def _deepseek_v2(c: Config) -> dict:
+    """DeepSeek-V2: the softmax over every expert, its top-k kept as they are (megatron's
+    pre-softmax), greedy or group-limited (a group scored by its best expert). Without query LoRA
+    (V2-Lite) megatron-core's MLA normalises the query's input a second time, transformers' does not."""
+    if c.get("q_lora_rank") is None:
+        raise refuse("q_lora_rank", None, "without query LoRA megatron-core's multi-latent attention puts a second "
+                     "norm in front of linear_q_proj under --qk-layernorm (transformer/mla_qk_norm_config.py), "
+                     "which transformers' DeepSeek-V2 does not have; without --qk-layernorm it drops the KV latent norm")
+    c.expect("norm_topk_prob", [False], "transformers' DeepSeek-V2 router keeps the top-k softmax scores unnormalised")
+    c.expect("mlp_bias", [False], "MLP biases are not mapped")
+    method = c.expect("topk_method", ["greedy", "group_limited_greedy"], "supported: greedy, group_limited_greedy")
+    topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group"), c.get("topk_group")
+    if method == "greedy":
+        groups = group_topk = 1
+    elif topk != group_topk:
+        raise refuse("topk_group", group_topk, "megatron scores a group by its top num_experts_per_tok/topk_group "
+                     "experts, transformers' group_limited_greedy by its best one: they agree when "
+                     "num_experts_per_tok = topk_group")
+    routing = {"moe_router_score_function": "softmax", "moe_router_pre_softmax": True}
+    return _mla_moe(c, routing, groups, group_topk)
+
+
+def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
+    """The DeepSeek families' common flags: multi-latent attention (query LoRA where the config has
+    a rank), yarn rope, dense first layers, routed and shared experts with ``routing``."""
+    heads = c["num_attention_heads"]
+    c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
+    c.expect("attention_bias", [False], "attention biases are not mapped")
+    c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
+    c.expect("rope_interleave", [True], "megatron's multi-latent attention rotates interleaved pairs")
+    if c.get("num_key_value_heads", heads) != heads:
+        raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
+    c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or c["rope_theta"]
     if float(theta) != int(theta):
@@ -270,7 +316,7 @@ def _deepseek_v3(c: Config) -> dict:
     layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
     out = {
         "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
-        "num_attention_heads": heads, "multi_latent_attention": True, "q_lora_rank": c["q_lora_rank"],
+        "num_attention_heads": heads, "multi_latent_attention": True,
         "kv_lora_rank": c["kv_lora_rank"], "qk_head_dim": c["qk_nope_head_dim"],
         "qk_pos_emb_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"], "kv_channels": c["v_head_dim"],
         "qk_layernorm": True, "normalization": "RMSNorm", "norm_epsilon": float(c["rms_norm_eps"]), "swiglu": True,
@@ -278,12 +324,14 @@ def _deepseek_v3(c: Config) -> dict:
         "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
         "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
         "transformer_impl": "local", "position_embedding_type": "rope", **flags,
-        "num_experts": c["n_routed_experts"], "moe_router_topk": topk, "moe_ffn_hidden_size": c["moe_intermediate_size"],
-        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "num_experts": c["n_routed_experts"], "moe_router_topk": c["num_experts_per_tok"], "moe_ffn_hidden_size": c["moe_intermediate_size"],
+        **routing,
         "moe_router_topk_scaling_factor": float(c.get("routed_scaling_factor", 1.0)), "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": "alltoall",
     }
+    if c.get("q_lora_rank") is not None:
+        out["q_lora_rank"] = c["q_lora_rank"]
     if groups > 1:
         out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     if c.get("n_shared_experts"):
@@ -291,6 +339,29 @@ def _deepseek_v3(c: Config) -> dict:
     if dense:
         out["moe_layer_freq"] = "[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]"
     return out
+
+
+def _nemotron(c: Config) -> dict:
+    """Nemotron: LayerNorm with biases whose weights are stored zero-centred (transformers'
+    LayerNorm1P, megatron's --apply-layernorm-1p: both compute with weight + 1), a squared-ReLU MLP
+    without a gate, rope on the first partial_rotary_factor of each head (rotate-half)."""
+    heads, groups = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    c.expect("hidden_act", ["relu2"], "megatron's --squared-relu is relu(x)^2")
+    c.expect("attention_bias", [False], "attention biases are not mapped")
+    c.expect("mlp_bias", [False], "MLP biases are not mapped")
+    flags = {
+        "num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
+        "ffn_hidden_size": c["intermediate_size"], "num_attention_heads": heads,
+        "kv_channels": c.get("head_dim") or c["hidden_size"] // heads,
+        "group_query_attention": groups != heads, "num_query_groups": groups,
+        "normalization": "LayerNorm", "apply_layernorm_1p": True, "norm_epsilon": float(c["norm_eps"]),
+        "squared_relu": True, "disable_bias_linear": True, "max_position_embeddings": c["max_position_embeddings"],
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "attention_dropout": float(c.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
+        "transformer_impl": "local", "rotary_interleaved": False,
+    }
+    flags.update(_rope(c))
+    return flags
 
 
 def _gpt_oss(c: Config) -> dict:

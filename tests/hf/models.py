@@ -31,12 +31,27 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                          "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V2: MLA with query LoRA, yarn (factor 40, mscale 0.707 / 0.707), a dense first layer, the softmax
+    # over 8 experts with its top-2 in 4 groups of which 2 are kept (group-limited greedy) unnormalised and
+    # scaled by 2, two shared experts
+    "deepseek_v2": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                        n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.0, kv_lora_rank=32,
+                        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                        topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=2,
+                        first_k_dense_replace=1, norm_topk_prob=False,
+                        tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
     # gpt-oss: biases everywhere, sinks, a 4-token sliding window on the even layers, experts stacked in
     # one tensor (gate and up interleaved), the GLU clamped low enough to clip, yarn without truncation
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     head_dim=16, sliding_window=4, swiglu_limit=0.1, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512}),
+    # Nemotron: zero-centred LayerNorm with biases, squared ReLU, rope on half of each head, GQA
+    "nemotron": dict(intermediate_size=96, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # Mixtral: 4 experts top-2, renormalised
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     tie_word_embeddings=False),
@@ -58,7 +73,10 @@ def make(root, family: str, shard_size: str = "40KB") -> str:
         local_tokenizers.make(tok_dir)  # 600 ids
     out = os.path.join(root, family)
     torch.manual_seed(7)
-    config = AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
+    fields = {**_COMMON, **FAMILIES[family]}
+    if family == "nemotron":  # its LayerNorm's epsilon field
+        fields["norm_eps"] = fields.pop("rms_norm_eps")
+    config = AutoConfig.for_model(family, **fields)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms away from their initial ones, biases and sinks away from 0
         for name, p in [*model.named_parameters(), *model.named_buffers()]:

@@ -78,7 +78,7 @@ LAYOUTS = {  # world 2: TP2 with sequence parallelism; MoE models also EP2
 
 
 def _layout(family):
-    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss") else "dense"]
+    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss") else "dense"]
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES))
@@ -202,6 +202,9 @@ def test_refusals_are_one_line_naming_what(workdir):
         hf.import_hf(variant("bias", lambda c: c.update(attention_bias=True)), str(bad))
     with pytest.raises(ConfigError, match=r"rope_parameters.low_freq_factor=2.0: megatron's llama3 rope scaling fixes it at 1.0"):
         hf.import_hf(variant("rope", lambda c: c["rope_parameters"].update(low_freq_factor=2.0)), str(bad))
+    v2 = imported(workdir, "deepseek_v2")["hf"]
+    with pytest.raises(ConfigError, match=r"q_lora_rank=None: without query LoRA megatron-core's multi-latent attention"):
+        hf.import_hf(variant("v2lite", lambda c: c.update(q_lora_rank=None), src=v2), str(bad))
     oss = imported(workdir, "gpt_oss")["hf"]
     with pytest.raises(ConfigError, match=r"swiglu_alpha=1.5: megatron's --quick-geglu fixes alpha at 1.702"):
         hf.import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
@@ -244,10 +247,10 @@ def _refused_in_build(shape, dtype, bad, ckpt):
 
 
 def test_cli_refuses_in_one_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron", "architectures": ["NemotronForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures": ["Llama4ForCausalLM"]}))
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), "import", "--hf", str(tmp_path),
                         "--save", str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 1, p
     assert p.stderr.strip().splitlines()[-1:] == [
-        f"error: --hf={tmp_path}: architecture NemotronForCausalLM (model_type nemotron) is not supported "
-        "(supported: deepseek_v3, gpt_oss, llama, mixtral, qwen3, qwen3_moe)"], p.stderr
+        f"error: --hf={tmp_path}: architecture Llama4ForCausalLM (model_type llama4) is not supported "
+        "(supported: deepseek_v2, deepseek_v3, gpt_oss, llama, mixtral, nemotron, qwen3, qwen3_moe)"], p.stderr
