@@ -5,7 +5,8 @@ in a helper thread (lane "B"). Exactly one lane runs at any time: they hand a ba
 at every TP collective. A lane that reaches a collective issues it asynchronously, hands the
 baton to the other lane, and waits on the collective's work handle only when it gets the baton
 back, i.e. after the other lane has issued its own next collective. The compute of the other
-micro-batch therefore sits between every collective's start and its wait.
+micro-batch therefore sits between every collective's start and its wait. With expert parallelism
+the backward starts the pair, otherwise the forward (Pair.backward_first).
 
 Determinism: each lane's program (the per-micro-batch ops and the order of its collectives) is the
 plain schedule's; the hand-off points are the collectives themselves, so the global order of
@@ -336,6 +337,17 @@ class Pair:
     # (same schedule order, no interleaving).
     SERIAL = False
 
+    @staticmethod
+    def backward_first() -> bool:
+        """Which lane starts a pair: the backward where there is expert parallelism. A MoE layer's
+        token all-to-all comes last in its forward and first in its backward, so started first the
+        backward issues its all-to-all almost at once and the forward's attention computes behind
+        it (started second, the forward's attention would run with nothing to hide). Without EP the
+        forward starts: its first TP collective (the sequence-parallel all-gather before QKV) comes
+        as early as the backward's, and measured, the forward-first order hides more of TP
+        (docs/overlap.md). Every rank of a group has the same groups: the same choice everywhere."""
+        return bool(GROUPS.ep)
+
     def run(self, fwd: Callable, bwd: Callable):
         global _PAIR
         if Pair.SERIAL:
@@ -363,11 +375,17 @@ class Pair:
 
         self.f.thread = threading.current_thread()
         self.b.thread = threading.Thread(target=b_main, name=f"overlap-bwd-{self.b.label}", daemon=True)
+        backward_first = Pair.backward_first()
         with self.cv:
-            self.turn = self.f
+            self.turn = self.b if backward_first else self.f
         _PAIR = self
         try:
             self.b.thread.start()
+            if backward_first:
+                with self.cv:
+                    self.cv.wait_for(lambda: self.turn is self.f or self.b.done)
+                _rng_restore(start_rng)  # the forward starts from the state the pair started from
+                _state_restore(start_objs)
             self.f.t_resumed = time.perf_counter()
             try:
                 results["f"] = fwd()
