@@ -81,6 +81,40 @@ def _moe_argv(tp, pp, vpp, ep, shape, world):
     return argv + (["--sequence-parallel"] if tp > 1 else [])
 
 
+def _timed_step(args, schedule, model, num_mb, rec, contexts) -> tuple:
+    """One forward-backward of ``schedule`` from zeroed gradients, the benchmark's seed and fresh
+    data, every rank starting together, recorded by ``rec`` (the lanes' hook) inside ``contexts``:
+    (seconds, start time). On CUDA the step's device work is done before its time is read."""
+    import contextlib
+
+    import torch
+
+    from megatron_ext.schedules import lanes
+    from megatron_ext.training import data, parallel, step
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    parallel.set_seed(4321)
+    iters = data.build_train_iterators(args, len(model))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    torch.distributed.barrier(group=torch.distributed.group.WORLD)
+    lanes.set_hook(rec)
+    t0 = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            for ctx in contexts:
+                stack.enter_context(ctx)
+            step.run_schedule(args, schedule, model, iters, num_mb)
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        t1 = time.perf_counter()
+        lanes.set_hook(None)
+    return t1 - t0, t0
+
+
 def moe_job(tp, pp, vpp, ep, steps, shape):
     """Runs on every rank: plain, ours and megatron's EP-overlap schedule on one MoE model."""
     import logging
@@ -98,7 +132,7 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     from megatron_ext.schedules import lanes
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.seams.schedules import plan_nodes_recorded
-    from megatron_ext.training import data, model as models, parallel, run, step
+    from megatron_ext.training import model as models, run
 
     seams.install_schedules_seams()
     args = arguments.parse(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])),
@@ -110,8 +144,6 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    world = torch.distributed.group.WORLD
-    cuda = torch.cuda.is_available()
     # megatron's own refusals of its EP overlap for this layout (transformer_config.py:2669-2713)
     why_not = None
     if pp > 1 and not vpp:
@@ -120,30 +152,16 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     def one(name, count_flops=False):
         config.overlap_moe_expert_parallel_comm = name == "peer"
         schedule = forward_backward_overlap if name == "ours" else get_forward_backward_func()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        parallel.set_seed(4321)
-        iters = data.build_train_iterators(args, len(model))
         rec = Recorder()
         nodes = NodeLog(rec)
         flop_ctx = FlopCounter(rec) if count_flops else _null()
         node_ctx = plan_nodes_recorded(nodes) if name == "peer" else _null()
-        if cuda:
-            torch.cuda.synchronize()
-        torch.distributed.barrier(group=world)
-        lanes.set_hook(rec)
-        t0 = time.perf_counter()
         try:
-            with flop_ctx, node_ctx:
-                step.run_schedule(args, schedule, model, iters, num_mb)
-            if cuda:
-                torch.cuda.synchronize()
+            dt, _ = _timed_step(args, schedule, model, num_mb, rec, (flop_ctx, node_ctx))
         finally:
-            t1 = time.perf_counter()
-            lanes.set_hook(None)
             config.overlap_moe_expert_parallel_comm = False
         grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
-        return t1 - t0, rec, nodes, grads
+        return dt, rec, nodes, grads
 
     names = ("plain", "ours") + (("peer",) if why_not is None else ())
     for n in names:
@@ -252,7 +270,7 @@ def job(tp, pp, vpp, steps, shape):
     from megatron_ext.platform import faithful, nccl_p2p
     from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
-    from megatron_ext.training import data, model as models, parallel, run, step
+    from megatron_ext.training import model as models, run
 
     seams.install_schedules_seams()
     args = arguments.parse(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
@@ -262,34 +280,18 @@ def job(tp, pp, vpp, steps, shape):
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    world = torch.distributed.group.WORLD
-    cuda = torch.cuda.is_available()
 
     def one(schedule_name, count_flops=False, p2p_trace=None):
         schedule = forward_backward_overlap if schedule_name == "ours" else get_forward_backward_func()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        parallel.set_seed(4321)
-        iters = data.build_train_iterators(args, len(model))
         rec = Recorder()
         label = seams.label_plain_schedule_passes() if schedule_name == "plain" else _null()
         flop_ctx = FlopCounter(rec) if count_flops else _null()
-        if cuda:
-            torch.cuda.synchronize()
-        torch.distributed.barrier(group=world)
-        lanes.set_hook(rec)
         nccl_p2p.TRACE = p2p_trace
-        t0 = time.perf_counter()
         try:
-            with label, flop_ctx:
-                step.run_schedule(args, schedule, model, iters, num_mb)
-            if cuda:
-                torch.cuda.synchronize()  # the step's device work is done before its time is read
+            dt, t0 = _timed_step(args, schedule, model, num_mb, rec, (label, flop_ctx))
         finally:
-            t1 = time.perf_counter()
-            lanes.set_hook(None)
             nccl_p2p.TRACE = None
-        return t1 - t0, rec, t0
+        return dt, rec, t0
 
     one("plain"), one("ours")  # warm-up
     times = {"plain": [], "ours": []}
