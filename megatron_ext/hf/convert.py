@@ -170,16 +170,6 @@ def model_tensors(chunk) -> dict[str, torch.Tensor]:
             if "_extra_state" not in k and isinstance(v, torch.Tensor)}
 
 
-class _NoScheduler:
-    """An imported checkpoint has no schedule yet: it loads with --finetune, which starts one."""
-
-    def state_dict(self):
-        return None
-
-    def load_state_dict(self, state):  # pragma: no cover - --finetune skips it
-        raise ConfigError("an imported checkpoint holds model weights only: load it with --finetune")
-
-
 # ---------------------------------------------------------------------------------------------
 # the table, expanded for one model
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +306,7 @@ def import_hf(hf_dir: str, save: str) -> str:
             raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
         from megatron_ext.training import checkpointing
 
-        ckpt = checkpointing.Checkpointer(args, model, None, _NoScheduler())
+        ckpt = checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly())
         ckpt.checksums = True
         ckpt.save(0)
     finally:
@@ -368,7 +358,7 @@ def load_model(load: str, recipe: str | None, extra: list[str]):
 
     quiet = io.StringIO()
     with contextlib.redirect_stdout(quiet):
-        checkpointing.Checkpointer(args, model, None, _NoScheduler()).load()
+        checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly()).load()
     return args, model
 
 

@@ -122,11 +122,15 @@ def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loa
 _LOADED_BEFORE_SHARDING: dict[int, list] = {}  # id(args) -> the lines the loop's load prints
 
 
-class _WeightsOnly:
-    """The schedule of a weights-only load (--finetune starts a fresh one)."""
+class WeightsOnly:
+    """The schedule of a checkpoint that holds model weights only (an import, or a weights-only
+    load): it saves none, and such a checkpoint loads with --finetune, which starts a fresh one."""
 
     def state_dict(self):
         return None
+
+    def load_state_dict(self, state):  # pragma: no cover - --finetune skips it
+        raise ConfigError("an imported checkpoint holds model weights only: load it with --finetune")
 
 
 def load_before_sharding(args, chunks: list) -> None:
@@ -155,7 +159,7 @@ def load_before_sharding(args, chunks: list) -> None:
                           "and a model built on the meta device has no storage to load into")
     plain = copy.copy(args)
     plain.use_megatron_fsdp, plain.ckpt_format, plain.auto_detect_ckpt_format, plain.save = False, "torch_dist", False, None
-    ckpt = Checkpointer(plain, chunks, None, _WeightsOnly())
+    ckpt = Checkpointer(plain, chunks, None, WeightsOnly())
     lines = _LOADED_BEFORE_SHARDING.setdefault(id(args), [])
     ckpt._print = lines.append
     ckpt.load()

@@ -103,8 +103,6 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
-    if wrap_with_ddp and args.use_megatron_fsdp:
-        checkpointing.load_before_sharding(args, chunks)  # --finetune from torch_dist: before the shards exist
     if wrap_with_ddp and args.use_torch_fsdp2:
         chunks = wrap_fsdp2(args, config, chunks)
     elif wrap_with_ddp and args.use_megatron_fsdp:
@@ -205,6 +203,7 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
 
     from megatron_ext.seams.fsdp import KeptBuffers
 
+    checkpointing.load_before_sharding(args, chunks)  # --finetune from torch_dist: before the shards exist
     kept = KeptBuffers(chunks) if args.init_model_with_meta_device else None
     wrapped = _wrap_chunks(args, config, chunks, DP=FullyShardedDataParallel,
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
