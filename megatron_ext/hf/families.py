@@ -151,16 +151,28 @@ def refuse(key, value, why: str) -> ConfigError:
     return ConfigError(f"config.json: {key}={value!r}: {why}")
 
 
-def _rope(c: Config) -> dict:
+def _rope_parameters(c: Config) -> tuple[dict, int, str]:
+    """(the rope parameters not yet read, the base, the rope type): what every family's rope reads
+    first; what it leaves is refused by _refuse_unread_rope."""
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None)
     if theta is None:
         theta = c["rope_theta"]
     if float(theta) != int(theta):
         raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
+    return rope, int(theta), rope.pop("rope_type", rope.pop("type", "default"))
+
+
+def _refuse_unread_rope(rope: dict, kind: str) -> None:
+    if rope:
+        key = sorted(rope)[0]
+        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+
+
+def _rope(c: Config) -> dict:
+    rope, theta, kind = _rope_parameters(c)
     partial = rope.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0
-    flags = {"position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": float(partial)}
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    flags = {"position_embedding_type": "rope", "rotary_base": theta, "rotary_percent": float(partial)}
     if kind == "llama3":
         # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor only;
         # the other three are fixed at the published values
@@ -170,9 +182,7 @@ def _rope(c: Config) -> dict:
         flags.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor", 8.0)))
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, llama3")
-    if rope:
-        key = sorted(rope)[0]
-        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+    _refuse_unread_rope(rope, kind)
     return flags
 
 
@@ -294,25 +304,19 @@ def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
     if c.get("num_key_value_heads", heads) != heads:
         raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
     c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or c["rope_theta"]
-    if float(theta) != int(theta):
-        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    flags = {"rope_type": "rope", "rotary_base": int(theta)}
+    rope, theta, kind = _rope_parameters(c)
+    flags = {"rope_type": "rope", "rotary_base": theta}
     if kind == "yarn":
         # megatron's MLA yarn takes factor and both mscales; the rest are MLATransformerConfig's fixed values
         for key, fixed in (("original_max_position_embeddings", 4096), ("beta_fast", 32.0), ("beta_slow", 1.0),
                            ("truncate", True)):
             if rope.pop(key, fixed) != fixed:
                 raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's MLA yarn fixes it at {fixed}")
-        flags = {"rope_type": "yarn", "rotary_base": int(theta), "rotary_scaling_factor": float(rope.pop("factor")),
+        flags = {"rope_type": "yarn", "rotary_base": theta, "rotary_scaling_factor": float(rope.pop("factor")),
                  "mscale": float(rope.pop("mscale", 1.0)), "mscale_all_dim": float(rope.pop("mscale_all_dim", 0.0))}
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, yarn")
-    if rope:
-        key = sorted(rope)[0]
-        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
+    _refuse_unread_rope(rope, kind)
     layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
     out = {
         "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
@@ -409,19 +413,13 @@ def _yarn(c: Config) -> dict:
     """Rotate-half yarn rope (gpt-oss): megatron's --position-embedding-type yarn with its beta,
     original positions and rounding; the attention factor transformers derives from the factor
     (0.1 ln(factor) + 1) is megatron's with --mscale 1, --mscale-all-dim 0."""
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or c["rope_theta"]
-    if float(theta) != int(theta):
-        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    rope, theta, kind = _rope_parameters(c)
     if kind != "yarn":
         raise refuse("rope_parameters.rope_type", kind, "supported for gpt_oss: yarn")
-    flags = {"position_embedding_type": "yarn", "rotary_base": int(theta), "rotary_percent": 1.0,
+    flags = {"position_embedding_type": "yarn", "rotary_base": theta, "rotary_percent": 1.0,
              "rotary_scaling_factor": float(rope.pop("factor")),
              "yarn_original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
              "yarn_beta_fast": float(rope.pop("beta_fast", 32.0)), "yarn_beta_slow": float(rope.pop("beta_slow", 1.0)),
              "yarn_correction_range_round_to_int": bool(rope.pop("truncate", True))}
-    if rope:
-        key = sorted(rope)[0]
-        raise refuse(f"rope_parameters.{key}", rope[key], "not representable for rope_type yarn")
+    _refuse_unread_rope(rope, kind)
     return flags
