@@ -19,7 +19,6 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -30,10 +29,17 @@ SETTLE_S = 2.0  # how long a surplus may take to go away (a thread finishing aft
 _POOLS: dict = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _host_store():
+    """The pool's key-value store, hosted by this process on a port the OS assigns as it binds it;
+    the workers connect to it as clients (torch's env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE,
+    as under torchrun's agent). A port found free here and bound later by rank 0 could be taken in
+    between by another test process (EADDRINUSE, measured once in a parallel run)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
 class LeakError(RuntimeError):
@@ -127,7 +133,7 @@ def _teardown() -> None:
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
     )
     _bound_threads()
     import torch
@@ -192,9 +198,9 @@ class WorkerPool:
         self.stopping = False
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        self.store = _host_store()  # kept while the workers live
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.jobs[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.jobs[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
