@@ -12,6 +12,10 @@ KILLS: comma-separated `attempt:rank:iteration:where`, where is
            are written (for --async-save, by its forked writer) and before the directory is renamed
     term   SIGTERM mid-step (a preemption), where `step` kills; with --exit-signal-handler the
            run stops after that iteration, saves and exits 0
+With RESTART_PROBE_ONE_SAVE_IN_FLIGHT=1 every rank finishes (commits) its pending --async-save
+checkpoints before it starts the next save, so exactly one save is in flight at a time, however
+slow the machine's writers are: a test that kills during "the save of N" then finds N's and no
+older checkpoint unfinished.
 Used by tests/training/test_restart.py and scripts/soak.py."""
 from __future__ import annotations
 
@@ -78,6 +82,15 @@ def install(records: str, kills: dict) -> None:
             return out
 
         step.run_schedule = schedule_then_die
+    if os.environ.get("RESTART_PROBE_ONE_SAVE_IN_FLIGHT") == "1":
+        save = checkpointing.Checkpointer.save
+
+        def save_after_the_last(self, iteration, *rest, **kwargs):
+            if self._queue is not None:  # collective: every rank saves at the same iteration
+                self._queue.maybe_finalize_async_calls(blocking=True)
+            return save(self, iteration, *rest, **kwargs)
+
+        checkpointing.Checkpointer.save = save_after_the_last
     if "save" in kills:
         commit = checkpointing.Checkpointer._commit
 

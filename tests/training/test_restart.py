@@ -45,7 +45,9 @@ def records(directory: str, attempt: int, rank: int) -> list[tuple]:
 def test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exactly(tmp_path):
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "records")
     os.makedirs(out)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # the save of 2 is committed before the save of 4 starts, however slowly the writer of 2 runs
+    # on a loaded machine: the kill at 5 finds the save of 4, and only it, in flight
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RESTART_PROBE_ONE_SAVE_IN_FLIGHT="1")
     done = subprocess.run(
         [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
          "--master-port", str(_free_port()),
