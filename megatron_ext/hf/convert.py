@@ -51,8 +51,9 @@ def read_hf_config(hf_dir: str) -> tuple[str, families.Config]:
     model_type = raw.get("model_type")
     if model_type not in families.TABLES:
         arch = (raw.get("architectures") or [model_type])[0]
+        hint = families.INSTEAD.get(model_type)
         raise ConfigError(f"--hf={hf_dir}: architecture {arch} (model_type {model_type}) is not supported "
-                          f"(supported: {', '.join(sorted(families.TABLES))})")
+                          + (f"({hint})" if hint else f"(supported: {', '.join(sorted(families.TABLES))})"))
     return model_type, families.Config(raw)
 
 
@@ -443,10 +444,12 @@ def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str
 
             return out, keep
 
+        # the interleaved schedule runs at least one micro-batch per pipeline stage: the same ids each time
+        n = parallel_state.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
         with torch.no_grad():
             collected = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=[iter([None])] * len(model) if len(model) > 1 else iter([None]),
-                model=model if len(model) > 1 else model[0], num_microbatches=1, seq_length=seq,
+                forward_step_func=forward_step, data_iterator=[iter([None] * n)] * len(model) if len(model) > 1 else iter([None]),
+                model=model if len(model) > 1 else model[0], num_microbatches=n, seq_length=seq,
                 micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
         result = None
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):

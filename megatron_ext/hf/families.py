@@ -12,12 +12,13 @@ holds them and as the torch_dist checkpoint keys them. Transforms (import direct
   glu    gate [f, h], up [f, h] -> linear_fc1 = cat(gate, up) (megatron's --swiglu: first half is gated)
 
 A row whose megatron name has {E} and whose HF names do not is *stacked*: one HF tensor holds every
-expert on its first dimension (gpt-oss), and the row fills all the experts' megatron tensors at once:
+expert on its first dimension (gpt-oss, Llama-4), and the row fills all the experts' megatron tensors at once:
 
   stacked_glu_t   [E, h, 2f], gate and up interleaved on the last dimension (gate at even columns,
                   transposed against nn.Linear) -> each expert's linear_fc1 [2f, h] = cat(gate, up)
   stacked_glu     [E, 2f], interleaved the same way -> each expert's linear_fc1 bias [2f]
-  stacked_t       [E, f, h] (transposed against nn.Linear) -> each expert's linear_fc2 [h, f]
+  stacked_t       [E, in, out] (transposed against nn.Linear) -> each expert's [out, in]: gpt-oss's
+                  down projection; Llama-4's gate_up [E, h, 2f] (gate then up) and down [E, f, h]
   stacked         [E, ...] -> each expert's tensor [...]
 
 Only rows whose megatron name the built model has are used (tied embeddings have no output_layer,
@@ -102,12 +103,27 @@ TABLES = {
         (M + "mlp.linear_fc1.weight", [L + "mlp.up_proj.weight"], "copy"),
         (M + "mlp.linear_fc2.weight", [L + "mlp.down_proj.weight"], "copy"),
     ],
+    "llama4_text": _EMBEDDING + _ATTENTION + [  # dense and MoE layers; experts stacked, one shared expert
+        (M + "mlp.linear_fc1.weight", [L + "feed_forward.gate_proj.weight", L + "feed_forward.up_proj.weight"], "glu"),
+        (M + "mlp.linear_fc2.weight", [L + "feed_forward.down_proj.weight"], "copy"),
+        (M + "mlp.router.weight", [L + "feed_forward.router.weight"], "copy"),
+        (_E + "linear_fc1.weight", [L + "feed_forward.experts.gate_up_proj"], "stacked_t"),
+        (_E + "linear_fc2.weight", [L + "feed_forward.experts.down_proj"], "stacked_t"),
+        (M + "mlp.shared_experts.linear_fc1.weight",
+         [L + "feed_forward.shared_expert.gate_proj.weight", L + "feed_forward.shared_expert.up_proj.weight"], "glu"),
+        (M + "mlp.shared_experts.linear_fc2.weight", [L + "feed_forward.shared_expert.down_proj.weight"], "copy"),
+    ],
     "mixtral": _EMBEDDING + _ATTENTION + [
         (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
         (_E + "linear_fc1.weight",
          [L + "block_sparse_moe.experts.{E}.w1.weight", L + "block_sparse_moe.experts.{E}.w3.weight"], "glu"),
         (_E + "linear_fc2.weight", [L + "block_sparse_moe.experts.{E}.w2.weight"], "copy"),
     ],
+}
+
+# what to import instead, for model types that wrap a supported one
+INSTEAD = {
+    "llama4": "a text-and-vision Llama-4: import its text model alone, a Llama4ForCausalLM (model_type llama4_text)",
 }
 
 # config fields that say nothing about the weights or the forward pass
@@ -190,7 +206,7 @@ def rope_get(c: Config, key):
     return (c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}).get(key)
 
 
-def _dense(c: Config) -> dict:
+def _dense(c: Config, layer_types=("full_attention",)) -> dict:
     heads, groups = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     c.expect("hidden_act", ["silu"], "megatron's --swiglu gates with SiLU")
@@ -199,9 +215,9 @@ def _dense(c: Config) -> dict:
     c.expect("pretraining_tp", [1], "only the unsliced projections are mapped")
     c.expect("use_sliding_window", [False], "sliding-window attention is not mapped for this family")
     c.expect("sliding_window", [None], "sliding-window attention is not mapped for this family")
-    layer_types = c.get("layer_types")
-    if layer_types and set(layer_types) != {"full_attention"}:
-        raise refuse("layer_types", sorted(set(layer_types)), "only full_attention layers are mapped")
+    found = c.get("layer_types")
+    if found and set(found) - set(layer_types):
+        raise refuse("layer_types", sorted(set(found)), f"supported: {', '.join(layer_types)}")
     flags = {
         "num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
         "ffn_hidden_size": c["intermediate_size"], "num_attention_heads": heads, "kv_channels": head_dim,
@@ -253,6 +269,8 @@ def flags(model_type: str, c: Config) -> dict:
         return _deepseek_v2(c)
     if model_type == "gpt_oss":
         return _gpt_oss(c)
+    if model_type == "llama4_text":
+        return _llama4(c)
     raise ConfigError(f"architecture {model_type} is not supported")
 
 
@@ -423,3 +441,48 @@ def _yarn(c: Config) -> dict:
              "yarn_correction_range_round_to_int": bool(rope.pop("truncate", True))}
     _refuse_unread_rope(rope, kind)
     return flags
+
+
+def _llama4(c: Config) -> dict:
+    """Llama-4 (text): rope on interleaved pairs, skipped on the NoPE layers (no_rope_layers, 1 = rope);
+    the parameter-free L2 query/key norm on the rope layers only; dense and MoE layers (moe_layers); top-1
+    sigmoid routing whose score scales the expert's input, a shared expert; experts stacked.
+
+    Two of its attention details megatron-core does not implement, and both are the identity up to a
+    length, which becomes the recipe's --max-position-embeddings (megatron refuses a longer --seq-length):
+    the rope layers attend within chunks of attention_chunk_size tokens (one chunk up to that length), and
+    the NoPE layers scale queries by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (1 below
+    position floor_scale - 1)."""
+    out = _dense(c, layer_types=("full_attention", "chunked_attention"))
+    layers = out["num_layers"]
+    c.get("no_rope_layer_interval"), c.get("interleave_moe_layer_step")  # transformers derives the two lists from them
+    use_rope = [int(x) for x in c["no_rope_layers"]]
+    chunk = c.get("attention_chunk_size")
+    expected = ["chunked_attention" if r and chunk is not None else "full_attention" for r in use_rope]
+    if c.get("layer_types", expected) != expected:
+        raise refuse("layer_types", c.raw["layer_types"], "Llama-4 chunks the attention of its rope layers, "
+                     "and of no other layer")
+    limit = out["max_position_embeddings"]
+    if "chunked_attention" in expected:
+        limit = min(limit, int(chunk))
+    if c.get("attn_temperature_tuning", True) and not all(use_rope):
+        limit = min(limit, int(c.get("floor_scale", 8192)) - 1)
+    c.get("attn_scale")
+    c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
+    c.expect("num_experts_per_tok", [1], "megatron scales the expert input by the router score "
+             "(--moe-apply-probs-on-input) for top-1 routing only")
+    moe_layers = set(c["moe_layers"])
+    out.update(ffn_hidden_size=c["intermediate_size_mlp"], rotary_interleaved=True, max_position_embeddings=limit,
+               num_experts=c["num_local_experts"], moe_router_topk=1, moe_ffn_hidden_size=c["intermediate_size"],
+               moe_shared_expert_intermediate_size=c["intermediate_size"], moe_router_score_function="sigmoid",
+               moe_apply_probs_on_input=True, moe_router_load_balancing_type="aux_loss",
+               moe_aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)), moe_token_dispatcher_type="alltoall")
+    if len(moe_layers) < layers:
+        out["moe_layer_freq"] = "[" + ",".join(str(int(i in moe_layers)) for i in range(layers)) + "]"
+    if not all(use_rope):
+        out["no_rope_freq"] = "[" + ",".join(str(1 - r) for r in use_rope) + "]"
+    if c.get("use_qk_norm", True):
+        out["qk_l2_norm"] = True
+        if not all(use_rope):
+            out["qk_norm_skip_nope_layers"] = True
+    return out

@@ -3,7 +3,9 @@ from megatron_ext.errors import ConfigError
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext: training", "initialisation and checkpoint retention")
+    group = parser.add_argument_group(
+        "megatron_ext: training", "initialisation, what the model builder adds, checkpoint retention"
+    )
     group.add_argument(
         "--layout-invariant-init",
         action="store_true",
@@ -19,6 +21,9 @@ def add_arguments(parser):
         "Default: keep all.",
     )
     from megatron_ext.training.checkpointing import add_arguments as add_checkpointing_arguments
+    from megatron_ext.training.model import add_arguments as add_model_arguments
+
+    add_model_arguments(group)
 
     add_checkpointing_arguments(group)
     return parser

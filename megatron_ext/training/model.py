@@ -4,6 +4,7 @@ DDP."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -15,7 +16,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.training import (
@@ -43,18 +48,40 @@ def _layer_spec(config: TransformerConfig, use_te: bool):
         )
     return get_gpt_layer_local_spec(
         config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
-        normalization=config.normalization,
+        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
     )
 
 
 def layer_spec(args, config: TransformerConfig, vp_stage: int | None):
     use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts is not None:  # per-layer dense/MoE pattern from --moe-layer-freq
-        return get_gpt_decoder_block_spec(
+    if args.num_experts is not None or args.qk_norm_skip_nope_layers:  # per-layer specs
+        spec = get_gpt_decoder_block_spec(  # the dense/MoE pattern of --moe-layer-freq
             config, use_transformer_engine=use_te, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
             vp_stage=vp_stage,
         )
+        return _without_qk_norm_on_nope_layers(config, spec, vp_stage) if args.qk_norm_skip_nope_layers else spec
     return _layer_spec(config, use_te)
+
+
+def _without_qk_norm_on_nope_layers(config: TransformerConfig, block_spec, vp_stage: int | None):
+    """--qk-norm-skip-nope-layers: the layers --no-rope-freq leaves without rope get no query/key norm
+    (Llama-4); megatron-core puts it on every layer. The spec's IdentityOp stands in for the norm class
+    the config would pick (transformer/attention.py:1697)."""
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    specs = list(block_spec.layer_specs)
+    assert len(specs) == len(ids), (len(specs), list(ids))
+    for i, layer_id in enumerate(ids):
+        if config.no_rope_freq[layer_id]:
+            attention = specs[i].submodules.self_attention
+            attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+                attention.submodules, q_layernorm=IdentityOp, k_layernorm=IdentityOp))
+            specs[i] = dataclasses.replace(specs[i], submodules=dataclasses.replace(
+                specs[i].submodules, self_attention=attention))
+    return dataclasses.replace(block_spec, layer_specs=specs)
 
 
 def mtp_spec(args, config: TransformerConfig, decoder_spec, vp_stage: int | None):
@@ -256,9 +283,29 @@ def num_parameters(model: list) -> int:
     return sum(p.numel() for c in model for p in c.parameters())
 
 
+def add_arguments(group) -> None:
+    group.add_argument(
+        "--qk-norm-skip-nope-layers",
+        action="store_true",
+        help="No query/key norm (--qk-l2-norm or --qk-layernorm) on the layers --no-rope-freq leaves "
+        "without rope, as Llama-4 does; megatron-core normalises every layer's queries and keys.",
+    )
+
+
 def before_validate(args) -> None:
     """Refused before megatron's validate_args, whose assertions for these would name something else."""
     from megatron_ext.errors import ConfigError
+
+    if args.qk_norm_skip_nope_layers and not ((args.qk_l2_norm or args.qk_layernorm) and args.no_rope_freq):
+        raise ConfigError(
+            "--qk-norm-skip-nope-layers without --no-rope-freq and one of --qk-l2-norm / --qk-layernorm: "
+            "there is no query/key norm on a layer without rope to skip"
+        )
+    if args.qk_norm_skip_nope_layers and args.multi_latent_attention:
+        raise ConfigError(
+            "--qk-norm-skip-nope-layers with --multi-latent-attention: its query/key norms are the latent "
+            "norms of MLA, which every layer needs"
+        )
 
     if args.use_megatron_fsdp and args.pipeline_model_parallel_size > 1:
         raise ConfigError(

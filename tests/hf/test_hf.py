@@ -78,7 +78,7 @@ LAYOUTS = {  # world 2: TP2 with sequence parallelism; MoE models also EP2
 
 
 def _layout(family):
-    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss") else "dense"]
+    return LAYOUTS["moe" if family in ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss", "llama4_text") else "dense"]
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES))
@@ -91,12 +91,30 @@ def test_forward_equals_transformers_single_and_tp2(workdir, family):
             recipe = yaml.safe_load(f)
         assert recipe["use_rope_scaling"] and recipe["rope_scaling_factor"] == 32.0, recipe
         assert recipe["untie_embeddings_and_output_weights"] is False
+    if family == "llama4_text":  # exact up to its temperature tuning's floor_scale - 1 (NoPE layers), refused after
+        import yaml
+
+        with open(os.path.join(r["ckpt"], "recipe.yaml")) as f:
+            recipe = yaml.safe_load(f)
+        assert recipe["max_position_embeddings"] == 8191 and recipe["no_rope_freq"] == "[1,0,0,1]", recipe
     ref = models.hf_logits(r["hf"])
     single = run_distributed(1, "tests.hf.jobs:logits", load=r["ckpt"], ids=models.IDS, flags=[])[0]
     models.assert_close(single, ref)
     sharded = run_distributed(2, "tests.hf.jobs:logits", load=r["ckpt"], ids=models.IDS, flags=_layout(family))
     assert sharded[1] is None
     models.assert_close(sharded[0], ref)
+
+
+@pytest.mark.parametrize("pipeline", [["--num-layers-per-virtual-pipeline-stage", "1"],
+                                      ["--decoder-first-pipeline-num-layers", "1"]], ids=["vpp2", "uneven"])
+def test_llama4_forward_under_pipeline_layouts(workdir, pipeline):
+    """Llama-4's NoPE layers (no query/key norm) found by their global layer number on each pipeline
+    stage and virtual stage: an uneven split (1 + 3 layers) and PP2 x VPP2 give transformers' logits."""
+    r = imported(workdir, "llama4_text")
+    out = run_distributed(2, "tests.hf.jobs:logits", load=r["ckpt"], ids=models.IDS,
+                          flags=["--pipeline-model-parallel-size", "2", *pipeline])
+    assert out[1] is None
+    models.assert_close(out[0], models.hf_logits(r["hf"]))
 
 
 def test_finetune_three_iterations_then_export_equals_ours(workdir):
@@ -194,8 +212,12 @@ def test_refusals_are_one_line_naming_what(workdir):
             os.remove(os.path.join(d, drop))
         return d
 
-    with pytest.raises(ConfigError, match=r"architecture Llama4ForCausalLM \(model_type llama4\) is not supported"):
-        hf.import_hf(variant("l4", lambda c: c.update(model_type="llama4", architectures=["Llama4ForCausalLM"])), str(bad))
+    with pytest.raises(ConfigError, match=r"architecture JambaForCausalLM \(model_type jamba\) is not supported"):
+        hf.import_hf(variant("jamba", lambda c: c.update(model_type="jamba", architectures=["JambaForCausalLM"])), str(bad))
+    with pytest.raises(ConfigError, match=r"Llama4ForConditionalGeneration \(model_type llama4\) is not supported "
+                       r"\(a text-and-vision Llama-4: import its text model alone, a Llama4ForCausalLM"):
+        hf.import_hf(variant("l4", lambda c: c.update(model_type="llama4",
+                                                      architectures=["Llama4ForConditionalGeneration"])), str(bad))
     with pytest.raises(ConfigError, match=r"missing shard model-00002-of-"):
         hf.import_hf(variant("noshard", drop=_hf_shards(r["hf"])[1]), str(bad))
     with pytest.raises(ConfigError, match=r"attention_bias=True: attention biases are not mapped"):
@@ -210,6 +232,13 @@ def test_refusals_are_one_line_naming_what(workdir):
         hf.import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
     with pytest.raises(ConfigError, match=r"quantization_config=.*this field is not representable"):  # MXFP4
         hf.import_hf(variant("mxfp4", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), src=oss), str(bad))
+    l4 = imported(workdir, "llama4_text")["hf"]
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok=2: megatron scales the expert input by the router "
+                       r"score \(--moe-apply-probs-on-input\) for top-1 routing only"):
+        hf.import_hf(variant("l4top2", lambda c: c.update(num_experts_per_tok=2), src=l4), str(bad))
+    with pytest.raises(ConfigError, match=r"rope_parameters.high_freq_factor=1.0: megatron's llama3 rope scaling "
+                       r"fixes it at 4.0"):  # Llama-4-Scout's
+        hf.import_hf(variant("scout_rope", lambda c: c["rope_parameters"].update(high_freq_factor=1.0), src=l4), str(bad))
     with pytest.raises(ConfigError, match=r"config.json: some_new_field=3: this field is not representable"):
         hf.import_hf(variant("field", lambda c: c.update(some_new_field=3)), str(bad))
     jobs = run_distributed(1, "tests.hf.test_hf:_refused_in_build",
@@ -247,10 +276,10 @@ def _refused_in_build(shape, dtype, bad, ckpt):
 
 
 def test_cli_refuses_in_one_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures": ["Llama4ForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "architectures": ["JambaForCausalLM"]}))
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), "import", "--hf", str(tmp_path),
                         "--save", str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 1, p
     assert p.stderr.strip().splitlines()[-1:] == [
-        f"error: --hf={tmp_path}: architecture Llama4ForCausalLM (model_type llama4) is not supported "
-        "(supported: deepseek_v2, deepseek_v3, gpt_oss, llama, mixtral, nemotron, qwen3, qwen3_moe)"], p.stderr
+        f"error: --hf={tmp_path}: architecture JambaForCausalLM (model_type jamba) is not supported "
+        "(supported: deepseek_v2, deepseek_v3, gpt_oss, llama, llama4_text, mixtral, nemotron, qwen3, qwen3_moe)"], p.stderr

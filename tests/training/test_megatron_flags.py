@@ -240,6 +240,7 @@ def test_mtp_num_layers_builds_and_logs_the_mtp_loss():
         (["--use-torch-fsdp2", "--use-distributed-optimizer"], r"^--use-distributed-optimizer=True, --use-torch-fsdp2=True: "),
         (["--full-validation"], r"^--full-validation: not supported"),
         (["--step-batch-size-schedule", "0:8"], r"^--step-batch-size-schedule: batch-size schedules"),
+        (["--qk-norm-skip-nope-layers", "--qk-l2-norm"], r"^--qk-norm-skip-nope-layers without --no-rope-freq"),
     ],
 )
 def test_refused_by_name(flags, match):
