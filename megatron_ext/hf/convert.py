@@ -49,12 +49,12 @@ def read_hf_config(hf_dir: str) -> tuple[str, families.Config]:
     except ValueError as e:
         raise ConfigError(f"--hf={hf_dir}: config.json is not JSON ({e})") from None
     model_type = raw.get("model_type")
-    if model_type not in families.TABLES:
+    if model_type not in families.SUPPORTED:
         arch = (raw.get("architectures") or [model_type])[0]
         hint = families.INSTEAD.get(model_type)
         raise ConfigError(f"--hf={hf_dir}: architecture {arch} (model_type {model_type}) is not supported "
-                          + (f"({hint})" if hint else f"(supported: {', '.join(sorted(families.TABLES))})"))
-    return model_type, families.Config(raw)
+                          + (f"({hint})" if hint else f"(supported: {', '.join(families.SUPPORTED)})"))
+    return families.ALIASES.get(model_type, model_type), families.Config(raw)
 
 
 def shard_files(hf_dir: str) -> list[str]:

@@ -54,8 +54,9 @@ _DENSE_MLP = [
 ]
 _E = M + "mlp.experts.local_experts.{E}."
 
-_DEEPSEEK = _EMBEDDING + [  # MLA (with query LoRA: the q down/up rows); dense first layers, then routed + shared experts
+_DEEPSEEK = _EMBEDDING + [  # MLA (query LoRA: the q down/up rows; else q_proj); dense first layers, routed + shared experts
     (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
+    (M + "self_attention.linear_q_proj.weight", [L + "self_attn.q_proj.weight"], "copy"),
     (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
     (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
     (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
@@ -121,6 +122,11 @@ TABLES = {
     ],
 }
 
+# model types whose architecture is a supported family's, under another name (the published Kimi-K2
+# ships transformers' DeepSeek-V3 code as its remote code)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+SUPPORTED = sorted([*TABLES, *ALIASES])
+
 # what to import instead, for model types that wrap a supported one
 INSTEAD = {
     "llama4": "a text-and-vision Llama-4: import its text model alone, a Llama4ForCausalLM (model_type llama4_text)",
@@ -134,6 +140,7 @@ IGNORED = {
     "id2label", "label2id", "problem_type", "task_specific_params", "tokenizer_class", "prefix", "sep_token_id",
     "decoder_start_token_id", "add_cross_attention", "cross_attention_hidden_size", "is_decoder", "pruned_heads",
     "torchscript", "tf_legacy_loss", "use_bfloat16", "finetuning_task", "max_window_layers",
+    "auto_map",  # where remote code lives (the family's table and flags stand for it)
 }
 
 
@@ -278,8 +285,6 @@ def _deepseek_v3(c: Config) -> dict:
     """DeepSeek-V3 / Kimi-K2: sigmoid scores with a score-correction bias, renormalised top-k, a
     group scored by its top two experts."""
     c.expect("norm_topk_prob", [True], "megatron normalises the top-k sigmoid scores")
-    if c.get("q_lora_rank") is None:
-        raise refuse("q_lora_rank", None, "multi-latent attention without query LoRA is not mapped for deepseek_v3")
     c.get("num_nextn_predict_layers")  # transformers has no MTP layers: their weights, if present, are refused
     topk, groups, group_topk = c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1)
     if groups > 1 and topk != 2 * group_topk:
@@ -291,12 +296,7 @@ def _deepseek_v3(c: Config) -> dict:
 
 def _deepseek_v2(c: Config) -> dict:
     """DeepSeek-V2: the softmax over every expert, its top-k kept as they are (megatron's
-    pre-softmax), greedy or group-limited (a group scored by its best expert). Without query LoRA
-    (V2-Lite) megatron-core's MLA normalises the query's input a second time, transformers' does not."""
-    if c.get("q_lora_rank") is None:
-        raise refuse("q_lora_rank", None, "without query LoRA megatron-core's multi-latent attention puts a second "
-                     "norm in front of linear_q_proj under --qk-layernorm (transformer/mla_qk_norm_config.py), "
-                     "which transformers' DeepSeek-V2 does not have; without --qk-layernorm it drops the KV latent norm")
+    pre-softmax), greedy or group-limited (a group scored by its best expert)."""
     c.expect("norm_topk_prob", [False], "transformers' DeepSeek-V2 router keeps the top-k softmax scores unnormalised")
     c.expect("mlp_bias", [False], "MLP biases are not mapped")
     method = c.expect("topk_method", ["greedy", "group_limited_greedy"], "supported: greedy, group_limited_greedy")
@@ -325,13 +325,13 @@ def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
     rope, theta, kind = _rope_parameters(c)
     flags = {"rope_type": "rope", "rotary_base": theta}
     if kind == "yarn":
-        # megatron's MLA yarn takes factor and both mscales; the rest are MLATransformerConfig's fixed values
-        for key, fixed in (("original_max_position_embeddings", 4096), ("beta_fast", 32.0), ("beta_slow", 1.0),
-                           ("truncate", True)):
-            if rope.pop(key, fixed) != fixed:
-                raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's MLA yarn fixes it at {fixed}")
+        # megatron's MLA yarn always rounds its correction range (transformers' truncate)
+        if rope.pop("truncate", True) is not True:
+            raise refuse("rope_parameters.truncate", rope_get(c, "truncate"), "megatron's MLA yarn always truncates")
         flags = {"rope_type": "yarn", "rotary_base": theta, "rotary_scaling_factor": float(rope.pop("factor")),
-                 "mscale": float(rope.pop("mscale", 1.0)), "mscale_all_dim": float(rope.pop("mscale_all_dim", 0.0))}
+                 "mscale": float(rope.pop("mscale", 1.0)), "mscale_all_dim": float(rope.pop("mscale_all_dim", 0.0)),
+                 "yarn_original_max_position_embeddings": int(rope.pop("original_max_position_embeddings", 4096)),
+                 "yarn_beta_fast": float(rope.pop("beta_fast", 32.0)), "yarn_beta_slow": float(rope.pop("beta_slow", 1.0))}
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, yarn")
     _refuse_unread_rope(rope, kind)
@@ -354,6 +354,8 @@ def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
     }
     if c.get("q_lora_rank") is not None:
         out["q_lora_rank"] = c["q_lora_rank"]
+    else:  # V2-Lite: linear_q_proj on the layer's normalised input, as transformers computes it
+        out["mla_q_proj_without_norm"] = True
     if groups > 1:
         out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     if c.get("n_shared_experts"):

@@ -13,6 +13,10 @@ spec that it lacks. Each is plain torch, on every platform (CUDA without transfo
                           refused (mla_qk_norm_config.py:172): the local backend gets a norm+linear (torch's norm,
                           then ColumnParallelLinear), and the standalone query norm moves into it, as in the
                           transformer-engine spec.
+  mla_q_proj_without_norm --mla-q-proj-without-norm: without --q-lora-rank, linear_q_proj is a plain linear on
+                          the layer's normalised input, where megatron-core's resolver puts --qk-layernorm's query
+                          norm into a fused norm+linear (transformer/mla_qk_norm_config.py:148); the KV latent
+                          norm stays. DeepSeek-V2-Lite as transformers and DeepSeek's own code compute it.
   zero_centred_norm       --apply-layernorm-1p (config.layernorm_zero_centered_gamma, Nemotron): torch's norms
                           refuse it (transformer/torch_norm.py:45). The norm stores gamma - 1 (initialised to 0)
                           and applies (1 + gamma), transformer-engine's zero_centered_gamma formula
@@ -88,6 +92,21 @@ def _install_local_latent_attention():
     ])
 
 
+def _install_mla_q_proj_without_norm():
+    from megatron.core.transformer import mla_qk_norm_config
+
+    resolver = mla_qk_norm_config.QKNormConfigResolver
+    original = resolver._resolve_mla_qk_layernorm
+
+    def _resolve_mla_qk_layernorm(self):
+        resolved = original(self)
+        if not self.has_q_lora:
+            resolved["linear_q_proj"] = self.linear_impl
+        return resolved
+
+    return set_attr(resolver, "_resolve_mla_qk_layernorm", _resolve_mla_qk_layernorm)
+
+
 def _zero_centred(norm_cls):
     class ZeroCentred(norm_cls):
         """torch's norm storing gamma - 1 (transformer-engine's zero_centered_gamma)."""
@@ -132,13 +151,19 @@ LOCAL_LATENT_ATTENTION = Patch(
     "its query norm has no fused norm+linear to go into",
     _install_local_latent_attention,
 )
+MLA_Q_PROJ_WITHOUT_NORM = Patch(
+    "architectures.mla_q_proj_without_norm",
+    ["megatron/core/transformer/mla_qk_norm_config.py:148"],
+    "without query LoRA, --qk-layernorm puts a norm in front of linear_q_proj that DeepSeek-V2-Lite does not have",
+    _install_mla_q_proj_without_norm,
+)
 ZERO_CENTRED_NORM = Patch(
     "architectures.zero_centred_norm",
     ["megatron/core/transformer/torch_norm.py:45"],
     "torch's LayerNorm/RMSNorm refuse --apply-layernorm-1p (zero-centred gamma)",
     _install_zero_centred_norm,
 )
-SEAMS = [LOCAL_LATENT_ATTENTION, ZERO_CENTRED_NORM]
+SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, ZERO_CENTRED_NORM]
 
 
 def for_run(args):
@@ -146,6 +171,8 @@ def for_run(args):
     out = []
     if local and getattr(args, "multi_latent_attention", False):
         out.append(LOCAL_LATENT_ATTENTION)
+    if getattr(args, "mla_q_proj_without_norm", False):
+        out.append(MLA_Q_PROJ_WITHOUT_NORM)
     if local and getattr(args, "layernorm_zero_centered_gamma", False):
         out.append(ZERO_CENTRED_NORM)
     return out

@@ -35,8 +35,22 @@ from megatron_ext.training import checkpointing, features
 
 def transformer_config(args) -> TransformerConfig:
     config = core_transformer_config_from_args(args)
+    if args.multi_latent_attention:
+        _mla_yarn_from_flags(args, config)
     features.before_model(args, config)
     return config
+
+
+# multi-latent attention's yarn reads unprefixed config fields that no flag sets (megatron's config
+# builder leaves them at MLATransformerConfig's values, training/argument_utils.py:397): the --yarn-* flags
+_MLA_YARN = (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+             ("yarn_original_max_position_embeddings", "original_max_position_embeddings"))
+
+
+def _mla_yarn_from_flags(args, config) -> None:
+    for flag, field in _MLA_YARN:
+        if getattr(args, flag, None) is not None:
+            setattr(config, field, getattr(args, flag))
 
 
 def _layer_spec(config: TransformerConfig, use_te: bool):
@@ -290,6 +304,13 @@ def add_arguments(group) -> None:
         help="No query/key norm (--qk-l2-norm or --qk-layernorm) on the layers --no-rope-freq leaves "
         "without rope, as Llama-4 does; megatron-core normalises every layer's queries and keys.",
     )
+    group.add_argument(
+        "--mla-q-proj-without-norm",
+        action="store_true",
+        help="Multi-latent attention without --q-lora-rank: linear_q_proj takes the layer's normalised "
+        "input as it is (DeepSeek-V2-Lite); under --qk-layernorm megatron-core puts a second norm in front "
+        "of it. The KV latent norm stays.",
+    )
 
 
 def before_validate(args) -> None:
@@ -300,6 +321,17 @@ def before_validate(args) -> None:
         raise ConfigError(
             "--qk-norm-skip-nope-layers without --no-rope-freq and one of --qk-l2-norm / --qk-layernorm: "
             "there is no query/key norm on a layer without rope to skip"
+        )
+    if args.mla_q_proj_without_norm and not (args.multi_latent_attention and args.q_lora_rank is None
+                                             and args.qk_layernorm):
+        raise ConfigError(
+            "--mla-q-proj-without-norm without --multi-latent-attention --qk-layernorm and with --q-lora-rank: "
+            "only then does megatron-core put a norm in front of linear_q_proj"
+        )
+    if args.multi_latent_attention and args.yarn_correction_range_round_to_int is False:
+        raise ConfigError(
+            "--no-yarn-correction-range-round-to-int with --multi-latent-attention: megatron-core's MLA yarn "
+            "always rounds its correction range (transformer/multi_latent_attention.py:190)"
         )
     if args.qk_norm_skip_nope_layers and args.multi_latent_attention:
         raise ConfigError(

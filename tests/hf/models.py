@@ -3,6 +3,7 @@ config classes, each with its non-default details (tied embeddings, llama-3 rope
 qk-norm, dense layers among MoE layers, unnormalised top-k, ...) and random norms."""
 from __future__ import annotations
 
+import json
 import os
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=640, rms_norm_eps=1e-5,
@@ -43,6 +44,22 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                          "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # DeepSeek-V2-Lite: no query LoRA, greedy top-2 of 4 experts, one shared expert, default rope
+    "deepseek_v2_lite": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                             num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=32,
+                             q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                             topk_method="greedy", num_experts_per_tok=2, first_k_dense_replace=1,
+                             norm_topk_prob=False, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Kimi-K2 (DeepSeek-V3's architecture under model_type kimi_k2, its code remote): one expert group, yarn
+    # with beta_fast = beta_slow = 1 and factor 32, scaling 2.827
+    "kimi_k2": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                    n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.827, kv_lora_rank=32,
+                    q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1,
+                    topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     # gpt-oss: biases everywhere, sinks, a 4-token sliding window on the even layers, experts stacked in
     # one tensor (gate and up interleaved), the GLU clamped low enough to clip, yarn without truncation
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -65,6 +82,8 @@ FAMILIES = {
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     tie_word_embeddings=False),
 }
+MODEL_TYPE = {"deepseek_v2_lite": "deepseek_v2", "kimi_k2": "deepseek_v3"}  # transformers' class of each
+REMOTE = {"kimi_k2": "deepseek_v3"}  # model types transformers knows only through the checkpoint's remote code
 IDS = [3, 17, 100, 5, 599, 42, 7, 300, 1, 2, 250, 60]
 
 
@@ -85,7 +104,7 @@ def make(root, family: str, shard_size: str = "40KB") -> str:
     fields = {**_COMMON, **FAMILIES[family]}
     if family == "nemotron":  # its LayerNorm's epsilon field
         fields["norm_eps"] = fields.pop("rms_norm_eps")
-    config = AutoConfig.for_model(family, **fields)
+    config = AutoConfig.for_model(MODEL_TYPE.get(family, family), **fields)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms away from their initial ones, biases and sinks away from 0
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -94,16 +113,35 @@ def make(root, family: str, shard_size: str = "40KB") -> str:
             elif "e_score_correction_bias" in name or name.endswith(("bias", "sinks")):
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out, max_shard_size=shard_size)
+    if family in REMOTE:  # as published: its own model_type, the config and model classes named in auto_map
+        with open(os.path.join(out, "config.json")) as f:
+            raw = json.load(f)
+        raw.update(model_type=family, auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(raw, f, indent=2)
     AutoTokenizer.from_pretrained(os.path.join(tok_dir, "hf")).save_pretrained(out)
     return out
+
+
+def load_hf(hf_dir: str, **kwargs):
+    """AutoModelForCausalLM.from_pretrained; for a remote-code model type, with the config class its
+    remote code names (transformers' own, offline)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        raw = json.load(f)
+    if raw["model_type"] in REMOTE:
+        fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+        kwargs["config"] = AutoConfig.for_model(REMOTE[raw["model_type"]], **fields)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
 
 
 def hf_logits(hf_dir: str, ids=IDS):
     """transformers' forward in fp32 on CPU: [seq, vocab]."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = load_hf(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
 

@@ -232,6 +232,26 @@ def test_mtp_num_layers_builds_and_logs_the_mtp_loss():
     assert "mtp_1 loss: " in out["stdout"]
 
 
+# --- architecture flags megatron's config builder drops ---------------------------------------------
+def test_yarn_flags_reach_multi_latent_attention():
+    """MLA's yarn reads beta_fast / beta_slow / original_max_position_embeddings, which megatron's config
+    builder never sets from --yarn-beta-fast / --yarn-beta-slow / --yarn-original-max-position-embeddings
+    (Kimi-K2's beta_fast = beta_slow = 1): here they arrive; --no-yarn-correction-range-round-to-int,
+    which MLA cannot honour, is refused by name."""
+    from megatron_ext.training import model
+
+    mla = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+           "--v-head-dim", "16", "--rope-type", "yarn", "--rotary-scaling-factor", "32", "--mscale", "1",
+           "--mscale-all-dim", "1"]
+    yarn = ["--yarn-beta-fast", "1", "--yarn-beta-slow", "0.5", "--yarn-original-max-position-embeddings", "2048"]
+    config = model.transformer_config(arguments.parse(DENSE + mla + yarn, exit_on_dry_run=False))
+    assert (config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (1.0, 0.5, 2048)
+    config = model.transformer_config(arguments.parse(DENSE + mla, exit_on_dry_run=False))
+    assert (config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (32, 1, 4096)
+    with pytest.raises(ConfigError, match=r"^--no-yarn-correction-range-round-to-int with --multi-latent-attention"):
+        arguments.parse(DENSE + mla + ["--no-yarn-correction-range-round-to-int"], exit_on_dry_run=False)
+
+
 # --- refused by name ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "flags,match",
@@ -241,6 +261,7 @@ def test_mtp_num_layers_builds_and_logs_the_mtp_loss():
         (["--full-validation"], r"^--full-validation: not supported"),
         (["--step-batch-size-schedule", "0:8"], r"^--step-batch-size-schedule: batch-size schedules"),
         (["--qk-norm-skip-nope-layers", "--qk-l2-norm"], r"^--qk-norm-skip-nope-layers without --no-rope-freq"),
+        (["--mla-q-proj-without-norm"], r"^--mla-q-proj-without-norm without --multi-latent-attention"),
     ],
 )
 def test_refused_by_name(flags, match):
