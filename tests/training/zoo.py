@@ -94,11 +94,13 @@ ZOO = {
               "--rotary-base", "500000", "--use-rope-scaling"],
         moe=False),
     "llama4": dict(  # Llama-4-Scout: 48 layers, hidden 5120, 40 heads / 8 KV groups, 16 experts top-1 with
-        # sigmoid scores and a shared expert, interleaved rope scaled by 8
-        argv=[*_COMMON, "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--ffn-hidden-size",
+        # sigmoid scores applied to the expert input and a shared expert, interleaved rope scaled by 8,
+        # no rope on every 4th layer (here the 2nd), the L2 query/key norm on the rope layers
+        argv=[*_COMMON, "--group-query-attention", "--num-query-groups", "2", "--qk-l2-norm", "--no-rope-freq", "[0,1]",
+              "--qk-norm-skip-nope-layers", "--ffn-hidden-size",
               "128", "--rotary-interleaved", "--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor",
               "8.0", "--no-bias-swiglu-fusion", "--num-experts", "8", "--moe-router-topk", "1",
-              "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "1.0",
+              "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input", "--moe-router-topk-scaling-factor", "1.0",
               "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
               "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
               "--moe-token-dispatcher-type", "alltoall", "--moe-token-drop-policy", "probs"],
