@@ -14,7 +14,10 @@ computes the same):
     compute stream on a GPU; host time blocked in wait() on CPU), summed over the step, mean over
     ranks, median over steps, for plain and ours; their ratio;
   * step time: the forward-backward call (incl. finalize_model_grads, excl. the optimizer step),
-    after a device synchronize, slowest rank per step, median over steps; ours / plain;
+    after a device synchronize, slowest rank per step, median over steps; ours / plain. Timed
+    steps run as training does, with no recorder attached (the recorder's bookkeeping at every
+    collective and hand-off costs ours more than plain); each is followed by a recorded step of
+    the same schedule, which gives the exposed figures and the timelines;
   * grads_bitwise_equal: every gradient of the last plain step == the last overlapped step's;
   * structural: one step of each with a FLOP counter: for every TP collective, the matmul FLOPs
     issued between its start and its wait, and with the link models of
@@ -83,8 +86,9 @@ def _moe_argv(tp, pp, vpp, ep, shape, world):
 
 def _timed_step(args, schedule, model, num_mb, rec, contexts) -> tuple:
     """One forward-backward of ``schedule`` from zeroed gradients, the benchmark's seed and fresh
-    data, every rank starting together, recorded by ``rec`` (the lanes' hook) inside ``contexts``:
-    (seconds, start time). On CUDA the step's device work is done before its time is read."""
+    data, every rank starting together, recorded by ``rec`` (the lanes' hook; None: not recorded,
+    as in training) inside ``contexts``: (seconds, start time). On CUDA the step's device work is
+    done before its time is read."""
     import contextlib
 
     import torch
@@ -100,7 +104,8 @@ def _timed_step(args, schedule, model, num_mb, rec, contexts) -> tuple:
     if cuda:
         torch.cuda.synchronize()
     torch.distributed.barrier(group=torch.distributed.group.WORLD)
-    lanes.set_hook(rec)
+    if rec is not None:
+        lanes.set_hook(rec)
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
@@ -149,13 +154,13 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     if pp > 1 and not vpp:
         why_not = "megatron's EP overlap needs virtual pipeline stages with PP > 1 (transformer_config.py:2673)"
 
-    def one(name, count_flops=False):
+    def one(name, count_flops=False, record=True):
         config.overlap_moe_expert_parallel_comm = name == "peer"
         schedule = forward_backward_overlap if name == "ours" else get_forward_backward_func()
-        rec = Recorder()
+        rec = Recorder() if record else None
         nodes = NodeLog(rec)
         flop_ctx = FlopCounter(rec) if count_flops else _null()
-        node_ctx = plan_nodes_recorded(nodes) if name == "peer" else _null()
+        node_ctx = plan_nodes_recorded(nodes) if name == "peer" and record else _null()
         try:
             dt, _ = _timed_step(args, schedule, model, num_mb, rec, (flop_ctx, node_ctx))
         finally:
@@ -171,8 +176,8 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     last = {}
     for i in range(steps):
         for n in (names if i % 2 == 0 else tuple(reversed(names))):
-            dt, rec, _, grads = one(n)
-            times[n].append(dt)
+            times[n].append(one(n, record=False)[0])  # timed as training runs: no recorder
+            _, rec, _, grads = one(n)
             for kind in ("tp", "ep"):
                 exposed[n][kind].append(rec.exposed(kind))
             last[n] = grads
@@ -281,10 +286,10 @@ def job(tp, pp, vpp, steps, shape):
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
-    def one(schedule_name, count_flops=False, p2p_trace=None):
+    def one(schedule_name, count_flops=False, p2p_trace=None, record=True):
         schedule = forward_backward_overlap if schedule_name == "ours" else get_forward_backward_func()
-        rec = Recorder()
-        label = seams.label_plain_schedule_passes() if schedule_name == "plain" else _null()
+        rec = Recorder() if record else None
+        label = seams.label_plain_schedule_passes() if schedule_name == "plain" and record else _null()
         flop_ctx = FlopCounter(rec) if count_flops else _null()
         nccl_p2p.TRACE = p2p_trace
         try:
@@ -300,8 +305,8 @@ def job(tp, pp, vpp, steps, shape):
     timelines = {"plain": [], "ours": []}
     for i in range(steps):
         for name in (("plain", "ours") if i % 2 == 0 else ("ours", "plain")):
-            dt, rec, t0 = one(name)
-            times[name].append(dt)
+            times[name].append(one(name, record=False)[0])  # timed as training runs: no recorder
+            _, rec, t0 = one(name)
             exposed[name].append(rec.exposed("tp"))
             timelines[name].append(trace.to_dicts(rec, t0))
             if i == steps - 1:

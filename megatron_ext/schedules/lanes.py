@@ -190,6 +190,18 @@ def _rng_snapshot():
     return state
 
 
+def rng_equal(a, b) -> bool:
+    """Two _rng_snapshot()s hold the same generator states."""
+    def same(x, y):
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+
+    return all(same(x, y) for x, y in zip(a, b))
+
+
 def _rng_restore(state) -> None:
     from megatron.core import tensor_parallel
 
@@ -324,14 +336,30 @@ def _capture_thread_state() -> dict:
 
 
 class Pair:
-    """Run ``fwd()`` (calling thread) and ``bwd()`` (helper thread) interleaved at collectives."""
+    """Run ``fwd()`` (calling thread) and ``bwd()`` (helper thread) interleaved at collectives.
 
-    def __init__(self, fwd_label: str, bwd_label: str):
+    Two forwards pair too (the pipeline's warmup, overlap_1f1b.py): the earlier one in the calling
+    thread's lane, named "F", starts; the later one in the helper's, named "F2"; the process then
+    continues from the later one's RNG and per-pass state. The earlier forward does every stretch
+    between two collectives before the later one does the same stretch: the later lane runs only
+    when the earlier one hands the baton over, and when it keeps going past a collective
+    (waits_in_place: a TP collective while the earlier lane has a token all-to-all in flight) it
+    stops at that all-to-all, where the earlier lane is. So whatever the two passes add to one
+    accumulator (the MoE aux-loss tracker, expert token counts) is added in the plain order."""
+
+    def __init__(self, fwd_label: str, bwd_label: str, two_forwards: bool = False):
         self.cv = threading.Condition()
+        self.two_forwards = two_forwards
         self.f = Lane("F", self, fwd_label)
-        self.b = Lane("B", self, bwd_label)
+        self.b = Lane("F2" if two_forwards else "B", self, bwd_label)
         self.turn: Optional[Lane] = None
         self.switches = 0
+        self.start_rng = None  # the RNG state the pair started from (run)
+
+    def earlier_drew_random(self) -> bool:
+        """After run() of two forwards: the earlier one changed a random generator's state (so the
+        later one, started from the same state, drew other numbers than after it). SERIAL: in order."""
+        return self.f.rng is not None and not rng_equal(self.start_rng, self.f.rng)
 
     # Diagnostics only: run the pair's forward then its backward in the calling thread, no hand-off
     # (same schedule order, no interleaving).
@@ -354,7 +382,7 @@ class Pair:
             return fwd(), bwd()
         if _PAIR is not None:
             raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
-        start_rng = _rng_snapshot()
+        start_rng = self.start_rng = _rng_snapshot()
         start_objs = _state_snapshot()  # between passes: the backward starts from it, not mid-forward
         parent = _capture_thread_state()
         results = {}
@@ -374,8 +402,8 @@ class Pair:
                 self.b.finish()
 
         self.f.thread = threading.current_thread()
-        self.b.thread = threading.Thread(target=b_main, name=f"overlap-bwd-{self.b.label}", daemon=True)
-        backward_first = Pair.backward_first()
+        self.b.thread = threading.Thread(target=b_main, name=f"overlap-{self.b.name}-{self.b.label}", daemon=True)
+        backward_first = Pair.backward_first() and not self.two_forwards
         with self.cv:
             self.turn = self.b if backward_first else self.f
         _PAIR = self
@@ -398,9 +426,10 @@ class Pair:
             self.b.thread.join()
         finally:
             _PAIR = None
-        # Leave the process as the plain schedule would: the forward's RNG stream continues.
-        _rng_restore(self.f.rng)
-        _state_restore(self.f.objs)
+        # Leave the process as the plain schedule would: the (later) forward's RNG stream continues.
+        last = self.b if self.two_forwards else self.f
+        _rng_restore(last.rng)
+        _state_restore(last.objs)
         for lane in (self.f, self.b):
             if lane.exc is not None:
                 raise lane.exc

@@ -4,7 +4,7 @@ One function covers no pipelining (PP=1), 1F1B (PP>1) and interleaved 1F1B (PP>1
 chunks). Per rank, with V = num_microbatches x num_chunks virtual micro-batches in megatron's
 schedule-table order:
 
-    warmup    W forwards
+    warmup    W forwards, two at a time where they may interleave (F[2i] || F[2i+1])
     steady    (F[k+W] || B[k]) for every k while forwards remain   <- the overlapped pairs
     cooldown  the remaining backwards
 
@@ -14,6 +14,13 @@ forward and backward of every steady pair independent, on the last stage too (pl
 F[k] with B[k] there), and the factor 2 lets adjacent stages run their pairs concurrently
 (stage r's pair k needs stage r+1's pair k and stage r+1's pair k needs stage r's pair k-2).
 Without pipelining this is simply F0, (F1||B0), (F2||B1), ..., B[n-1].
+
+Warmup forwards pair when nothing makes two interleaved forwards differ from two in a row
+(`warmup_pairs_why_not`): no dropout or router jitter (their random draws would come in another
+order), no FP8 (its weights are cached by the first micro-batch's forward), no activation offload
+(its hooks follow one forward at a time). The earlier forward starts and stays ahead (lanes.Pair);
+a pair's receives come before it and its sends after it, in the schedule table's order. A pair
+whose earlier forward drew random numbers all the same is an error, raised, never a silent change.
 
 Inside a pair the two passes run as cooperative lanes (lanes.py) that switch at TP collectives.
 Each pass is megatron's own `forward_step` / `backward_step` on the same inputs; the backwards run
@@ -41,7 +48,7 @@ import torch.distributed as dist
 from megatron_ext.schedules import lanes
 
 
-STATS = {"calls": 0, "pairs": 0}  # how often the overlapped schedule ran (tests, logs)
+STATS = {"calls": 0, "pairs": 0, "forward_pairs": 0, "pair_warmup": False}  # tests, logs
 _P2P_GROUPS: dict = {}
 
 
@@ -70,15 +77,18 @@ def _warmup(pp: int, rank: int, chunks: int, group: int, total: int) -> int:
     return min(total, 2 * (pp - rank - 1) + (chunks - 1) * group + 1)
 
 
-def plan(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None):
-    """The per-rank event list: ("F", v) / ("B", v) / ("FB", v_f, v_b). Pure; tested directly."""
+def plan(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None,
+         pair_warmup: bool = False):
+    """The per-rank event list: ("F", v) / ("FF", v, v + 1) / ("B", v) / ("FB", v_f, v_b). Pure;
+    tested directly."""
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
     group = group if (group and chunks > 1) else num_microbatches
     table = get_schedule_table(num_microbatches, chunks, group)
     total = len(table)
     w = _warmup(pp, rank, chunks, group, total)
-    events = [("F", v) for v in range(w)]
+    pairs = w // 2 if pair_warmup else 0
+    events = [("FF", 2 * i, 2 * i + 1) for i in range(pairs)] + [("F", v) for v in range(2 * pairs, w)]
     f, b = w, 0
     while b < total:
         if f < total:
@@ -121,10 +131,23 @@ class Step:
     send: List[tuple] = field(default_factory=list)        # (kind, mb, receiver's chunk, peer, own chunk)
 
 
-def steps(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None):
+def _passes(ev) -> tuple:
+    """(forwards, backwards) of an event, virtual micro-batch indices in the table's order."""
+    kind = ev[0]
+    if kind == "F":
+        return [ev[1]], []
+    if kind == "FF":
+        return [ev[1], ev[2]], []
+    if kind == "B":
+        return [], [ev[1]]
+    return [ev[1]], [ev[2]]
+
+
+def steps(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None,
+          pair_warmup: bool = False):
     """plan() with every pipeline message this rank receives and sends. Pure: the schedule runs
     exactly these, and `program()` turns them into the checker's input."""
-    table, events = plan(num_microbatches, chunks, pp, rank, group)
+    table, events = plan(num_microbatches, chunks, pp, rank, group, pair_warmup)
     first, last = rank == 0, rank == pp - 1
     nxt, prv = (rank + 1) % pp, (rank - 1) % pp
     out = []
@@ -139,24 +162,23 @@ def steps(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optiona
 
     for ev in events:
         step = Step(ev)
-        vf = ev[1] if ev[0] in ("F", "FB") else None
-        vb = ev[-1] if ev[0] in ("B", "FB") else None
-        if vf is not None:
+        forwards, backwards = _passes(ev)
+        for vf in forwards:
             mb, c = fwd(vf)
             if pp > 1 and not (first and c == 0):
                 step.recv.append(("act", mb, c, prv))
-        if vb is not None:
+        for vb in backwards:
             mb, c = bwd(vb)
             if pp > 1 and not (last and c == chunks - 1):
                 step.recv.append(("grad", mb, c, nxt))
             if (mb, c) in sent_act:
                 step.await_sent.append(("act", mb, c))
-        if vf is not None:
+        for vf in forwards:
             mb, c = fwd(vf)
             if pp > 1 and not (last and c == chunks - 1):
                 step.send.append(("act", mb, c if not last else c + 1, nxt, c))
                 sent_act.add((mb, c))
-        if vb is not None:
+        for vb in backwards:
             mb, c = bwd(vb)
             if pp > 1 and not (first and c == 0):
                 step.send.append(("grad", mb, c if not first else c - 1, prv, c))
@@ -165,7 +187,7 @@ def steps(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optiona
 
 
 def program(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optional[int] = None,
-            layout: str = DIRECTIONAL, ranks: Optional[list] = None) -> list:
+            layout: str = DIRECTIONAL, ranks: Optional[list] = None, pair_warmup: bool = False) -> list:
     """This rank's pipeline messages as the p2p checker's program (p2p.Op / p2p.Wait).
     `ranks`: global rank of each pipeline rank (default: the pipeline ranks themselves)."""
     from megatron_ext.schedules.p2p import Op, Wait
@@ -173,7 +195,7 @@ def program(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optio
     ranks = ranks or list(range(pp))
     me = ranks[rank]
     prog, sends, waited = [], {}, set()
-    for step in steps(num_microbatches, chunks, pp, rank, group)[1]:
+    for step in steps(num_microbatches, chunks, pp, rank, group, pair_warmup)[1]:
         posted = []
         for kind, mb, c, peer in step.recv:
             posted.append(len(prog))
@@ -186,6 +208,21 @@ def program(num_microbatches: int, chunks: int, pp: int, rank: int, group: Optio
             sends[(kind, mb, own)] = len(prog)
             prog.append(Op("send", ranks[peer], comm_name(kind, me, ranks[peer], layout), (kind, mb, c)))
     return prog + [Wait(i) for key, i in sends.items() if key not in waited]
+
+
+def warmup_pairs_why_not(config) -> Optional[str]:
+    """Why the warmup's forwards may not interleave (None: they may); see the module doc."""
+    from megatron_ext import offload
+
+    if config.hidden_dropout > 0 or config.attention_dropout > 0:
+        return "dropout draws random numbers in the forward: interleaved, two forwards would draw them in another order"
+    if getattr(config, "moe_input_jitter_eps", None):
+        return "--moe-input-jitter-eps draws random numbers in the forward"
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        return "FP8/FP4 weights are quantised and cached by the first micro-batch's forward"
+    if offload.current() is not None:
+        return "activation offload follows one forward at a time"
+    return None
 
 
 def forward_backward_overlap(
@@ -254,7 +291,9 @@ def forward_backward_overlap(
             f"microbatch_group_size_per_vp_stage={group_size} must be in [PP={pp}, M={num_microbatches}]"
         )
     layout = P2P_LAYOUT
-    table, plan_steps = steps(num_microbatches, chunks, pp, rank, group_size)
+    why_not = warmup_pairs_why_not(config)
+    STATS["pair_warmup"] = why_not is None
+    table, plan_steps = steps(num_microbatches, chunks, pp, rank, group_size, pair_warmup=why_not is None)
     last_stage = rank == pp - 1
     pp_ranks = dist.get_process_group_ranks(pp_group)
     me = pp_ranks[rank]
@@ -358,7 +397,7 @@ def forward_backward_overlap(
     inputs, outputs = {}, {}
     cp_size = cp_group.size()
 
-    def run_forward(v, input_tensor):
+    def run_forward(v, input_tensor, store=forward_data_store):
         mb, c = fwd_id(v)
         with lanes.PassLabel(f"F{mb}" + (f".c{c}" if chunks > 1 else "")):
             out, num_tokens = S.forward_step(
@@ -367,7 +406,7 @@ def forward_backward_overlap(
                 models[c],
                 num_microbatches,
                 input_tensor,
-                forward_data_store,
+                store,
                 config,
                 cp_size,
                 collect_non_loss_data,
@@ -390,6 +429,25 @@ def forward_backward_overlap(
         with lanes.PassLabel(f"B{mb}" + (f".c{c}" if chunks > 1 else "")):
             return S.backward_step(input_tensor, out, output_grad, config)
 
+    def label(v):
+        mb, c = fwd_id(v)
+        return f"F{mb}" + (f".c{c}" if chunks > 1 else "")
+
+    def run_forward_pair(va, vb, got):
+        """Two warmup forwards interleaved; their losses stored in the table's order."""
+        stores = ([], [])
+        xa, xb = got.get(("act", *fwd_id(va))), got.get(("act", *fwd_id(vb)))
+        pair = lanes.Pair(label(va), label(vb), two_forwards=True)
+        STATS["forward_pairs"] += 1
+        na, nb = pair.run(lambda: run_forward(va, xa, stores[0]), lambda: run_forward(vb, xb, stores[1]))
+        if pair.earlier_drew_random():
+            raise RuntimeError(
+                f"--overlap-tp-comm-1f1b: the forward of {label(va)} drew random numbers, so {label(vb)} "
+                "interleaved with it drew other ones than after it; warmup_pairs_why_not "
+                "(schedules/overlap_1f1b.py) must name what draws them")
+        forward_data_store.extend(stores[0] + stores[1])
+        return na + nb
+
     def before_backward(v):
         mb, _ = bwd_id(v)
         if grad_sync_func is None and mb == num_microbatches - 1:
@@ -397,21 +455,23 @@ def forward_backward_overlap(
 
     for step in plan_steps:
         ev = step.event
-        posted = [(m[0], post_recv(*m)) for m in step.recv]
-        got = {}
-        for kind, (t, work) in posted:
+        posted = [(m[:3], post_recv(*m)) for m in step.recv]
+        got = {}  # (kind, micro-batch, chunk) -> the received tensor
+        for key, (t, work) in posted:
             work.wait()
-            got[kind] = t
+            got[key] = t
         if ev[0] in ("B", "FB"):
             key = bwd_id(ev[-1])
             assert [("act",) + key] == step.await_sent or key not in act_sends, (key, step)
             release_outputs(force_key=key)
         grad = None
         if ev[0] == "F":
-            total_num_tokens += run_forward(ev[1], got.get("act"))
+            total_num_tokens += run_forward(ev[1], got.get(("act", *fwd_id(ev[1]))))
+        elif ev[0] == "FF":
+            total_num_tokens += run_forward_pair(ev[1], ev[2], got)
         elif ev[0] == "B":
             before_backward(ev[1])
-            grad = run_backward(ev[1], got.get("grad"))
+            grad = run_backward(ev[1], got.get(("grad", *bwd_id(ev[1]))))
             disable_grad_sync()
         else:
             _, vf, vb = ev
@@ -423,8 +483,8 @@ def forward_backward_overlap(
                 f"B{mbb}" + (f".c{cb}" if chunks > 1 else ""),
             )
             STATS["pairs"] += 1
-            x = got.get("act")
-            g = got.get("grad")
+            x = got.get(("act", mbf, cf))
+            g = got.get(("grad", mbb, cb))
             num_tokens, grad = pair.run(lambda: run_forward(vf, x), lambda: run_backward(vb, g))
             total_num_tokens += num_tokens
             disable_grad_sync()

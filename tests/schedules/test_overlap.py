@@ -48,7 +48,8 @@ def _check_pipeline_messages(results):
             assert r["ours"]["p2p_program"] == []
             continue
         expected = overlap_1f1b.program(r["num_microbatches"], r["chunks"], len(r["pp_ranks"]),
-                                        r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"])
+                                        r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"],
+                                        pair_warmup=r["ours"]["pair_warmup"])
         strip = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in expected]
         got = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in r["ours"]["p2p_program"]]
         assert got == strip, f"rank {rank}: issued messages differ from the plan"
@@ -93,6 +94,7 @@ def test_bitwise_equal_and_overlapped(kind, layout):
         lanes_seen = {lane for _, lane in ours["per_owner_lane"]}
         assert {"F", "B"} <= lanes_seen, where
         _all_backward_collectives_handed_off(r, where)
+        assert not ours["pair_warmup"], where  # dropout on: the warmup's forwards run one at a time
     _check_pipeline_messages(results)
     if layout == "tp2":
         # without pipelining every micro-batch but the first forward / last backward is paired
@@ -110,6 +112,36 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         assert r["ours"]["ep_collectives"] == r["plain"]["ep_collectives"] > 0
         assert r["ours"]["ep_handed_off"] > 0 and r["ours"]["tp_handed_off"] > 0
         _all_backward_collectives_handed_off(r, ep_first=True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_warmup_forwards_pair_bitwise_without_dropout(kind):
+    """Without dropout the warmup's forwards run two at a time (F||F, lanes.Pair two_forwards) on
+    TP2 x PP2 x VPP2 (MoE: EP2 too): losses, gradients and the RNG stream bit-identical to the plain
+    schedule, the pipeline messages those of the paired plan, under NCCL's rules."""
+    extra = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    if kind == "moe":
+        extra += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    results = run_distributed(4, "tests.schedules.jobs:check_bitwise", kind=kind, tp=2, pp=2, vpp=2, extra=extra)
+    for rank, r in enumerate(results):
+        where = f"{kind} rank {rank}"
+        assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"], where
+        assert r["n_grads"] > 0 and r["grads_nonzero"] >= r["n_grads"] - 1, where
+        assert r["ours"]["pair_warmup"] and r["ours"]["forward_pairs"] > 0, where
+    _check_pipeline_messages(results)
+
+
+def test_a_forward_pair_sees_random_draws():
+    """The schedule's guard (overlap_1f1b run_forward_pair raises on it): a pair of forwards knows
+    whether the earlier one drew random numbers, from the generators' states, not from the config."""
+    import torch
+
+    from megatron_ext.schedules import lanes
+
+    for draws in (False, True):
+        pair = lanes.Pair("F0", "F1", two_forwards=True)
+        pair.run(lambda: torch.rand(3) if draws else torch.zeros(3), lambda: torch.zeros(3))
+        assert pair.earlier_drew_random() is draws
 
 
 def test_ep_only_overlap_tp1_ep2_every_dispatcher():
@@ -284,6 +316,11 @@ def test_plan_pairs_distinct_and_ordered():
             fwd = [e[1] for e in events if e[0] in ("F", "FB")]
             bwd = [e[-1] for e in events if e[0] in ("B", "FB")]
             assert fwd == list(range(len(table))) and bwd == list(range(len(table)))
+            _, paired = plan(m, chunks, pp, rank, group=pp if chunks > 1 else None, pair_warmup=True)
+            warmup = [e for e in events if e[0] == "F"]
+            assert [e for e in paired if e[0] not in ("F", "FF")] == [e for e in events if e[0] != "F"]
+            assert [v for e in paired if e[0] in ("F", "FF") for v in e[1:]] == [e[1] for e in warmup]
+            assert sum(e[0] == "FF" for e in paired) == len(warmup) // 2
             for e in events:
                 if e[0] == "FB":
                     f, b = e[1], e[2]

@@ -17,9 +17,10 @@ def _combos():
     return [(pp, vpp, m) for pp in PPS for vpp in VPPS for m in (pp, 2 * pp, 4 * pp)]
 
 
-def _ours(pp, vpp, m, layout=overlap_1f1b.DIRECTIONAL):
+def _ours(pp, vpp, m, layout=overlap_1f1b.DIRECTIONAL, pair_warmup=False):
     group = pp if vpp > 1 else None  # megatron's default microbatch_group_size_per_vp_stage
-    return {r: overlap_1f1b.program(m, vpp, pp, r, group, layout=layout) for r in range(pp)}
+    return {r: overlap_1f1b.program(m, vpp, pp, r, group, layout=layout, pair_warmup=pair_warmup)
+            for r in range(pp)}
 
 
 def test_checker_rules_on_small_programs():
@@ -73,10 +74,11 @@ def test_checker_catches_megatron_batched_p2p_at_pp2_with_virtual_stages():
     assert verdict.mismatched and not verdict.ok
 
 
-def test_ours_completes_under_nccl_rules_everywhere():
+@pytest.mark.parametrize("pair_warmup", [False, True], ids=["warmup-single", "warmup-pairs"])
+def test_ours_completes_under_nccl_rules_everywhere(pair_warmup):
     for pp, vpp, m in _combos():
-        verdict = check(_ours(pp, vpp, m))
-        assert verdict.ok, f"ours PP{pp} VPP{vpp} M{m}:\n{verdict.report()}"
+        verdict = check(_ours(pp, vpp, m, pair_warmup=pair_warmup))
+        assert verdict.ok, f"ours PP{pp} VPP{vpp} M{m} pair_warmup={pair_warmup}:\n{verdict.report()}"
 
 
 def test_ours_with_one_communicator_per_kind_deadlocks_at_pp2_with_virtual_stages():
