@@ -197,12 +197,15 @@ def _rope(c: Config) -> dict:
     partial = rope.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0
     flags = {"position_embedding_type": "rope", "rotary_base": theta, "rotary_percent": float(partial)}
     if kind == "llama3":
-        # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor only;
-        # the other three are fixed at the published values
-        for key, fixed in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192)):
-            if float(rope.pop(key, fixed)) != fixed:
-                raise refuse(f"rope_parameters.{key}", rope_get(c, key), f"megatron's llama3 rope scaling fixes it at {fixed}")
+        # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor; the
+        # other three are fixed at Llama-3.1's values there, and this project's flags set others
+        # (Llama-4-Scout's high_freq_factor 1)
         flags.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor", 8.0)))
+        for key, cast, fixed in (("low_freq_factor", float, 1.0), ("high_freq_factor", float, 4.0),
+                                 ("original_max_position_embeddings", int, 8192)):
+            value = cast(rope.pop(key, fixed))
+            if value != fixed:
+                flags[f"rope_scaling_{key}"] = value
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, llama3")
     _refuse_unread_rope(rope, kind)

@@ -17,6 +17,11 @@ spec that it lacks. Each is plain torch, on every platform (CUDA without transfo
                           the layer's normalised input, where megatron-core's resolver puts --qk-layernorm's query
                           norm into a fused norm+linear (transformer/mla_qk_norm_config.py:148); the KV latent
                           norm stays. DeepSeek-V2-Lite as transformers and DeepSeek's own code compute it.
+  llama3_rope_factors     --rope-scaling-low-freq-factor / --rope-scaling-high-freq-factor /
+                          --rope-scaling-original-max-position-embeddings: megatron-core's llama-3 rope scaling
+                          takes only the factor from its caller (models/common/embeddings/rotary_pos_embedding.py:84)
+                          and keeps the others at Llama-3.1's 1 / 4 / 8192 (:92); this run's values replace them
+                          (Llama-4-Scout: high frequency factor 1). The formula is megatron's own.
   zero_centred_norm       --apply-layernorm-1p (config.layernorm_zero_centered_gamma, Nemotron): torch's norms
                           refuse it (transformer/torch_norm.py:45). The norm stores gamma - 1 (initialised to 0)
                           and applies (1 + gamma), transformer-engine's zero_centered_gamma formula
@@ -107,6 +112,20 @@ def _install_mla_q_proj_without_norm():
     return set_attr(resolver, "_resolve_mla_qk_layernorm", _resolve_mla_qk_layernorm)
 
 
+LLAMA3_ROPE: dict = {}  # this run's low / high frequency factors and original positions (for_run)
+
+
+def _install_llama3_rope_factors():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    original = RotaryEmbedding._apply_scaling
+
+    def _apply_scaling(self, freqs, factor=8, **_fixed):
+        return original(self, freqs, factor=factor, **LLAMA3_ROPE)
+
+    return set_attr(RotaryEmbedding, "_apply_scaling", _apply_scaling)
+
+
 def _zero_centred(norm_cls):
     class ZeroCentred(norm_cls):
         """torch's norm storing gamma - 1 (transformer-engine's zero_centered_gamma)."""
@@ -157,13 +176,23 @@ MLA_Q_PROJ_WITHOUT_NORM = Patch(
     "without query LoRA, --qk-layernorm puts a norm in front of linear_q_proj that DeepSeek-V2-Lite does not have",
     _install_mla_q_proj_without_norm,
 )
+LLAMA3_ROPE_FACTORS = Patch(
+    "architectures.llama3_rope_factors",
+    ["megatron/core/models/common/embeddings/rotary_pos_embedding.py:84",
+     "megatron/core/models/common/embeddings/rotary_pos_embedding.py:92"],
+    "megatron-core's llama-3 rope scaling fixes the low / high frequency factors and original positions",
+    _install_llama3_rope_factors,
+)
 ZERO_CENTRED_NORM = Patch(
     "architectures.zero_centred_norm",
     ["megatron/core/transformer/torch_norm.py:45"],
     "torch's LayerNorm/RMSNorm refuse --apply-layernorm-1p (zero-centred gamma)",
     _install_zero_centred_norm,
 )
-SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, ZERO_CENTRED_NORM]
+SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, LLAMA3_ROPE_FACTORS, ZERO_CENTRED_NORM]
+_LLAMA3_FLAGS = (("rope_scaling_low_freq_factor", "low_freq_factor", 1.0),
+                 ("rope_scaling_high_freq_factor", "high_freq_factor", 4.0),
+                 ("rope_scaling_original_max_position_embeddings", "original_max_position_embeddings", 8192))
 
 
 def for_run(args):
@@ -173,6 +202,11 @@ def for_run(args):
         out.append(LOCAL_LATENT_ATTENTION)
     if getattr(args, "mla_q_proj_without_norm", False):
         out.append(MLA_Q_PROJ_WITHOUT_NORM)
+    if any(getattr(args, flag, None) is not None for flag, _, _ in _LLAMA3_FLAGS):
+        LLAMA3_ROPE.clear()
+        LLAMA3_ROPE.update({key: default if getattr(args, flag) is None else getattr(args, flag)
+                            for flag, key, default in _LLAMA3_FLAGS})
+        out.append(LLAMA3_ROPE_FACTORS)
     if local and getattr(args, "layernorm_zero_centered_gamma", False):
         out.append(ZERO_CENTRED_NORM)
     return out

@@ -71,12 +71,12 @@ FAMILIES = {
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # Llama-4: dense and MoE layers interleaved (4 experts, top-1 sigmoid on the expert input, a shared
     # expert, stacked), NoPE on a dense and a MoE layer with the L2 query/key norm on the others only,
-    # interleaved rope with llama-3 scaling
+    # interleaved rope with Llama-4-Scout's llama-3 scaling (factor 16, high_freq_factor 1)
     "llama4_text": dict(intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                         num_hidden_layers=4, head_dim=16, interleave_moe_layer_step=2, no_rope_layers=[0, 1, 1, 0],
                         tie_word_embeddings=False,
-                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                          "original_max_position_embeddings": 8192}),
     # Mixtral: 4 experts top-2, renormalised
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,

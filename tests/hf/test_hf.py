@@ -98,6 +98,9 @@ def test_forward_equals_transformers_single_and_tp2(workdir, family):
         with open(os.path.join(r["ckpt"], "recipe.yaml")) as f:
             recipe = yaml.safe_load(f)
         assert recipe["max_position_embeddings"] == 8191 and recipe["no_rope_freq"] == "[1,0,0,1]", recipe
+        # Scout's llama-3 scaling (too few positions for the forward to tell it either)
+        assert recipe["rope_scaling_factor"] == 16.0 and recipe["rope_scaling_high_freq_factor"] == 1.0, recipe
+        assert "rope_scaling_low_freq_factor" not in recipe, recipe
     ref = models.hf_logits(r["hf"])
     single = run_distributed(1, "tests.hf.jobs:logits", load=r["ckpt"], ids=models.IDS, flags=[])[0]
     models.assert_close(single, ref)
@@ -223,8 +226,8 @@ def test_refusals_are_one_line_naming_what(workdir):
         hf.import_hf(variant("noshard", drop=_hf_shards(r["hf"])[1]), str(bad))
     with pytest.raises(ConfigError, match=r"attention_bias=True: attention biases are not mapped"):
         hf.import_hf(variant("bias", lambda c: c.update(attention_bias=True)), str(bad))
-    with pytest.raises(ConfigError, match=r"rope_parameters.low_freq_factor=2.0: megatron's llama3 rope scaling fixes it at 1.0"):
-        hf.import_hf(variant("rope", lambda c: c["rope_parameters"].update(low_freq_factor=2.0)), str(bad))
+    with pytest.raises(ConfigError, match=r"rope_parameters.rope_type='dynamic': supported: default, llama3"):
+        hf.import_hf(variant("rope", lambda c: c["rope_parameters"].update(rope_type="dynamic")), str(bad))
     oss = imported(workdir, "gpt_oss")["hf"]
     with pytest.raises(ConfigError, match=r"swiglu_alpha=1.5: megatron's --quick-geglu fixes alpha at 1.702"):
         hf.import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
@@ -234,9 +237,6 @@ def test_refusals_are_one_line_naming_what(workdir):
     with pytest.raises(ConfigError, match=r"num_experts_per_tok=2: megatron scales the expert input by the router "
                        r"score \(--moe-apply-probs-on-input\) for top-1 routing only"):
         hf.import_hf(variant("l4top2", lambda c: c.update(num_experts_per_tok=2), src=l4), str(bad))
-    with pytest.raises(ConfigError, match=r"rope_parameters.high_freq_factor=1.0: megatron's llama3 rope scaling "
-                       r"fixes it at 4.0"):  # Llama-4-Scout's
-        hf.import_hf(variant("scout_rope", lambda c: c["rope_parameters"].update(high_freq_factor=1.0), src=l4), str(bad))
     with pytest.raises(ConfigError, match=r"config.json: some_new_field=3: this field is not representable"):
         hf.import_hf(variant("field", lambda c: c.update(some_new_field=3)), str(bad))
     jobs = run_distributed(1, "tests.hf.test_hf:_refused_in_build",

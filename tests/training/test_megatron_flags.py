@@ -252,6 +252,40 @@ def test_yarn_flags_reach_multi_latent_attention():
         arguments.parse(DENSE + mla + ["--no-yarn-correction-range-round-to-int"], exit_on_dry_run=False)
 
 
+def test_llama3_rope_factors_are_transformers_llama3():
+    """--rope-scaling-{low,high}-freq-factor / --rope-scaling-original-max-position-embeddings reach
+    megatron-core's llama-3 scaling (which fixes them at 1 / 4 / 8192): with Llama-4-Scout's (factor
+    16, high frequency factor 1) the rotary frequencies are transformers' own, bit for bit; without
+    the seam they are not; without --use-rope-scaling the flags are refused by name."""
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_ext import seams
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+    hf_config = LlamaConfig(hidden_size=1024, num_attention_heads=8, rope_parameters=rope)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    flags = ["--use-rope-scaling", "--rope-scaling-factor", "16", "--rope-scaling-high-freq-factor", "1",
+             "--rotary-base", "500000"]
+    args = arguments.parse(DENSE + flags, exit_on_dry_run=False)
+
+    def ours():
+        return RotaryEmbedding(128, 1.0, rotary_base=500000, rope_scaling=True, rope_scaling_factor=16.0,
+                               use_cpu_initialization=True).inv_freq
+
+    assert not torch.equal(ours(), expected)  # megatron-core's fixed factors
+    seams.install(args)
+    try:
+        assert torch.equal(ours(), expected)
+    finally:
+        seams.uninstall()
+    with pytest.raises(ConfigError, match=r"^--rope-scaling-high-freq-factor=1.0 without --use-rope-scaling"):
+        arguments.parse(DENSE + ["--rope-scaling-high-freq-factor", "1"], exit_on_dry_run=False)
+
+
 # --- refused by name ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "flags,match",
