@@ -341,7 +341,7 @@ def before_validate(args) -> None:
     if args.mla_q_proj_without_norm and not (args.multi_latent_attention and args.q_lora_rank is None
                                              and args.qk_layernorm):
         raise ConfigError(
-            "--mla-q-proj-without-norm without --multi-latent-attention --qk-layernorm and with --q-lora-rank: "
+            "--mla-q-proj-without-norm needs --multi-latent-attention with --qk-layernorm and no --q-lora-rank: "
             "only then does megatron-core put a norm in front of linear_q_proj"
         )
     if args.multi_latent_attention and args.yarn_correction_range_round_to_int is False:

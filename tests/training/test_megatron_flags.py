@@ -295,7 +295,7 @@ def test_llama3_rope_factors_are_transformers_llama3():
         (["--full-validation"], r"^--full-validation: not supported"),
         (["--step-batch-size-schedule", "0:8"], r"^--step-batch-size-schedule: batch-size schedules"),
         (["--qk-norm-skip-nope-layers", "--qk-l2-norm"], r"^--qk-norm-skip-nope-layers without --no-rope-freq"),
-        (["--mla-q-proj-without-norm"], r"^--mla-q-proj-without-norm without --multi-latent-attention"),
+        (["--mla-q-proj-without-norm"], r"^--mla-q-proj-without-norm needs --multi-latent-attention with --qk-layernorm and no --q-lora-rank"),
     ],
 )
 def test_refused_by_name(flags, match):
