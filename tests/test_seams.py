@@ -20,6 +20,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buff
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.models.common import fine_grained_callables
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.utils import ScheduleNode
 from megatron.core.tensor_parallel import layers, mappings
@@ -38,7 +39,7 @@ MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 TARGETS = {
     "torch.distributed": dist, "torch.cuda": torch.cuda, "torch.cuda.Event": torch.cuda.Event,
     "torch.cuda.Stream": torch.cuda.Stream, "mappings": mappings, "layers": layers,
-    "router": router, "GlobalMemoryBuffer": GlobalMemoryBuffer,
+    "router": router, "GlobalMemoryBuffer": GlobalMemoryBuffer, "RotaryEmbedding": RotaryEmbedding,
     "parallel_state": parallel_state, "schedules": schedules, "token_dispatcher": token_dispatcher,
     "_ParamAndGradBucketGroup": param_and_grad_buffer._ParamAndGradBucketGroup,
     "DistributedDataParallel": distributed_data_parallel.DistributedDataParallel,

@@ -97,7 +97,7 @@ FAMILIES = (
         linear_num_value_heads mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads
         mup_base_hidden_size relative_attention_num_buckets relative_attention_max_distance
         rotary_base rotary_seq_len_interpolation_factor yarn_original_max_position_embeddings
-        ict_head_size num_classes img_h img_w num_channels patch_dim dino_local_img_size
+        rope_scaling_original_max_position_embeddings ict_head_size num_classes img_h img_w num_channels patch_dim dino_local_img_size
         dino_head_hidden_size dino_bottleneck_size
     """),
     _family("batch size", Domain(int, 1), "samples per batch, a batch ramp-up, or a number of steps", """
@@ -188,6 +188,7 @@ FAMILIES = (
         moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_dropless_budget_factor loss_scale initial_loss_scale
         min_loss_scale loss_scale_window muon_extra_scale_factor head_lr_mult mask_factor
         dino_warmup_teacher_temp dino_teacher_temp yarn_beta_fast yarn_beta_slow
+        rope_scaling_low_freq_factor rope_scaling_high_freq_factor
         rl_default_temperature inference_dynamic_batching_buffer_size_gb
         inprocess_monitor_thread_interval inprocess_monitor_process_interval
         inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout
