@@ -460,11 +460,14 @@ def _llama4(c: Config) -> dict:
     position floor_scale - 1)."""
     out = _dense(c, layer_types=("full_attention", "chunked_attention"))
     layers = out["num_layers"]
-    c.get("no_rope_layer_interval"), c.get("interleave_moe_layer_step")  # transformers derives the two lists from them
-    use_rope = [int(x) for x in c["no_rope_layers"]]
+    # the two layer lists, or transformers' defaults from their intervals (Llama4TextConfig.__post_init__)
+    interval, step = int(c.get("no_rope_layer_interval", 4)), int(c.get("interleave_moe_layer_step", 1))
+    use_rope = [int(x) for x in (c.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(layers)])]
+    moe_layers = c.get("moe_layers")
+    moe_layers = set(range(step - 1, layers, step) if moe_layers is None else moe_layers)
     chunk = c.get("attention_chunk_size")
     expected = ["chunked_attention" if r and chunk is not None else "full_attention" for r in use_rope]
-    if c.get("layer_types", expected) != expected:
+    if (c.get("layer_types") or expected) != expected:
         raise refuse("layer_types", c.raw["layer_types"], "Llama-4 chunks the attention of its rope layers, "
                      "and of no other layer")
     limit = out["max_position_embeddings"]
@@ -476,7 +479,6 @@ def _llama4(c: Config) -> dict:
     c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
     c.expect("num_experts_per_tok", [1], "megatron scales the expert input by the router score "
              "(--moe-apply-probs-on-input) for top-1 routing only")
-    moe_layers = set(c["moe_layers"])
     out.update(ffn_hidden_size=c["intermediate_size_mlp"], rotary_interleaved=True, max_position_embeddings=limit,
                num_experts=c["num_local_experts"], moe_router_topk=1, moe_ffn_hidden_size=c["intermediate_size"],
                moe_shared_expert_intermediate_size=c["intermediate_size"], moe_router_score_function="sigmoid",

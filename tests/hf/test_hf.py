@@ -121,6 +121,26 @@ def test_llama4_forward_under_pipeline_layouts(workdir, pipeline):
     models.assert_close(out[0], models.hf_logits(r["hf"]))
 
 
+def test_llama4_layer_lists_default_as_transformers_derives_them(workdir):
+    """A Llama-4 config.json without its layer lists (no_rope_layers empty, no moe_layers, no
+    layer_types: what Meta's published text configs hold) gives the recipe the lists transformers
+    derives from no_rope_layer_interval and interleave_moe_layer_step."""
+    from transformers import AutoConfig
+
+    from megatron_ext.hf import families
+
+    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=640, num_hidden_layers=8,
+                  intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                  head_dim=16, interleave_moe_layer_step=2, no_rope_layer_interval=4, tie_word_embeddings=False)
+    full = AutoConfig.for_model("llama4_text", **fields).to_dict()
+    bare = dict(full, no_rope_layers=[])
+    for key in ("moe_layers", "layer_types"):
+        bare.pop(key)
+    derived = families.flags("llama4_text", families.Config(bare))
+    assert derived == families.flags("llama4_text", families.Config(full))
+    assert derived["no_rope_freq"] == "[0,0,0,1,0,0,0,1]" and derived["moe_layer_freq"] == "[0,1,0,1,0,1,0,1]"
+
+
 def test_finetune_three_iterations_then_export_equals_ours(workdir):
     """Qwen3-MoE from its import: --finetune on TP2+SP, EP2, the distributed optimizer, activation
     offload and the TP-overlapped 1F1B schedule, 3 iterations, saved; the export of that checkpoint

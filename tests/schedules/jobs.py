@@ -164,6 +164,7 @@ def _check_bitwise(kind, tp, pp, vpp, extra, only, debug_after, second, serial_p
             lanes.set_hook(rec)
             lanes.set_groups()
             nccl_p2p.TRACE = []
+            pairs_before = overlap_1f1b.STATS["forward_pairs"]
             t0 = time.perf_counter()
             try:
                 with FlopCounter(rec):
@@ -176,7 +177,7 @@ def _check_bitwise(kind, tp, pp, vpp, extra, only, debug_after, second, serial_p
             out[name]["offload"] = _offload_stats()
             out[name]["p2p_program"] = _p2p_program(trace, overlap_1f1b.group_names())
             out[name]["pair_warmup"] = name == "ours" and overlap_1f1b.STATS["pair_warmup"]
-            out[name]["forward_pairs"] = overlap_1f1b.STATS["forward_pairs"]
+            out[name]["forward_pairs"] = overlap_1f1b.STATS["forward_pairs"] - pairs_before
     lanes.Pair.SERIAL = False
     from megatron.core import parallel_state
 
