@@ -114,14 +114,20 @@ def test_moe_tp2_ep2_hands_off_expert_all_to_all():
         _all_backward_collectives_handed_off(r, ep_first=True)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-stateful"])
 def test_warmup_forwards_pair_bitwise_without_dropout(kind):
     """Without dropout the warmup's forwards run two at a time (F||F, lanes.Pair two_forwards) on
     TP2 x PP2 x VPP2 (MoE: EP2 too): losses, gradients and the RNG stream bit-identical to the plain
-    schedule, the pipeline messages those of the paired plan, under NCCL's rules."""
+    schedule, the pipeline messages those of the paired plan, under NCCL's rules. "moe-stateful":
+    the modules that keep state between calls, interleaved by two forwards at once (the sync-free
+    and zero-sync dispatchers, megatron's shared-expert overlap, MoE-layer recompute)."""
     extra = ["--hidden-dropout", "0", "--attention-dropout", "0"]
-    if kind == "moe":
+    if kind.startswith("moe"):
         extra += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    if kind == "moe-stateful":
+        extra += ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless", "--moe-shared-expert-intermediate-size",
+                  "64", "--moe-shared-expert-overlap", "--moe-layer-recompute"]
+    kind = kind.split("-")[0]
     results = run_distributed(4, "tests.schedules.jobs:check_bitwise", kind=kind, tp=2, pp=2, vpp=2, extra=extra)
     for rank, r in enumerate(results):
         where = f"{kind} rank {rank}"
