@@ -397,9 +397,12 @@ def forward_backward_overlap(
     inputs, outputs = {}, {}
     cp_size = cp_group.size()
 
+    def pass_label(kind: str, mb: int, c: int) -> str:
+        return f"{kind}{mb}" + (f".c{c}" if chunks > 1 else "")
+
     def run_forward(v, input_tensor, store=forward_data_store):
         mb, c = fwd_id(v)
-        with lanes.PassLabel(f"F{mb}" + (f".c{c}" if chunks > 1 else "")):
+        with lanes.PassLabel(pass_label("F", mb, c)):
             out, num_tokens = S.forward_step(
                 forward_step_func,
                 iters[c],
@@ -426,12 +429,11 @@ def forward_backward_overlap(
         mb, c = bwd_id(v)
         input_tensor = inputs.pop((mb, c))
         out = outputs.pop((mb, c))
-        with lanes.PassLabel(f"B{mb}" + (f".c{c}" if chunks > 1 else "")):
+        with lanes.PassLabel(pass_label("B", mb, c)):
             return S.backward_step(input_tensor, out, output_grad, config)
 
     def label(v):
-        mb, c = fwd_id(v)
-        return f"F{mb}" + (f".c{c}" if chunks > 1 else "")
+        return pass_label("F", *fwd_id(v))
 
     def run_forward_pair(va, vb, got):
         """Two warmup forwards interleaved; their losses stored in the table's order."""
@@ -479,8 +481,8 @@ def forward_backward_overlap(
             mbb, cb = bwd_id(vb)
             before_backward(vb)
             pair = lanes.Pair(
-                f"F{mbf}" + (f".c{cf}" if chunks > 1 else ""),
-                f"B{mbb}" + (f".c{cb}" if chunks > 1 else ""),
+                pass_label("F", mbf, cf),
+                pass_label("B", mbb, cb),
             )
             STATS["pairs"] += 1
             x = got.get(("act", mbf, cf))
