@@ -199,7 +199,8 @@ def _rope(c: Config) -> dict:
     if kind == "llama3":
         # megatron's llama-3 scaling (rotary_pos_embedding.py _apply_scaling) takes the factor; the
         # other three are fixed at Llama-3.1's values there, and this project's flags set others
-        # (Llama-4-Scout's high_freq_factor 1)
+        # (Llama-4-Scout's high_freq_factor 1; the values as seams/architectures.py LLAMA3_ROPE_FLAGS,
+        # written here again so that reading a config needs no megatron-core import)
         flags.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor", 8.0)))
         for key, cast, fixed in (("low_freq_factor", float, 1.0), ("high_freq_factor", float, 4.0),
                                  ("original_max_position_embeddings", int, 8192)):

@@ -190,9 +190,11 @@ ZERO_CENTRED_NORM = Patch(
     _install_zero_centred_norm,
 )
 SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, LLAMA3_ROPE_FACTORS, ZERO_CENTRED_NORM]
-_LLAMA3_FLAGS = (("rope_scaling_low_freq_factor", "low_freq_factor", 1.0),
-                 ("rope_scaling_high_freq_factor", "high_freq_factor", 4.0),
-                 ("rope_scaling_original_max_position_embeddings", "original_max_position_embeddings", 8192))
+# (flag dest, _apply_scaling's argument, the value megatron-core fixes): the flags (training/model.py),
+# this seam and the Hugging Face import (hf/families.py) read this one table
+LLAMA3_ROPE_FLAGS = (("rope_scaling_low_freq_factor", "low_freq_factor", 1.0),
+                     ("rope_scaling_high_freq_factor", "high_freq_factor", 4.0),
+                     ("rope_scaling_original_max_position_embeddings", "original_max_position_embeddings", 8192))
 
 
 def for_run(args):
@@ -202,10 +204,10 @@ def for_run(args):
         out.append(LOCAL_LATENT_ATTENTION)
     if getattr(args, "mla_q_proj_without_norm", False):
         out.append(MLA_Q_PROJ_WITHOUT_NORM)
-    if any(getattr(args, flag, None) is not None for flag, _, _ in _LLAMA3_FLAGS):
+    if any(getattr(args, flag, None) is not None for flag, _, _ in LLAMA3_ROPE_FLAGS):
         LLAMA3_ROPE.clear()
         LLAMA3_ROPE.update({key: default if getattr(args, flag) is None else getattr(args, flag)
-                            for flag, key, default in _LLAMA3_FLAGS})
+                            for flag, key, default in LLAMA3_ROPE_FLAGS})
         out.append(LLAMA3_ROPE_FACTORS)
     if local and getattr(args, "layernorm_zero_centered_gamma", False):
         out.append(ZERO_CENTRED_NORM)

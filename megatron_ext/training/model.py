@@ -304,13 +304,12 @@ def add_arguments(group) -> None:
         help="No query/key norm (--qk-l2-norm or --qk-layernorm) on the layers --no-rope-freq leaves "
         "without rope, as Llama-4 does; megatron-core normalises every layer's queries and keys.",
     )
-    for name, kind, fixed in (("low-freq-factor", float, 1.0), ("high-freq-factor", float, 4.0),
-                              ("original-max-position-embeddings", int, 8192)):
+    for dest, key, fixed in seams.architectures.LLAMA3_ROPE_FLAGS:
         group.add_argument(
-            f"--rope-scaling-{name}",
-            type=kind,
+            "--" + dest.replace("_", "-"),
+            type=type(fixed),
             default=None,
-            help=f"With --use-rope-scaling: the llama-3 scaling's {name.replace('-', ' ')}, which megatron-core "
+            help=f"With --use-rope-scaling: the llama-3 scaling's {key.replace('_', ' ')}, which megatron-core "
             f"fixes at {fixed} (Llama-3.1's; Llama-4-Scout's high frequency factor is 1).",
         )
     group.add_argument(
@@ -331,8 +330,7 @@ def before_validate(args) -> None:
             "--qk-norm-skip-nope-layers without --no-rope-freq and one of --qk-l2-norm / --qk-layernorm: "
             "there is no query/key norm on a layer without rope to skip"
         )
-    factors = [f for f in ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                           "rope_scaling_original_max_position_embeddings") if getattr(args, f) is not None]
+    factors = [dest for dest, _, _ in seams.architectures.LLAMA3_ROPE_FLAGS if getattr(args, dest) is not None]
     if factors and not args.use_rope_scaling:
         raise ConfigError(
             f"--{factors[0].replace('_', '-')}={getattr(args, factors[0])} without --use-rope-scaling: it is a "
