@@ -216,10 +216,10 @@ def summarize_moe(layout, lay, results, shape):
 
     names = list(results[0]["times"])
     steps = len(results[0]["times"]["plain"])
+    wall = _wall(results, names)
     med = {}
     for n in names:
-        step_s = [max(r["times"][n][i] for r in results) for i in range(steps)]
-        med[n] = {"step_s": statistics.median(step_s)}
+        med[n] = {"step_s": statistics.median(wall["step_times_s"][n])}
         for kind in ("tp", "ep"):
             med[n][kind] = statistics.median(
                 statistics.mean(r["exposed"][n][kind][i] for r in results) for i in range(steps))
@@ -247,7 +247,7 @@ def summarize_moe(layout, lay, results, shape):
         "step_time_plain_s": med["plain"]["step_s"],
         "step_time_ours_s": med["ours"]["step_s"],
         "step_time_ratio": med["ours"]["step_s"] / med["plain"]["step_s"],
-        **_wall(results, names),
+        **wall,
         "modeled_hidden_by_kind": by_kind("ours", scale),
         "modeled_hidden_by_kind_as_run": by_kind("ours", (1.0, 1.0, 1.0)),
         "modeled_hidden_by_kind_plain": by_kind("plain", scale),
@@ -363,10 +363,11 @@ def summarize(layout, results, shape):
     from megatron_ext.schedules import costmodel, p2p
 
     steps = len(results[0]["times"]["plain"])
+    wall = _wall(results, ("plain", "ours"))
     per_step = {}
     for name in ("plain", "ours"):
         per_step[name] = {
-            "step_s": [max(r["times"][name][i] for r in results) for i in range(steps)],
+            "step_s": wall["step_times_s"][name],
             "exposed_s": [statistics.mean(r["exposed"][name][i] for r in results) for i in range(steps)],
         }
     med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}
@@ -404,7 +405,7 @@ def summarize(layout, results, shape):
         "step_time_plain_s": med["plain"]["step_s"],
         "step_time_ours_s": med["ours"]["step_s"],
         "step_time_ratio": med["ours"]["step_s"] / med["plain"]["step_s"],
-        **_wall(results, ("plain", "ours")),
+        **wall,
         "modeled_hidden_fraction": modeled["ours_nvlink_13b_shape"],
         "modeled": modeled,
         "tp_collectives_per_step_all_ranks": len(ours_recs),
