@@ -9,6 +9,14 @@ import os
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=640, rms_norm_eps=1e-5,
                max_position_embeddings=16384)
 
+_DEEPSEEK_V3 = dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                    n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+                    q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4,
+                    topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+
 FAMILIES = {
     # Llama-3.2: tied embeddings, llama3 rope scaling with factor 32
     "llama": dict(intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
@@ -25,13 +33,7 @@ FAMILIES = {
     # DeepSeek-V3: MLA with query LoRA, yarn rope (factor 40, mscale 1.0 / 1.0), a dense first layer, 8 routed
     # experts top-4 in 4 groups (top-2 groups) with sigmoid scores, a score-correction bias and scaling 2.5,
     # one shared expert
-    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
-                        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
-                        q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4,
-                        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, tie_word_embeddings=False,
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek_v3": _DEEPSEEK_V3,
     # DeepSeek-V2: MLA with query LoRA, yarn (factor 40, mscale 0.707 / 0.707), a dense first layer, the softmax
     # over 8 experts with its top-2 in 4 groups of which 2 are kept (group-limited greedy) unnormalised and
     # scaled by 2, two shared experts
@@ -53,7 +55,9 @@ FAMILIES = {
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # Kimi-K2 (DeepSeek-V3's architecture under model_type kimi_k2, its code remote): one expert group, yarn
     # with beta_fast = beta_slow = 1 and factor 32, scaling 2.827
-    "kimi_k2": None,  # below: DeepSeek-V3's with Kimi-K2's routing and rope
+    "kimi_k2": dict(_DEEPSEEK_V3, routed_scaling_factor=2.827, n_group=1, topk_group=1, num_experts_per_tok=2,
+                    rope_parameters=dict(_DEEPSEEK_V3["rope_parameters"], rope_theta=50000.0, factor=32.0,
+                                         beta_fast=1.0)),
     # gpt-oss: biases everywhere, sinks, a 4-token sliding window on the even layers, experts stacked in
     # one tensor (gate and up interleaved), the GLU clamped low enough to clip, yarn without truncation
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -76,12 +80,8 @@ FAMILIES = {
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     tie_word_embeddings=False),
 }
-FAMILIES["kimi_k2"] = dict(FAMILIES["deepseek_v3"], routed_scaling_factor=2.827, n_group=1, topk_group=1,
-                           num_experts_per_tok=2,
-                           rope_parameters=dict(FAMILIES["deepseek_v3"]["rope_parameters"], rope_theta=50000.0,
-                                                factor=32.0, beta_fast=1.0))
 MODEL_TYPE = {"deepseek_v2_lite": "deepseek_v2", "kimi_k2": "deepseek_v3"}  # transformers' class of each
-REMOTE = {"kimi_k2": "deepseek_v3"}  # model types transformers knows only through the checkpoint's remote code
+REMOTE = {"kimi_k2"}  # model types transformers knows only through the checkpoint's remote code
 IDS = [3, 17, 100, 5, 599, 42, 7, 300, 1, 2, 250, 60]
 
 
@@ -131,7 +131,7 @@ def load_hf(hf_dir: str, **kwargs):
         raw = json.load(f)
     if raw["model_type"] in REMOTE:
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
-        kwargs["config"] = AutoConfig.for_model(REMOTE[raw["model_type"]], **fields)
+        kwargs["config"] = AutoConfig.for_model(MODEL_TYPE[raw["model_type"]], **fields)
     return AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
 
 

@@ -127,11 +127,6 @@ def _p2p_program(trace, names):
 def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None = None, extra=(),
                   only: str | None = None, debug_after: float = 0, second: str = "ours",
                   serial_pairs: bool = False, faithful: bool | None = None):
-    """See _check_bitwise."""
-    return _check_bitwise(kind, tp, pp, vpp, extra, only, debug_after, second, serial_pairs, faithful)
-
-
-def _check_bitwise(kind, tp, pp, vpp, extra, only, debug_after, second, serial_pairs, faithful):
     """Plain megatron schedule vs ours on the same model, data and seed: every loss and every
     gradient compared bit for bit, plus counts of what the overlap did, and the pipeline messages
     each schedule issued (as p2p-checker programs)."""
