@@ -2,7 +2,7 @@
 """Benchmark: TP communication left exposed under megatron's plain schedule vs ours
 (--overlap-tp-comm-1f1b), on this machine (CPU + gloo), plus a structural figure.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py [--steps 7] [--json] [--out docs/overlap]
+    PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py [--steps 7] [--timed-steps 21] [--json] [--out docs/overlap]
 
 Runs in the CUDA-faithful CPU mode by default (--no-cuda-faithful: plain CPU semantics; on a GPU
 the real CUDA rules apply and the mode is off): every backward on the autograd device thread and
@@ -14,10 +14,12 @@ computes the same):
     compute stream on a GPU; host time blocked in wait() on CPU), summed over the step, mean over
     ranks, median over steps, for plain and ours; their ratio;
   * step time: the forward-backward call (incl. finalize_model_grads, excl. the optimizer step),
-    after a device synchronize, slowest rank per step, median over steps; ours / plain. Timed
-    steps run as training does, with no recorder attached (the recorder's bookkeeping at every
-    collective and hand-off costs ours more than plain); each is followed by a recorded step of
-    the same schedule, which gives the exposed figures and the timelines;
+    after a device synchronize, slowest rank per step, median over --timed-steps; ours / plain,
+    also per step (neighbouring runs) with the median and quartiles of those ratios: one step here
+    moves by up to ~10 % from the next, so the wall-clock figures take more steps than the
+    exposed ones. Timed steps run as training does, with no recorder attached (the recorder's
+    bookkeeping at every collective and hand-off costs ours more than plain); the --steps recorded
+    steps that follow give the exposed figures and the timelines;
   * grads_bitwise_equal: every gradient of the last plain step == the last overlapped step's;
   * structural: one step of each with a FLOP counter: for every TP collective, the matmul FLOPs
     issued between its start and its wait, and with the link models of
@@ -120,7 +122,7 @@ def _timed_step(args, schedule, model, num_mb, rec, contexts) -> tuple:
     return t1 - t0, t0
 
 
-def moe_job(tp, pp, vpp, ep, steps, shape):
+def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     """Runs on every rank: plain, ours and megatron's EP-overlap schedule on one MoE model."""
     import logging
 
@@ -174,13 +176,17 @@ def moe_job(tp, pp, vpp, ep, steps, shape):
     times = {n: [] for n in names}
     exposed = {n: {"tp": [], "ep": []} for n in names}
     last = {}
-    for i in range(steps):
-        for n in (names if i % 2 == 0 else tuple(reversed(names))):
-            times[n].append(one(n, record=False)[0])  # timed as training runs: no recorder
-            _, rec, _, grads = one(n)
-            for kind in ("tp", "ep"):
-                exposed[n][kind].append(rec.exposed(kind))
-            last[n] = grads
+    for i in range(max(steps, timed_steps)):
+        order = names if i % 2 == 0 else tuple(reversed(names))
+        if i < timed_steps:
+            for n in order:
+                times[n].append(one(n, record=False)[0])  # timed as training runs: no recorder
+        if i < steps:
+            for n in order:
+                _, rec, _, grads = one(n)
+                for kind in ("tp", "ep"):
+                    exposed[n][kind].append(rec.exposed(kind))
+                last[n] = grads
     equal = {n: all(torch.equal(a, b) for a, b in zip(last["plain"], last[n])) for n in names}
 
     structural, b_lane = {}, {}
@@ -207,15 +213,17 @@ def _wall(results, names) -> dict:
     steps = len(results[0]["times"]["plain"])
     times = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in names}
     paired = [o / p for o, p in zip(times["ours"], times["plain"])]
-    return {"step_times_s": times, "step_time_ratio_per_step": paired,
-            "step_time_ratio_paired_median": statistics.median(paired)}
+    q1, _, q3 = statistics.quantiles(paired, n=4) if steps > 1 else (paired[0],) * 3
+    return {"timed_steps": steps, "step_times_s": times, "step_time_ratio_per_step": paired,
+            "step_time_ratio_paired_median": statistics.median(paired),
+            "step_time_ratio_paired_quartiles": [q1, q3]}
 
 
 def summarize_moe(layout, lay, results, shape):
     from megatron_ext.schedules import costmodel
 
     names = list(results[0]["times"])
-    steps = len(results[0]["times"]["plain"])
+    steps = len(results[0]["exposed"]["plain"]["tp"])
     wall = _wall(results, names)
     med = {}
     for n in names:
@@ -270,7 +278,7 @@ def summarize_moe(layout, lay, results, shape):
     return case
 
 
-def job(tp, pp, vpp, steps, shape):
+def job(tp, pp, vpp, steps, timed_steps, shape):
     """Runs on every rank."""
     import logging
 
@@ -315,15 +323,21 @@ def job(tp, pp, vpp, steps, shape):
     exposed = {"plain": [], "ours": []}
     last = {}
     timelines = {"plain": [], "ours": []}
-    for i in range(steps):
-        for name in (("plain", "ours") if i % 2 == 0 else ("ours", "plain")):
-            times[name].append(one(name, record=False)[0])  # timed as training runs: no recorder
-            _, rec, t0 = one(name)
-            exposed[name].append(rec.exposed("tp"))
-            timelines[name].append(trace.to_dicts(rec, t0))
-            if i == steps - 1:
-                grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
-                last[name + "_grads"] = grads
+    recorded_s = {"plain": [], "ours": []}
+    for i in range(max(steps, timed_steps)):
+        order = ("plain", "ours") if i % 2 == 0 else ("ours", "plain")
+        if i < timed_steps:
+            for name in order:
+                times[name].append(one(name, record=False)[0])  # timed as training runs: no recorder
+        if i < steps:
+            for name in order:
+                dt, rec, t0 = one(name)
+                recorded_s[name].append(dt)
+                exposed[name].append(rec.exposed("tp"))
+                timelines[name].append(trace.to_dicts(rec, t0))
+                if i == steps - 1:
+                    grads = [p.main_grad.detach().clone() for c in model for p in c.parameters()]
+                    last[name + "_grads"] = grads
     equal = all(torch.equal(a, b) for a, b in zip(last.pop("plain_grads"), last.pop("ours_grads")))
 
     structural, programs, b_lane = {}, {}, {}
@@ -346,7 +360,7 @@ def job(tp, pp, vpp, steps, shape):
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
         "cuda_faithful": faithful.enabled(),
         "times": times, "exposed": exposed, "grads_equal": equal,
-        "timelines": timelines, "structural": structural, "num_microbatches": num_mb,
+        "timelines": timelines, "recorded_s": recorded_s, "structural": structural, "num_microbatches": num_mb,
         "p2p_programs": programs, "b_lane": b_lane,
     }
 
@@ -362,13 +376,14 @@ class _null:
 def summarize(layout, results, shape):
     from megatron_ext.schedules import costmodel, p2p
 
-    steps = len(results[0]["times"]["plain"])
+    steps = len(results[0]["exposed"]["plain"])
     wall = _wall(results, ("plain", "ours"))
     per_step = {}
     for name in ("plain", "ours"):
         per_step[name] = {
             "step_s": wall["step_times_s"][name],
             "exposed_s": [statistics.mean(r["exposed"][name][i] for r in results) for i in range(steps)],
+            "recorded_step_s": [max(r["recorded_s"][name][i] for r in results) for i in range(steps)],
         }
     med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}
     run_shape = {"hidden": shape["hidden"], "seq": shape["seq"], "mbs": shape["mbs"]}
@@ -425,7 +440,10 @@ def summarize(layout, results, shape):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=7, help="measured steps per schedule (median)")
+    p.add_argument("--steps", type=int, default=7,
+                   help="recorded steps per schedule: exposed communication (median) and timelines")
+    p.add_argument("--timed-steps", type=int, default=21,
+                   help="timed steps per schedule, no recorder: the wall-clock figures (median)")
     p.add_argument("--layouts", default=",".join([*LAYOUTS, *MOE_LAYOUTS]),
                    help=f"of {','.join([*LAYOUTS, *MOE_LAYOUTS])}")
     p.add_argument("--hidden", type=int, default=256)
@@ -459,20 +477,20 @@ def main(argv=None):
             lay = MOE_LAYOUTS[layout]
             print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
             results = run_world(lay["world"], moe_job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
-                                ep=lay["ep"], steps=a.steps, shape=shape)
+                                ep=lay["ep"], steps=a.steps, timed_steps=a.timed_steps, shape=shape)
             cases.append(summarize_moe(layout, lay, results, shape))
             continue
         lay = LAYOUTS[layout]
         print(f"{layout}: {lay['world']} processes ...", file=sys.stderr, flush=True)
         results = run_world(lay["world"], job, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
-                            steps=a.steps, shape=shape)
+                            steps=a.steps, timed_steps=a.timed_steps, shape=shape)
         cases.append(summarize(layout, results, shape))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            # the pictures show each schedule's median step (by slowest-rank step time)
+            # the pictures show each schedule's median recorded step (by slowest-rank step time)
             steps = {}
             for n in ("plain", "ours"):
-                st = cases[-1]["per_step"][n]["step_s"]
+                st = cases[-1]["per_step"][n]["recorded_step_s"]
                 i = sorted(range(len(st)), key=st.__getitem__)[len(st) // 2]
                 steps[n] = {r["rank"]: r["timelines"][n][i] for r in results}
             trace.chrome_trace(steps, os.path.join(a.out, f"trace_{layout}.json"))
@@ -499,12 +517,17 @@ def main(argv=None):
     return out
 
 
+def _paired(case) -> str:
+    q1, q3 = case["step_time_ratio_paired_quartiles"]
+    return f"{case['step_time_ratio_paired_median']:.3f} ({q1:.3f}-{q3:.3f})"
+
+
 def _moe_table(cases) -> list:
     def f(x):
         return "-" if x is None else f"{x:.1%}"
 
     lines = [f"{'MoE layout':18} {'exposed tp+ep plain':>19} {'ours':>8} {'step plain':>10} {'ours':>8} "
-             f"{'ours/plain':>10} {'paired':>6} {'modeled ours tp / ep_a2a':>25} {'megatron EP overlap: ran, tp / ep_a2a, step':>44} "
+             f"{'ours/plain':>10} {'per step: median (quartiles)':>28} {'modeled ours tp / ep_a2a':>25} {'megatron EP overlap: ran, tp / ep_a2a, step':>44} "
              f"{'bitwise ours/megatron':>21}"]
     for c in cases:
         m, peer = c["modeled_hidden_by_kind"], c["peer"]
@@ -514,7 +537,7 @@ def _moe_table(cases) -> list:
         lines.append(
             f"{c['layout']:18} {c['exposed_comm_plain_s'] * 1e3:17.1f}ms {c['exposed_comm_ours_s'] * 1e3:6.1f}ms "
             f"{c['step_time_plain_s'] * 1e3:8.1f}ms {c['step_time_ours_s'] * 1e3:6.1f}ms {c['step_time_ratio']:10.3f} "
-            f"{c['step_time_ratio_paired_median']:6.3f} {f(m['tp']):>12} / {f(m['ep_a2a']):<10} {peer_txt:>44} "
+            f"{_paired(c):>28} {f(m['tp']):>12} / {f(m['ep_a2a']):<10} {peer_txt:>44} "
             f"{str(c['grads_bitwise_equal'])} / {str(peer['grads_bitwise_equal'])}")
     return lines
 
@@ -525,7 +548,8 @@ def _table(out) -> str:
     if not cases:
         return "\n".join([f"device: {out['device']}; model: {out['model']}"] + _moe_table(moe))
     hdr = (f"{'layout':12} {'exposed plain':>13} {'exposed ours':>12} {'ratio':>6} {'hidden':>7} "
-           f"{'step plain':>10} {'step ours':>9} {'ours/plain':>10} {'modeled NVL/IB (13B shape)':>27} "
+           f"{'step plain':>10} {'step ours':>9} {'ours/plain':>10} {'per step: median (quartiles)':>28} "
+           f"{'modeled NVL/IB (13B shape)':>27} "
            f"{'as run NVL':>10} {'B handed off':>12} {'p2p ok':>6} {'bitwise':>7}")
     lines = [f"device: {out['device']}; model: {out['model']}", hdr]
     for c in cases:
@@ -533,7 +557,7 @@ def _table(out) -> str:
         lines.append(
             f"{c['layout']:12} {c['exposed_comm_plain_s'] * 1e3:11.1f}ms {c['exposed_comm_ours_s'] * 1e3:10.1f}ms "
             f"{c['exposed_ratio']:6.2f} {c['hidden_fraction']:7.1%} {c['step_time_plain_s'] * 1e3:8.1f}ms "
-            f"{c['step_time_ours_s'] * 1e3:7.1f}ms {c['step_time_ratio']:10.3f} "
+            f"{c['step_time_ours_s'] * 1e3:7.1f}ms {c['step_time_ratio']:10.3f} {_paired(c):>28} "
             f"{m['ours_nvlink_13b_shape']:>12.1%} / {m['ours_infiniband_13b_shape']:<12.1%} "
             f"{m['ours_nvlink_as_run']:10.1%} {c['b_lane_handed_off']:>5}/{c['b_lane_collectives']:<6} "
             f"{str(c['p2p_checked']):>6} {str(c['grads_bitwise_equal']):>7}")
