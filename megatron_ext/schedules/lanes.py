@@ -501,13 +501,19 @@ def exposed_seconds() -> dict:
     return EXPOSED_S
 
 
+def _token_all_to_all(lane: Optional[Lane], kind: Optional[str], in_place: bool) -> bool:
+    """An EP collective a lane hands the baton over at: counted in the lane's ep_in_flight from
+    its issue to its wait (waits_in_place)."""
+    return lane is not None and kind == "ep" and not in_place
+
+
 def _finish(work, token, lane: Optional[Lane], kind: str, in_place: bool = False) -> None:
     partner_done = lane is not None and lane.other.done
     handed = lane.hand_off() if lane is not None and not in_place else False
     if in_place and token is not None:
         token.in_place = True
     t0, t1, events = _timed_wait(work, kind)
-    if lane is not None and kind == "ep" and not in_place:
+    if _token_all_to_all(lane, kind, in_place):
         lane.ep_in_flight -= 1
     if HOOK is not None and token is not None:
         HOOK.collective_waited(token, t0, t1, events, handed, partner_done)
@@ -533,7 +539,7 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
     hook = HOOK
     if kind is None or (lane is None and hook is None):
         return None  # caller falls back to the original call
-    if lane is not None and kind == "ep" and not in_place:
+    if _token_all_to_all(lane, kind, in_place):
         lane.ep_in_flight += 1
     token = None
     if hook is not None:
