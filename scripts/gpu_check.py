@@ -27,7 +27,9 @@ planner             the planner's predicted peak bytes (scripts/plan.py's model)
                     training step (megatron_ext.bench.plan.measure: torch.cuda.max_memory_allocated on a
                     GPU, live tensor bytes on CPU), dense and MoE, PP=1, with and without offload
 transformer_engine  the transformer-engine spec builds, trains a few steps with offload hooks that
-                    capture bytes; or why not (not importable)
+                    capture bytes; or why not (not importable). And megatron's EP overlap with
+                    --delay-wgrad-compute passes a CUDA dry run (EP2, so not run on one GPU), with
+                    this machine's transformer-engine where it imports
 
 ``--cpu-smoke`` runs every section at tiny sizes on CPU, so this script cannot rot: what only a GPU
 can measure reads "skipped: no CUDA". Exit code 0 when every section ran and every claim held.

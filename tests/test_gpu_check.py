@@ -53,6 +53,15 @@ def test_every_section_reported(smoke):
         assert c["holds"] is True or c["holds"] in (NO_CUDA, "skipped: not importable"), c
 
 
+def test_delay_wgrad_compute_dry_run_accepted_as_megatron_allows_it(smoke):
+    _, _, doc, _, _ = smoke
+    dry = doc["sections"]["transformer_engine"]["delay_wgrad_dry_run"]
+    assert dry["accepted"] is True, dry
+    assert {"--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm", "transformer_engine"} <= set(dry["argv"])
+    te_importable = not doc["sections"]["transformer_engine"]["status"].startswith("skipped: transformer-engine")
+    assert dry["transformer_engine"] == ("importable" if te_importable else "assumed (--assume-te)")
+
+
 def test_cuda_only_values_are_skipped_not_invented(smoke):
     _, _, doc, _, _ = smoke
     s = doc["sections"]
