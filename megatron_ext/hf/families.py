@@ -476,7 +476,7 @@ def _llama4(c: Config) -> dict:
         limit = min(limit, int(chunk))
     if c.get("attn_temperature_tuning", True) and not all(use_rope):
         limit = min(limit, int(c.get("floor_scale", 8192)) - 1)
-    c.get("attn_scale")
+    c.get("attn_scale")  # any value: the scaling it sets is the identity below the length limit above
     c.expect("router_jitter_noise", [0.0, 0], "megatron's --moe-input-jitter-eps is another noise")
     c.expect("num_experts_per_tok", [1], "megatron scales the expert input by the router score "
              "(--moe-apply-probs-on-input) for top-1 routing only")
