@@ -15,7 +15,7 @@ from megatron_ext import platform  # noqa: E402
 
 def main(argv: list[str] | None = None) -> list[dict]:
     platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
-    import arguments
+    from megatron_ext import arguments
 
     if "--plan" in (sys.argv[1:] if argv is None else argv):  # predict memory and step time instead
         from megatron_ext import planner
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 if __name__ == "__main__":
     platform.dump_native_crashes()  # a native crash prints every thread's Python stack, prefixed [rank<R>]:
     platform.setup()
-    import arguments
+    from megatron_ext import arguments
     from megatron.training.training import set_startup_timestamps
 
     from megatron_ext import errors

@@ -129,7 +129,7 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     import torch
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    import arguments
+    from megatron_ext import arguments
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -285,7 +285,7 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     import torch
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    import arguments
+    from megatron_ext import arguments
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func

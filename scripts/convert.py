@@ -73,7 +73,7 @@ def _explain(exc: BaseException) -> str | None:
 
     if isinstance(exc, ConfigError):
         return str(exc)
-    import arguments  # megatron's own refusals of a flag (logits' layout flags)
+    from megatron_ext import arguments  # megatron's own refusals of a flag (logits' layout flags)
 
     return arguments.explain(exc)
 

@@ -41,7 +41,7 @@ def main(argv=None):
     from megatron_ext import errors, platform
 
     platform.setup()  # before megatron-core is imported
-    import arguments
+    from megatron_ext import arguments
 
     from megatron_ext import planner
 

@@ -122,7 +122,7 @@ def project_modules() -> tuple[list[str], list[str]]:
         package = os.path.relpath(dirpath, os.path.dirname(root)).replace(os.sep, ".")
         names += [package if f == "__init__.py" else f"{package}.{f[:-3]}" for f in sorted(filenames) if f.endswith(".py")]
     bench = [n for n in names if n == "megatron_ext.bench" or n.startswith("megatron_ext.bench.")]
-    return ["arguments", "train"] + [n for n in names if n not in bench], bench
+    return ["train"] + [n for n in names if n not in bench], bench
 
 
 def main() -> None:

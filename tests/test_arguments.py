@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-import arguments
+from megatron_ext import arguments
 from megatron_ext.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -268,7 +268,7 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1000000"]  # quiet stdout (--json)
     result: dict = {}
     orig_build, orig_wrap, orig_step = models.build_model, models.wrap_ddp, step.train_step
-    import arguments
+    from megatron_ext import arguments
 
     orig_parse = arguments.parse
 

@@ -65,7 +65,7 @@ def measure(argv: list, tracer=None) -> dict:
     from ``tracer``, a ``megatron_ext.planner.search.Tracer`` shared by runs of one model, if given)."""
     import torch
 
-    import arguments
+    from megatron_ext import arguments
     from megatron.core import parallel_state
 
     from megatron_ext import offload, planner, schedules
@@ -187,7 +187,7 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
     from megatron_ext.planner import cli, search
     from megatron_ext.planner.run import recompute_of
 
-    import arguments
+    from megatron_ext import arguments
 
     # the local spec (--assume-no-te): what the scaled-down run measures on this machine
     _, full = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0", "--transformer-impl", "local",
@@ -227,7 +227,7 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
 def plan_published(name: str) -> dict:
     """Job (one rank): the planner on a published run as given (``megatron_ext.planner.published``),
     its predicted peak and throughput beside the published figures."""
-    import arguments
+    from megatron_ext import arguments
 
     from megatron_ext.planner import cli
     from megatron_ext.planner.published import CASES, GIB

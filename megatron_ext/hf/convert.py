@@ -134,7 +134,7 @@ def parse_args(recipe: str, extra: list[str]):
     from megatron_ext import platform
 
     platform.setup()
-    import arguments
+    from megatron_ext import arguments
 
     argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--num-workers", "0", *extra]
     if "--global-batch-size" not in extra:

@@ -31,7 +31,7 @@ def argv_for(kind: str, tp: int, pp: int = 1, vpp: int | None = None, extra=()) 
 
 def build(argv):
     """The project's builders (arguments.parse -> parallel init -> model chunks with DDP)."""
-    import arguments
+    from megatron_ext import arguments
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_ext.training import data, model as models, run
@@ -294,7 +294,7 @@ EP_DISPATCHERS = {
 def check_ep_only(dispatchers=tuple(EP_DISPATCHERS), extra=()):
     """TP1 x EP2 MoE, one model build per dispatcher: plain vs ours bit for bit (check_bitwise);
     the flag's own validate accepts the layout (an EP collective to hide)."""
-    import arguments
+    from megatron_ext import arguments
 
     out = {}
     for name in dispatchers:

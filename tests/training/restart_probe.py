@@ -110,7 +110,7 @@ def main() -> None:
 
     platform.dump_native_crashes()
     platform.setup()
-    import arguments
+    from megatron_ext import arguments
 
     install(records, _kills(spec))
     import train
