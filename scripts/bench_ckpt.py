@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
 
-Runs train.py's main() on a fresh 2-process gloo world per case (megatron_ext.measure.launch), DP2
+Runs the training loop (megatron_ext/training/run.py) on a fresh 2-process gloo world per case (megatron_ext.measure.launch), DP2
 with the distributed optimizer, saving every iteration, synchronously and with --async-save, with
 checksums on (the default) and off. The first save of a run (planning, the first fork) is left out. Per save:
 
@@ -44,27 +44,23 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
     `loads` times."""
     import torch
 
-    import train as entry
-    from megatron_ext.training import checkpointing
+    from megatron_ext.training.run import Run
+
+    class Checksums:  # the run's probe: checksums on or off for its saves, its checkpointer kept
+        def after_load(self, run):
+            run.checkpointer.checksums = checksums
+            made.append(run.checkpointer)
 
     made = []
-    original_init = checkpointing.Checkpointer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.checksums = checksums
-        made.append(self)
-
-    checkpointing.Checkpointer.__init__ = init
-    try:
-        entry.main(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"])
-        saves = made[-1].saves
-        loaded = []
-        for _ in range(loads):
-            entry.main(argv + ["--load", save_dir])
-            loaded.append(made[-1].loaded)
-    finally:
-        checkpointing.Checkpointer.__init__ = original_init
+    with Run.from_argv(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"],
+                       probes=[Checksums()]) as run:
+        run.train()
+    saves = made[-1].saves
+    loaded = []
+    for _ in range(loads):
+        with Run.from_argv(argv + ["--load", save_dir], probes=[Checksums()]) as run:
+            run.train()
+        loaded.append(made[-1].loaded)
     torch.distributed.barrier()
     return {"saves": saves, "loaded": loaded}
 

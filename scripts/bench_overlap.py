@@ -129,7 +129,6 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     import torch
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from megatron_ext import arguments
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -139,14 +138,11 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     from megatron_ext.schedules import lanes
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.seams.schedules import plan_nodes_recorded
-    from megatron_ext.training import model as models, run
+    from megatron_ext.training.run import Run
 
     seams.install_schedules_seams()
-    args = arguments.parse(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])),
-                           exit_on_dry_run=False)
-    run.initialize_parallel(args)
-    config = models.transformer_config(args)
-    model = models.build_model(args, config)
+    run = Run.from_argv(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])), exit_on_dry_run=False)
+    model, args, config = run.build(), run.args, run.config
     seams.install_schedules_seams()
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()
@@ -285,7 +281,6 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     import torch
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from megatron_ext import arguments
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -295,13 +290,11 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     from megatron_ext.platform import faithful, nccl_p2p
     from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
-    from megatron_ext.training import model as models, run
+    from megatron_ext.training.run import Run
 
     seams.install_schedules_seams()
-    args = arguments.parse(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
-    run.initialize_parallel(args)
-    config = models.transformer_config(args)
-    model = models.build_model(args, config)
+    run = Run.from_argv(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
+    model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)

@@ -123,11 +123,11 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--save-base", default=None)
     args, train_argv = p.parse_known_args(argv)
     train_argv = [a for a in train_argv if a != "--"]
-    import train
+    from megatron_ext.training.run import main as train_main
 
     for i in range(args.worker):
         extra = ["--save", os.path.join(args.save_base, str(i))] if args.save_base else []
-        history = train.main(train_argv + extra)
+        history = train_main(train_argv + extra)
         if os.environ.get("RANK") == "0":
             print(DONE + json.dumps([h["lm loss"] for h in history]), flush=True)
 

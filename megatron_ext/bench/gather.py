@@ -14,8 +14,8 @@ path, so the mode's own overhead is not in the host-time figure. Whole-step coll
 all-to-all, loss and grad-norm all-reduces) and the optimizer's ops are counted as separate regions
 so the sync-path numbers are not mixed with them.
 
-`measure(argv, ...)` runs train.py's own main() with the probe installed (what train.py runs, not a
-re-implementation) and returns one rank's figures; scripts/bench_gather.py and
+`measure(argv, ...)` runs the training loop train.py runs (megatron_ext/training/run.py), with the
+probe on the run's points, and returns one rank's figures; scripts/bench_gather.py and
 tests/training/test_sharded_params.py call it on every rank of a gloo world. The probe's wrappers
 are measurement only (installed for one measured run, removed after it), not seams.
 """
@@ -247,90 +247,90 @@ def buffer_report(model: list) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# One measured run of train.main (called on every rank)
+# One measured training run (called on every rank)
 # ---------------------------------------------------------------------------------------------
 DDP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "ddp_num_buckets", "ddp_bucket_size")
 
 
+class _Measurement:
+    """The probe on a run's points (megatron_ext/training/run.py): the build and the wrapper timed,
+    the wrapper's ops counted, the sharded-parameter seams installed or removed after the build,
+    and every step timed (the counted ones through the GatherProbe's dispatch mode)."""
+
+    def __init__(self, probe: GatherProbe, result: dict, counted_steps: int, seams: bool, ddp_defaults: bool):
+        self.probe, self.result, self.counted_steps = probe, result, counted_steps
+        self.seams, self.ddp_defaults = seams, ddp_defaults
+
+    def after_parse(self, run):
+        if self.ddp_defaults:
+            args = run.args
+            args.overlap_grad_reduce = args.overlap_param_gather = False
+            args.ddp_num_buckets = args.ddp_bucket_size = None
+            args.use_distributed_optimizer = True
+
+    @contextlib.contextmanager
+    def around_build(self, run):
+        t0 = time.perf_counter()
+        yield
+        self.result["init_s"] = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def around_wrap(self, run):
+        counter = OpCounter()
+        t0 = time.perf_counter()
+        with counter:
+            yield
+        self.result["ddp_init_s"] = time.perf_counter() - t0
+        self.result["ddp_init_ops"] = sum(n for k, n in counter.ops.items() if k.startswith("aten."))
+        self.result["ddp_init_copies"] = counter.ops.get("aten.copy_", 0)
+
+    def after_build(self, run):
+        from megatron.core import parallel_state
+
+        from megatron_ext import seams as seam_mod
+
+        chunks = run.model
+        if self.seams:
+            seam_mod.install_sharded_params_seams(chunks)
+        else:
+            seam_mod.remove_sharded_params_seams(chunks)
+        self.result["buffers"] = rep = buffer_report(chunks)
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        self.result["global_params"] = rep["params"] - rep["expert_params"] + ep * rep["expert_params"]
+        self.result["forward_pre_hooks"] = self.probe.time_forward_pre_hooks(chunks)
+
+    @contextlib.contextmanager
+    def around_step(self, run, iteration):
+        self.probe.begin_step(1 < iteration <= 1 + self.counted_steps)
+        t0 = time.perf_counter()
+        with self.probe.whole_step():
+            yield
+        s = self.probe.end_step()
+        s["step_s"] = time.perf_counter() - t0
+        s["iteration"] = iteration
+
+
 def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams: bool = True,
             ddp_defaults: bool = False) -> dict:
-    """Run train.main(argv) for 1 warm-up + counted + timed iterations with the probe installed.
+    """Run the training loop (megatron_ext/training/run.py) for 1 warm-up + counted + timed
+    iterations with the probe on its points.
 
     seams=False runs megatron-core's own code paths (our seams removed) for the side-by-side
-    comparison; seams=True installs them (as train.py does through the training package's hook).
+    comparison; seams=True installs them (as a run does through the training package's hook).
     ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
     parsing (the distributed optimizer stays on)."""
-    import train  # bench sits above the entry points: it runs train.main under measurement
     from megatron_ext import seams as seam_mod
-    from megatron_ext.training import model as models, step
+    from megatron_ext.training.run import Run
 
     iters = 1 + counted_steps + timed_steps
     argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1000000"]  # quiet stdout (--json)
     result: dict = {}
-    orig_build, orig_wrap, orig_step = models.build_model, models.wrap_ddp, step.train_step
-    from megatron_ext import arguments
-
-    orig_parse = arguments.parse
-
-    def parse(*a, **k):
-        args = orig_parse(*a, **k)
-        if ddp_defaults:
-            args.overlap_grad_reduce = args.overlap_param_gather = False
-            args.ddp_num_buckets = args.ddp_bucket_size = None
-            args.use_distributed_optimizer = True
-        return args
     installed_before = seam_mod.sharded_params_seams_installed()
-
-    def build_model(args, config, wrap_with_ddp=True):
-        t0 = time.perf_counter()
-        chunks = orig_build(args, config, wrap_with_ddp)
-        result["init_s"] = time.perf_counter() - t0
-        if seams:
-            seam_mod.install_sharded_params_seams(chunks)
-        else:
-            seam_mod.remove_sharded_params_seams(chunks)
-        from megatron.core import parallel_state
-
-        result["buffers"] = rep = buffer_report(chunks)
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        result["global_params"] = rep["params"] - rep["expert_params"] + ep * rep["expert_params"]
-        result["forward_pre_hooks"] = probe.time_forward_pre_hooks(chunks)
-        return chunks
-
-    def wrap_ddp(args, config, chunks):
-        counter = OpCounter()
-        ops = counter.ops
-        t0 = time.perf_counter()
-        with counter:
-            out = orig_wrap(args, config, chunks)
-        result["ddp_init_s"] = time.perf_counter() - t0
-        result["ddp_init_ops"] = sum(n for k, n in ops.items() if k.startswith("aten."))
-        result["ddp_init_copies"] = ops.get("aten.copy_", 0)
-        return out
-
     probe = GatherProbe()
-    n = [0]
-
-    def train_step(*a, **k):
-        n[0] += 1
-        count = 1 < n[0] <= 1 + counted_steps
-        probe.begin_step(count)
-        t0 = time.perf_counter()
-        with probe.whole_step():
-            r = orig_step(*a, **k)
-        s = probe.end_step()
-        s["step_s"] = time.perf_counter() - t0
-        s["iteration"] = n[0]
-        return r
-
-    models.build_model, models.wrap_ddp, step.train_step = build_model, wrap_ddp, train_step
-    arguments.parse = parse
     try:
-        with probe:
-            history = train.main(argv)
+        with probe, Run.from_argv(argv, probes=[_Measurement(probe, result, counted_steps, seams, ddp_defaults)]) as run:
+            history = run.train()
     finally:
-        models.build_model, models.wrap_ddp, step.train_step = orig_build, orig_wrap, orig_step
-        arguments.parse = orig_parse
         if installed_before:
             seam_mod.install_sharded_params_seams()
         else:

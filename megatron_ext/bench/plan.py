@@ -60,59 +60,54 @@ def megatron_estimate(args) -> float:
     return float(weights + act)
 
 
+class _TrackSchedule:
+    """A run's probe: ``tracker`` active around the forward/backward of the micro-batches."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def around_schedule(self, run, iteration):
+        return self.tracker
+
+
 def measure(argv: list, tracer=None) -> dict:
     """Job (every rank): one warm step, one measured step, and the planner's prediction (its trace
     from ``tracer``, a ``megatron_ext.planner.search.Tracer`` shared by runs of one model, if given)."""
     import torch
 
-    from megatron_ext import arguments
     from megatron.core import parallel_state
 
-    from megatron_ext import offload, planner, schedules
+    from megatron_ext import offload, planner
     from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
-    from megatron_ext.training import data, model as models, optimizer as optim, parallel, run, step
+    from megatron_ext.planner.record import global_buffer_bytes
+    from megatron_ext.training.run import Run
 
     with contextlib.redirect_stdout(io.StringIO()):
-        args = arguments.parse(list(argv))
-    run.initialize_parallel(args)
+        run = Run.from_argv(list(argv))
     try:
-        config = models.transformer_config(args)
-        model = models.build_model(args, config)
-        optimizer, scheduler = optim.build_optimizer(args, model)
-        step.configure_schedule_hooks(args, config, model, optimizer)
-        iterators = data.build_iterators(args, len(model), iteration=0)
-        fb = schedules.get_forward_backward_func(args)
-        step.train_step(args, model, optimizer, scheduler, iterators.train, fb)
-        state = model_state_ptrs(model)
-        params = _storages(p for c in model for p in c.parameters())
-        grads = _storages(g for c in model for p in c.parameters()
-                          for g in (getattr(p, "main_grad", None), p.grad))
-        opt = {k: v for k, v in _storages(optimizer_state_tensors(optimizer)).items() if k not in state}
-        mgr = offload.current()
-        exclude = state | set(opt) | (mgr.pool.storage_ptrs() if mgr is not None else set())
-        cuda = torch.cuda.is_available()
-        tracker = CudaPeak() if cuda else LiveBytesTracker(exclude, "cpu")
-
-        def tracked(**kw):
-            with tracker:
-                return fb(**kw)
-
-        step.train_step(args, model, optimizer, scheduler, iterators.train, tracked)
-        if mgr is not None:
-            mgr.synchronize()
-        from megatron_ext.planner.record import global_buffer_bytes
-
-        measured = dict(parameters=sum(params.values()), gradients=sum(grads.values()), optimizer=sum(opt.values()),
-                        buffers=global_buffer_bytes(), activations=tracker.peak)
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        first_in_stage = (parallel_state.get_tensor_model_parallel_rank() == 0
-                          and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
-        stats = dict(mgr.stats) if mgr is not None else None
+        with run:
+            run.step()  # warm: what persists across steps exists before the measured one
+            model, args = run.model, run.args
+            state = model_state_ptrs(model)
+            params = _storages(p for c in model for p in c.parameters())
+            grads = _storages(g for c in model for p in c.parameters()
+                              for g in (getattr(p, "main_grad", None), p.grad))
+            opt = {k: v for k, v in _storages(optimizer_state_tensors(run.optimizer)).items() if k not in state}
+            mgr = offload.current()
+            exclude = state | set(opt) | (mgr.pool.storage_ptrs() if mgr is not None else set())
+            tracker = CudaPeak() if torch.cuda.is_available() else LiveBytesTracker(exclude, "cpu")
+            run.probes.append(_TrackSchedule(tracker))  # the forward/backward's activations, not the optimizer's
+            run.step()
+            if mgr is not None:
+                mgr.synchronize()
+            measured = dict(parameters=sum(params.values()), gradients=sum(grads.values()), optimizer=sum(opt.values()),
+                            buffers=global_buffer_bytes(), activations=tracker.peak)
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            first_in_stage = (parallel_state.get_tensor_model_parallel_rank() == 0
+                              and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+            stats = dict(mgr.stats) if mgr is not None else None
     finally:
-        offload.detach()
-        step.release_schedule_hooks()
-        models.release_models()
-        parallel.destroy()
+        offload.detach()  # the manager keeps the model while its counters stay readable
     from megatron_ext import platform
 
     # traces a tiny copy on this world; predicted for the backend measured here

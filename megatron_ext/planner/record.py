@@ -180,19 +180,13 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
     module), the component phases (op ranges, forward and backward) and the parameters. A MoE
     model routes balanced (``megatron_ext.seams.planner``): every expert gets the same tokens."""
     from megatron_ext.seams.planner import balanced_routing, transformer_engine_saves
-    from megatron_ext.training import model as models
-    from megatron_ext.training import parallel
+    from megatron_ext.training.run import Run
 
-    parallel.initialize(tensor=args.tensor_model_parallel_size,
-                        expert_tensor=getattr(args, "expert_tensor_parallel_size", None), seed=seed)
+    args.seed = seed  # the tiny copy's own arguments (planner/tiny.py trace_args)
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
     attention = transformer_engine_saves() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
-    try:
-        with routing, attention, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
-            return _run_built(args, kinds, seed)
-    finally:
-        models.release_models()
-        parallel.destroy()
+    with Run(args) as run, routing, attention, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
+        return _run_built(run, kinds, seed)
 
 
 @contextlib.contextmanager
@@ -214,14 +208,13 @@ def _budget_as_the_run(rows_per_token):
         undo()
 
 
-def _run_built(args, kinds, seed: int) -> dict:
+def _run_built(run, kinds, seed: int) -> dict:
     from megatron_ext.measure.memtrack import model_state_ptrs
     from megatron_ext.offload import MODULES, Options
     from megatron_ext.seams.planner import buffer_requests
-    from megatron_ext.training import model as models
 
-    config = models.transformer_config(args)
-    chunks = models.build_model(args, config, wrap_with_ddp=False)
+    args = run.args
+    chunks = run.build(wrap=False)
     model = chunks[0]
     root = model
     while hasattr(root, "module") and isinstance(root.module, torch.nn.Module):

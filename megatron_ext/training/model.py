@@ -120,7 +120,9 @@ def install_seams(args, config: TransformerConfig) -> None:
         seams.TORCH_NORM_SEQUENCE_PARALLEL.apply()
 
 
-def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> list:
+def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True, around_wrap=contextlib.nullcontext) -> list:
+    """The run's model chunks (training/run.py Run.build); ``around_wrap`` is the context the
+    data-parallel wrapper is built in (a probe's measurement point)."""
     install_seams(args, config)
     seams.install(args)  # this run's seams, once, before the model exists; the run's teardown removes them
     vp_size = args.virtual_pipeline_model_parallel_size
@@ -144,12 +146,13 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
-    if wrap_with_ddp and args.use_torch_fsdp2:
-        chunks = wrap_fsdp2(args, config, chunks)
-    elif wrap_with_ddp and args.use_megatron_fsdp:
-        chunks = wrap_fsdp(args, config, chunks)
-    elif wrap_with_ddp:
-        chunks = wrap_ddp(args, config, chunks)
+    with around_wrap():
+        if wrap_with_ddp and args.use_torch_fsdp2:
+            chunks = wrap_fsdp2(args, config, chunks)
+        elif wrap_with_ddp and args.use_megatron_fsdp:
+            chunks = wrap_fsdp(args, config, chunks)
+        elif wrap_with_ddp:
+            chunks = wrap_ddp(args, config, chunks)
     features.after_model(args, chunks)
     _BUILT.extend(chunks)
     return chunks

@@ -1,6 +1,37 @@
-"""Model-parallel setup from the parsed arguments."""
+"""One run of a model, from the command line to teardown: the bring-up every entry point shares
+(train.py, scripts/convert.py, the planner's trace, the benchmarks).
+
+    with Run.from_argv(argv) as run:        # platform set up, every flag checked (--dry-run exits)
+        run.train()                         # build -> optimizer -> load -> data -> loop -> save/eval
+
+Partial uses call the stages they need; each runs once, the ones it needs first:
+
+    initialize()   process groups for the layout, megatron's seeds     (entering the run does it)
+    build(wrap)    config -> model chunks -> layout-invariant init -> features' before_wrap ->
+                   DDP / Megatron-FSDP / FSDP2 -> features' after_model (training/model.py)
+    optimize()     optimizer, LR schedule, the schedule's config callbacks
+    load()         the newest intact checkpoint under --load (training/checkpointing.py)
+    data()         train / valid / test iterators positioned after the loaded iteration
+    step()         one iteration (schedule, then optimizer step)
+
+Leaving the run tears down (features' teardown, the process groups) on every exit path. The
+capabilities attach through megatron_ext/training/features.py, in the order it says once. A
+measurement attaches through a probe: any object with some of these methods, called at the points
+of the same names (never by patching functions):
+
+    after_parse(run)                    the parsed args, before anything is built (may adjust them)
+    around_build(run)  -> context       the whole model build, wrapping included
+    around_wrap(run)   -> context       the data-parallel wrapper alone
+    after_build(run)                    run.model holds the wrapped chunks
+    after_load(run)                     run.checkpointer made, run.iteration the loaded iteration
+    around_step(run, iteration) -> ctx  one training iteration
+    around_schedule(run, iteration) -> ctx   its forward/backward of every micro-batch alone
+    after_step(run, iteration, result)
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import torch
@@ -8,21 +39,191 @@ import torch
 from megatron_ext import platform
 from megatron_ext.training import parallel
 
+POINTS = ("after_parse", "around_build", "around_wrap", "after_build", "after_load", "around_step", "around_schedule",
+          "after_step")
 
-def initialize_parallel(args) -> None:
-    from megatron.core import config
 
-    config.set_experimental_flag(bool(args.enable_experimental))  # as megatron's set_global_variables
-    parallel.initialize(
-        tensor=args.tensor_model_parallel_size,
-        pipeline=args.pipeline_model_parallel_size,
-        virtual_pipeline=args.virtual_pipeline_model_parallel_size,
-        expert=args.expert_model_parallel_size,
-        expert_tensor=args.expert_tensor_parallel_size,
-        context=args.context_parallel_size,
-        seed=args.seed,
-    )
-    log_restart(args)
+class Run:
+    def __init__(self, args, probes=()):
+        self.args = args
+        self.probes = list(probes)
+        self.config = self.model = self.optimizer = self.scheduler = None
+        self.checkpointer = self.iterators = self.forward_backward = None
+        self.iteration = 0  # the last completed iteration (the loaded one before the loop)
+        self._initialized = False
+        self._at("after_parse")
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None, probes=(), *, exit_on_dry_run: bool = True) -> "Run":
+        """Platform set up, then the flags parsed and checked (megatron_ext/arguments.py)."""
+        platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
+        # the argument table sits above this floor: it gathers every package's flags, this one's too
+        from megatron_ext import arguments
+
+        return cls(arguments.parse(argv, exit_on_dry_run=exit_on_dry_run), probes)
+
+    # ---- points ---------------------------------------------------------------------------------
+    def _at(self, point: str, *a) -> None:
+        for probe in self.probes:
+            fn = getattr(probe, point, None)
+            if fn is not None:
+                fn(self, *a)
+
+    def _around(self, point: str, *a) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for probe in self.probes:
+            fn = getattr(probe, point, None)
+            if fn is not None:
+                stack.enter_context(fn(self, *a))
+        return stack
+
+    # ---- stages ---------------------------------------------------------------------------------
+    def __enter__(self) -> "Run":
+        self.initialize()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.teardown()
+        return False
+
+    def initialize(self) -> None:
+        if self._initialized:
+            return
+        args = self.args
+        platform.init_distributed(args.distributed_timeout_minutes * 60)
+        logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
+        from megatron.core import config
+
+        config.set_experimental_flag(bool(args.enable_experimental))  # as megatron's set_global_variables
+        parallel.initialize(
+            tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+            virtual_pipeline=args.virtual_pipeline_model_parallel_size, expert=args.expert_model_parallel_size,
+            expert_tensor=args.expert_tensor_parallel_size, context=args.context_parallel_size, seed=args.seed,
+        )
+        self._initialized = True
+        log_restart(args)
+
+    def build(self, wrap: bool = True) -> list:
+        """The model chunks (one per virtual pipeline stage), wrapped for data parallelism unless
+        ``wrap`` is False (conversion and tracing use the bare modules)."""
+        if self.model is None:
+            from megatron_ext.training import model as models
+
+            self.initialize()
+            with self._around("around_build"):
+                self.config = models.transformer_config(self.args)
+                self.model = models.build_model(self.args, self.config, wrap_with_ddp=wrap,
+                                                around_wrap=lambda: self._around("around_wrap"))
+            self._at("after_build")
+        return self.model
+
+    def optimize(self):
+        if self.optimizer is None:
+            from megatron_ext.training import optimizer as optim, step
+
+            model = self.build()
+            self.optimizer, self.scheduler = optim.build_optimizer(self.args, model)
+            step.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
+        return self.optimizer
+
+    def load(self, weights_only: bool = False) -> int:
+        """The newest intact checkpoint under --load (none: iteration 0). ``weights_only``: the
+        model's weights alone, as --finetune loads them, with no optimizer (conversion)."""
+        from megatron_ext.training import checkpointing
+
+        if weights_only:
+            model = self.build(wrap=False) if self.model is None else self.model
+            self.checkpointer = checkpointing.Checkpointer(self.args, model, None, checkpointing.WeightsOnly())
+        else:
+            self.optimize()
+            self.checkpointer = checkpointing.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
+        self.iteration = self.checkpointer.load()
+        self._at("after_load")
+        return self.iteration
+
+    def data(self):
+        if self.iterators is None:
+            from megatron_ext.training import data
+
+            # after the load: a resumed run reads exactly the data an uninterrupted one would
+            self.iterators = data.build_iterators(self.args, len(self.build()), iteration=self.iteration)
+            if self.checkpointer is not None:
+                self.checkpointer.restore_rng()  # after the iterators: building them draws from the CPU generator
+        return self.iterators
+
+    def step(self, iteration: int | None = None):
+        """One training iteration: megatron's schedule (or the 1F1B overlap's), then the optimizer."""
+        from megatron_ext.training import step
+
+        iteration = self.iteration + 1 if iteration is None else iteration
+        schedule = self._schedule()
+        if any(hasattr(probe, "around_schedule") for probe in self.probes):
+            def schedule(_plain=schedule, **kw):
+                with self._around("around_schedule", iteration):
+                    return _plain(**kw)
+        with self._around("around_step", iteration):
+            result = step.train_step(self.args, self.model, self.optimizer, self.scheduler, self.data().train,
+                                     schedule)
+        self.iteration = iteration
+        self._at("after_step", iteration, result)
+        return result
+
+    def _schedule(self):
+        if self.forward_backward is None:
+            from megatron_ext import schedules
+
+            self.optimize()
+            self.forward_backward = schedules.get_forward_backward_func(self.args)
+        return self.forward_backward
+
+    def train(self) -> list[dict]:
+        """The loop, as megatron.training.train runs it; returns the logged history."""
+        from megatron_ext.training import evaluation, exits, model as models, observability
+        from megatron_ext.training.log_line import TrainingLogger
+
+        args = self.args
+        self.optimize()
+        start = self.load()
+        iterators = self.data()
+        self._schedule()  # megatron's, or our TP-overlap 1F1B
+        logger = TrainingLogger(args, self.model, self.optimizer)  # model, optimizer: the per-rank state bytes
+        try:
+            observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
+            iteration = start
+            with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
+                last = start if args.skip_train else args.train_iters
+                for iteration in range(start + 1, last + 1):
+                    observer.before_step(iteration)
+                    result = self.step(iteration)
+                    models.register_fsdp_buffers(args, self.model, iteration - start)  # --use-nccl-ub, after the first
+                    logger.log(iteration, result, lr=self.optimizer.param_groups[0]["lr"])
+                    observer.after_step(iteration, result)
+                    if evaluation.due(args, iteration, iterators):
+                        evaluation.run(args, f"iteration {iteration}", iterators.valid, self.model, self.config,
+                                       iteration, logger.writer)
+                    self.checkpointer.after_step(iteration)  # saves every --save-interval
+                    if stop.after_step(iteration):
+                        break
+            observer.close()
+            self.checkpointer.close(iteration)  # saves at exit, waits for async saves
+            if not stop.reason:
+                evaluation.after_training(args, iterators, self.model, self.config, iteration, logger.writer)
+            return logger.history
+        finally:
+            logger.close()  # on every exit path: the TensorBoard writer owns a thread (and W&B's run)
+
+    def teardown(self) -> None:
+        """Features' teardown, then the process groups (every rank reaches this together)."""
+        self.model = self.optimizer = self.scheduler = self.checkpointer = self.iterators = None
+        if self._initialized:
+            self._initialized = False
+            parallel.destroy()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """train.py: parse, train, tear down; returns the logged history (one dict per log line)."""
+    with Run.from_argv(argv) as run:
+        return run.train()
 
 
 def log_restart(args) -> None:

@@ -8,13 +8,13 @@ from scripts.gpu_check_sections.common import ROOT, claim
 
 
 def run_train(argv) -> dict:
-    import train
+    from megatron_ext.training.run import main as train_main
 
     from megatron_ext import moe, offload
 
     before = moe.installed
     try:
-        history = train.main(list(argv))
+        history = train_main(list(argv))
         manager = offload.current()
         stats = dict(manager.stats) if manager is not None else {}
     finally:

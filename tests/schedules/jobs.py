@@ -30,16 +30,15 @@ def argv_for(kind: str, tp: int, pp: int = 1, vpp: int | None = None, extra=()) 
 
 
 def build(argv):
-    """The project's builders (arguments.parse -> parallel init -> model chunks with DDP)."""
-    from megatron_ext import arguments
+    """The project's bring-up (megatron_ext/training/run.py: parse -> parallel init -> model chunks
+    with DDP), left initialised for the job (the pool's teardown destroys it)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_ext.training import data, model as models, run
+    from megatron_ext.training import data
+    from megatron_ext.training.run import Run
 
-    args = arguments.parse(argv, exit_on_dry_run=False)
-    run.initialize_parallel(args)
-    config = models.transformer_config(args)
-    model = models.build_model(args, config)
+    run = Run.from_argv(argv, exit_on_dry_run=False)
+    model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce:
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
