@@ -18,7 +18,7 @@ import warnings
 
 from megatron.training.arguments import add_megatron_arguments, validate_args
 
-from megatron_ext import planner
+from megatron_ext.planner import options as planner_options
 from megatron_ext.config import domains, megatron_checks, recipes, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_arguments(group)
     features.add_arguments(parser)
-    planner.add_arguments(parser)  # --plan: train.py prints the plan instead of training
+    planner_options.add_arguments(parser)  # --plan: train.py prints the plan instead of training
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -106,7 +105,7 @@ def share(row: dict) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    from megatron_ext.bench import fixed_width
+    from bench import fixed_width
 
     cols = [("recipe", 10), ("mode", 5), ("sums", 4), ("MB", 5), ("save_ms", 8), ("stall_ms", 8),
             ("writer_ms", 9), ("commit_ms", 9), ("sum_ms", 7), ("gather_ms", 9), ("sum_%", 6), ("load_ms", 8), ("verify_ms", 9), ("agree_ms", 8)]

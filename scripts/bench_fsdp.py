@@ -13,7 +13,7 @@ expert local) on a 2-process data-parallel world (gloo on CPU, NCCL with CUDA), 
                          megatron.core.distributed.TorchFullyShardedDataParallel does)
 
 Per layer, forward + backward + the gradient sync (one counted step after a warm-up; host time = best
-of 5 uncounted steps), see megatron_ext/bench/fsdp.py:
+of 5 uncounted steps), see scripts/bench/fsdp.py:
   coll          c10d collectives
   host_ops      aten ops the wrapper adds to the same model's unwrapped step
   slices        the part of host_ops that are slices and views
@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_ext.bench import fixed_width  # noqa: E402
-from megatron_ext.bench.fsdp import WRAPPERS, measure_cases  # noqa: E402
+from bench import fixed_width  # noqa: E402
+from bench.fsdp import WRAPPERS, measure_cases  # noqa: E402
 from megatron_ext.measure.launch import run_world  # noqa: E402
 
 DEVICE = "cpu (2 cores), gloo, 2 processes: not measured on GPU"

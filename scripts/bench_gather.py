@@ -4,7 +4,7 @@ of experts.
     .venv/bin/python scripts/bench_gather.py [--experts 8 32 128] [--json]
 
 Runs train.py's main() (recipes/tiny_moe_many_experts.yaml, --num-experts E) on a 2-process gloo
-world (DP2 / EP2) under megatron_ext.bench.gather.measure, and the same model with megatron-core's
+world (DP2 / EP2) under scripts/bench/gather.measure, and the same model with megatron-core's
 defaults side by side:
 
   mcore-default   --use-distributed-optimizer only (megatron's flag defaults: no overlap, one bucket
@@ -33,8 +33,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_ext.bench import fixed_width  # noqa: E402
-from megatron_ext.bench.gather import measure  # noqa: E402
+from bench import fixed_width  # noqa: E402
+from bench.gather import measure  # noqa: E402
 from megatron_ext.measure.launch import run_world  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "tiny_moe_many_experts.yaml")

@@ -44,7 +44,7 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
     """Offload off vs on, on the same model and data, once per link."""
     import torch
 
-    from megatron_ext.bench import offload as bench
+    from bench import offload as bench
     from megatron_ext.offload import theory
 
     moe = model == "moe"
@@ -78,8 +78,8 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
 
 
 def time_steps(**kw):
-    """Job: CUDA step time and peaks with offload off and on (megatron_ext.bench.offload)."""
-    from megatron_ext.bench import offload as bench
+    """Job: CUDA step time and peaks with offload off and on (scripts/bench/offload)."""
+    from bench import offload as bench
 
     return bench.time_steps(**kw)
 

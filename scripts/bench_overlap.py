@@ -132,18 +132,18 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext import seams
-    from megatron_ext.bench.overlap import FlopCounter, NodeLog, Recorder
+    from megatron_ext.seams import registry
+    from bench.overlap import FlopCounter, NodeLog, Recorder
     from megatron_ext.platform import faithful
     from megatron_ext.schedules import lanes
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.seams.schedules import plan_nodes_recorded
     from megatron_ext.training.run import Run
 
-    seams.install_schedules_seams()
+    registry.install_schedules_seams()
     run = Run.from_argv(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])), exit_on_dry_run=False)
     model, args, config = run.build(), run.args, run.config
-    seams.install_schedules_seams()
+    registry.install_schedules_seams()
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
@@ -285,14 +285,14 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext import seams
-    from megatron_ext.bench.overlap import FlopCounter, Recorder
+    from megatron_ext.seams import registry, schedules as schedules_seams
+    from bench.overlap import FlopCounter, Recorder
     from megatron_ext.platform import faithful, nccl_p2p
     from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.training.run import Run
 
-    seams.install_schedules_seams()
+    registry.install_schedules_seams()
     run = Run.from_argv(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
     model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
@@ -302,7 +302,7 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     def one(schedule_name, count_flops=False, p2p_trace=None, record=True):
         schedule = forward_backward_overlap if schedule_name == "ours" else get_forward_backward_func()
         rec = Recorder() if record else None
-        label = seams.label_plain_schedule_passes() if schedule_name == "plain" and record else _null()
+        label = schedules_seams.label_plain_schedule_passes() if schedule_name == "plain" and record else _null()
         flop_ctx = FlopCounter(rec) if count_flops else _null()
         nccl_p2p.TRACE = p2p_trace
         try:

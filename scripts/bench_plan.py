@@ -4,7 +4,7 @@ side with megatron's theoretical estimate.
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py [--json] [--cases NAME ...]
 
 Each case is a recipe with flags, run through train.py's own builders on a local world (gloo on CPU):
-one warm step, one measured step (megatron_ext.bench.plan). Measured peak per rank = parameters +
+one warm step, one measured step (scripts/bench/plan). Measured peak per rank = parameters +
 DDP gradient buffers + optimizer state (their storages) + the most live activation bytes of the step
 (the independent tracker; on CUDA max_memory_allocated); per stage the most loaded rank. Predicted:
 megatron_ext.planner, which traces a tiny copy of the model at a smaller shape (widths / 4, sequence
@@ -20,7 +20,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 DENSE = ["--recipe", "recipes/tiny_dense.yaml"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml"]
@@ -67,7 +66,7 @@ CASES = {
 def run_case(name: str) -> list:
     """Rows (one per pipeline stage) for one case."""
     from megatron_ext.measure.launch import run_world
-    from megatron_ext.bench.plan import measure
+    from bench.plan import measure
 
     n, argv = CASES[name]
     results = [r for r in run_world(n, measure, argv=argv) if r["report"]]
@@ -100,7 +99,7 @@ def _published_names() -> list:
 
 def published_case(name: str) -> dict:
     """The planner on a published run as given (a fresh process per case), beside the published."""
-    from megatron_ext.bench.plan import plan_published
+    from bench.plan import plan_published
     from megatron_ext.measure.launch import run_world
 
     # planned as scripts/plan.py plans (the CUDA-faithful CPU mode is for the measured cases)
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--validate", action="store_true",
                         help="also validate the planner's choice for recipes/cluster/mixtral_8x7b.yaml scaled down "
-                        "(megatron_ext.bench.plan.validate_choice); JSON key \"validation\"")
+                        "(scripts/bench/plan.validate_choice); JSON key \"validation\"")
     parser.add_argument("--published", nargs="*", default=None, metavar="CASE",
                         help="also plan the published H100 runs (megatron_ext.planner.published; all without "
                         "names) and compare with their published peak and throughput; JSON key \"published\"")
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
     out = {"cases": rows}
     if opts.validate:
         from megatron_ext.measure.launch import run_world
-        from megatron_ext.bench.plan import validate_choice
+        from bench.plan import validate_choice
 
         v = run_world(2, validate_choice)[0]
         out["validation"] = v

@@ -10,10 +10,7 @@ then: torchrun ... train.py --recipe CKPT/recipe.yaml --load CKPT --finetune [la
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _size(text: str) -> int:

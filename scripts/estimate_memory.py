@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 
 
 from megatron_ext import platform  # noqa: E402

@@ -6,10 +6,8 @@ domain, the cross-field rules, the choice flags and megatron's own checks mapped
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.config.domains import FAMILIES  # noqa: E402
 from megatron_ext.config.megatron_checks import FIELD_FLAGS, SITES  # noqa: E402

@@ -27,9 +27,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from megatron_ext.bench import fixed_width  # noqa: E402
+from bench import fixed_width  # noqa: E402
 
 SIZES = [4096, 256, 65664, 65664, 64, 130000]  # elements per bucket: large and small (tcache-sized) ones
 

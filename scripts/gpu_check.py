@@ -24,7 +24,7 @@ train               train.py end to end, a few iterations: the dense recipe with
                     and the MoE recipe with the sync-free dispatcher (the platform defaults of a GPU
                     without apex/transformer-engine, for real)
 planner             the planner's predicted peak bytes (scripts/plan.py's model) against one measured
-                    training step (megatron_ext.bench.plan.measure: torch.cuda.max_memory_allocated on a
+                    training step (scripts/bench/plan.measure: torch.cuda.max_memory_allocated on a
                     GPU, live tensor bytes on CPU), dense and MoE, PP=1, with and without offload
 transformer_engine  the transformer-engine spec builds, trains a few steps with offload hooks that
                     capture bytes; or why not (not importable). And megatron's EP overlap with
@@ -51,14 +51,13 @@ import traceback
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from scripts.gpu_check_sections import RUNNERS, SECTIONS  # noqa: E402
-from scripts.gpu_check_sections.common import cuda, package_version  # noqa: E402
+from gpu_check_sections import RUNNERS, SECTIONS  # noqa: E402
+from gpu_check_sections.common import cuda, package_version  # noqa: E402
 # the planner section's cases, read by tests
-from scripts.gpu_check_sections.planner import PLAN_CASES  # noqa: E402,F401
+from gpu_check_sections.planner import PLAN_CASES  # noqa: E402,F401
 
 
 SCHEMA = 1

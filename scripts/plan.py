@@ -12,16 +12,14 @@ The run is planned as the cluster runs it: megatron's transformer-engine spec un
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def usage_parser() -> argparse.ArgumentParser:
     """--help: the planner's options (megatron_ext.planner.OPTIONS, spelled --NAME here) and where the
     run's flags go. The options are parsed with the run's flags by train.py's argument table."""
-    from megatron_ext.planner import OPTIONS
+    from megatron_ext.planner.options import OPTIONS
 
     p = argparse.ArgumentParser(
         prog="scripts/plan.py", description=__doc__.split("\n\n")[0],

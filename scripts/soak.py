@@ -42,8 +42,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megatron_ext.bench import fixed_width  # noqa: E402
+from bench import fixed_width  # noqa: E402
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 PROBE = "tests/training/restart_probe.py"

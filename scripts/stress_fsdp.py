@@ -40,9 +40,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from megatron_ext.bench import fixed_width  # noqa: E402
+from bench import fixed_width  # noqa: E402
 
 COMMON = ["--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "1",
           "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]

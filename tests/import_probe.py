@@ -114,15 +114,17 @@ def changes(torch_before: dict, env_before: dict) -> dict:
 
 
 def project_modules() -> tuple[list[str], list[str]]:
-    """(runtime modules incl. the top-level arguments and train, measurement modules)."""
+    """(runtime modules incl. the top-level train, the benchmarks' helper modules of scripts/bench/)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(platform.__file__)))  # megatron_ext/
     names = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if os.path.exists(os.path.join(dirpath, d, "__init__.py")))
         package = os.path.relpath(dirpath, os.path.dirname(root)).replace(os.sep, ".")
         names += [package if f == "__init__.py" else f"{package}.{f[:-3]}" for f in sorted(filenames) if f.endswith(".py")]
-    bench = [n for n in names if n == "megatron_ext.bench" or n.startswith("megatron_ext.bench.")]
-    return ["train"] + [n for n in names if n not in bench], bench
+    bench_dir = os.path.join(os.path.dirname(root), "scripts", "bench")
+    bench = ["bench"] + [f"bench.{f[:-3]}" for f in sorted(os.listdir(bench_dir))
+                         if f.endswith(".py") and f != "__init__.py"]
+    return ["train"] + names, bench
 
 
 def main() -> None:
@@ -132,7 +134,7 @@ def main() -> None:
     runtime, bench = project_modules()
     for name in runtime:
         importlib.import_module(name)
-    result = {"runtime": runtime, "bench": bench, "bench_imported_by_runtime": "megatron_ext.bench" in sys.modules}
+    result = {"runtime": runtime, "bench": bench, "bench_imported_by_runtime": "bench" in sys.modules}
     for name in bench:
         importlib.import_module(name)
     result["megatron_modules_watched"] = sum(isinstance(obj, types.ModuleType) for obj, _ in MEGATRON.values())

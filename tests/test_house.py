@@ -15,29 +15,34 @@ FLOORS = (
     ("megatron_ext.platform",),
     ("megatron_ext.seams", "megatron_ext.config"),
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules"),
+    ("megatron_ext.seams.schedules", "megatron_ext.seams.registry"),  # seams bound to the capabilities
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),
     ("megatron_ext.arguments",),
     ("train", "megatron_ext.hf"),
-    ("megatron_ext.bench",),
+    ("bench",),  # the benchmarks' helpers, scripts/bench/, beside the scripts that use them
 )
 
 
 def _modules() -> dict:
     found = {name: os.path.join(ROOT, name + ".py") for name in TOP_LEVEL}
-    for folder, _, files in os.walk(os.path.join(ROOT, "megatron_ext")):
-        for f in files:
-            if f.endswith(".py"):
+    for top, base in (("megatron_ext", ROOT), (os.path.join("scripts", "bench"), os.path.join(ROOT, "scripts"))):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
                 path = os.path.join(folder, f)
-                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                found[name.removesuffix(".__init__")] = path
+                name = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
+            found[name.removesuffix(".__init__")] = path
     return found
 
 
 def _imports(name: str, path: str, modules: dict):
-    """(imported module, line) for each import of a project module, lazy ones included. Importing
-    one's own package (a parent's __init__) is how Python loads a submodule: not an arrow."""
+    """(imported module, line) for each import of a project module, lazy ones included. A package
+    named in an import is an arrow to its __init__, one's own package too (`from megatron_ext import
+    training` inside training/ runs training/__init__.py); the parent packages Python loads on the
+    way to a submodule (`from megatron_ext.training import model`: megatron_ext, .training) are not."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
@@ -47,14 +52,24 @@ def _imports(name: str, path: str, modules: dict):
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            named = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            # `from pkg import name`: an arrow to pkg's __init__ only where a name comes from it
+            targets = named + ([base] if len(named) < len(node.names) else [])
         else:
             continue
         for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
+            if target and target != name and not _loaded_on_the_way(target, name, node):
                 yield target, node.lineno
+
+
+def _loaded_on_the_way(target: str, name: str, node) -> bool:
+    """`import a.b.c` / `from a.b import c` load a and a.b first: those parents are not arrows of
+    their own, unless the import names the package itself (`from a import b`, `import a.b as x`)."""
+    if isinstance(node, ast.Import):
+        return any(a.name.startswith(target + ".") for a in node.names)
+    return False
 
 
 def _graph():
@@ -129,28 +144,90 @@ def _cycles(edges: dict) -> list:
     return found
 
 
+MAX_UPWARD = 3  # imports running up a floor, each made inside a function and said why at the import
+
+
 def test_no_import_circle():
-    """An arrow up a floor, said why at the import and made inside a function (so it runs after
-    every module is loaded), is the one exception; every other arrow counts."""
-    modules, imports = _graph()
-    allowed = {(name, target) for name, _, target, said, eager in _upward(modules, imports) if said and not eager}
-    edges = {name: {t for t, _ in found if (name, t) not in allowed} for name, found in imports.items()}
-    assert _cycles(edges) == []
+    """Every arrow counts, lazy ones (inside a function) and one's own package's __init__ included."""
+    _, imports = _graph()
+    assert _cycles({name: {t for t, _ in found} for name, found in imports.items()}) == []
 
 
 def test_negative_control_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_a_package_importing_its_own_init_is_an_arrow(tmp_path):
+    """`from pkg import sibling` inside pkg/ runs pkg/__init__.py: an arrow (the kind of circle
+    features -> training -> model -> features was); the parents loaded on the way are not."""
+    import ast as ast_
+
+    modules = {"p": "p/__init__.py", "p.a": "p/a.py", "p.b": "p/b.py"}
+    own = ast_.parse("from p import b\nfrom p.b import x\nimport p.b\n").body
+
+    def targets(node):
+        path = tmp_path / "m.py"
+        path.write_text(ast_.unparse(node))
+        return [t for t, _ in _imports("p.a", str(path), modules)]
+
+    assert targets(own[0]) == ["p.b"] and targets(own[1]) == ["p.b"] and targets(own[2]) == ["p.b"]
+    path = tmp_path / "n.py"
+    path.write_text("from p import helper\n")
+    assert [t for t, _ in _imports("p.a", str(path), modules)] == ["p"]
+
+
 def test_arrows_run_down_or_say_why():
     modules, imports = _graph()
-    unexplained = [f"{name}:{lineno} -> {target}" for name, lineno, target, said, eager in _upward(modules, imports)
-                   if not said or eager]
+    upward = _upward(modules, imports)
+    unexplained = [f"{name}:{lineno} -> {target}" for name, lineno, target, said, eager in upward if not said or eager]
     assert unexplained == []
+    assert len({(name, lineno) for name, lineno, *_ in upward}) <= MAX_UPWARD, upward
+
+
+def test_no_sys_path_insert():
+    """Scripts and tests import the installed package; none edits sys.path."""
+    found = []
+    for folder in ("megatron_ext", "scripts", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    for node in ast.walk(ast.parse(open(path).read())):
+                        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                                and node.func.attr == "insert" and ast.unparse(node.func.value) == "sys.path"):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert found == []
+
+
+# the steps of a run's bring-up: only training/run.py (Run) calls them
+BRING_UP = ("build_chunks", "transformer_config", "initialize_model_parallel",
+            "build_optimizer", "build_iterators", "Checkpointer")
+
+
+def test_one_bring_up():
+    """No second copy of the bring-up in the package or the scripts: every run goes through Run."""
+    copies = []
+    allowed = {os.path.join("megatron_ext", "training", "run.py"): BRING_UP,
+               os.path.join("megatron_ext", "training", "parallel.py"): ("initialize_model_parallel",),
+               # loading before Megatron-FSDP shards the model is the checkpointer's own step
+               os.path.join("megatron_ext", "training", "checkpointing.py"): ("Checkpointer",)}
+    for folder in ("megatron_ext", "scripts"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.Call):
+                        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                        if called in BRING_UP and called not in allowed.get(rel, ()):
+                            copies.append(f"{rel}:{node.lineno} {called}")
+    assert copies == []
 
 
 def test_planner_does_not_import_the_measurement_package():
     _, imports = _graph()
     planner_to_bench = [f"{name} -> {target}" for name, found in imports.items() if name.startswith("megatron_ext.planner")
-                        for target, _ in found if target.startswith("megatron_ext.bench")]
+                        for target, _ in found if target.split(".")[0] == "bench"]
     assert planner_to_bench == []

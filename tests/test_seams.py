@@ -32,7 +32,8 @@ from megatron.core.transformer.moe import router, token_dispatcher
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import GlobalMemoryBuffer
 
-from megatron_ext import seams
+from megatron_ext.seams import registry as seams
+from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.moe.sync_detector import SyncDetector
 
 MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
@@ -123,7 +124,7 @@ def test_run_installs_what_its_flags_need_and_teardown_restores(pristine):
 
 
 def test_scoped_seams_last_only_for_their_block(pristine):
-    with seams.label_plain_schedule_passes():
+    with label_plain_schedule_passes():
         assert changed(pristine) == ["schedules.backward_step", "schedules.forward_step"]
     assert changed(pristine) == []
     with SyncDetector():

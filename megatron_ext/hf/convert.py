@@ -130,33 +130,16 @@ def _progress(total: int, desc: str):
 # ---------------------------------------------------------------------------------------------
 # the megatron model of a recipe, on one rank (import, export) or under torchrun (logits)
 # ---------------------------------------------------------------------------------------------
-def parse_args(recipe: str, extra: list[str]):
-    from megatron_ext import platform
-
-    platform.setup()
-    from megatron_ext import arguments
+def open_run(recipe: str, extra: list[str]):
+    """The run of the recipe's model (megatron_ext/training/run.py), one micro-batch of mock data:
+    what import, export and logits build and load through."""
+    from megatron_ext.training.run import Run
 
     argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--num-workers", "0", *extra]
     if "--global-batch-size" not in extra:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         argv += ["--global-batch-size", "1"] if world == 1 else []
-    return arguments.parse(argv)
-
-
-def build(args) -> list:
-    from megatron_ext import platform
-    from megatron_ext.training import model as models, run
-
-    platform.init_distributed(args.distributed_timeout_minutes * 60)
-    run.initialize_parallel(args)
-    config = models.transformer_config(args)
-    return models.build_model(args, config, wrap_with_ddp=False)
-
-
-def teardown() -> None:
-    from megatron_ext.training import parallel
-
-    parallel.destroy()
+    return Run.from_argv(argv)
 
 
 def unwrap(chunk):
@@ -273,9 +256,9 @@ def import_hf(hf_dir: str, save: str) -> str:
     recipe = os.path.join(save, RECIPE)
     write_recipe(recipe, flags, model_type)
 
-    args = parse_args(recipe, ["--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--world-size", "1"])
-    try:
-        model = build(args)
+    run = open_run(recipe, ["--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--world-size", "1"])
+    with run:
+        args, model = run.args, run.build(wrap=False)
         if args.padded_vocab_size != c["vocab_size"]:
             raise ConfigError(f"config.json: vocab_size={c['vocab_size']}: megatron pads the tokenizer's "
                               f"{tokenizer_vocab} ids to {args.padded_vocab_size}")
@@ -305,13 +288,7 @@ def import_hf(hf_dir: str, save: str) -> str:
                    if h not in pending.get(mgs, {})]
         if missing:
             raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
-        from megatron_ext.training import checkpointing
-
-        ckpt = checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly())
-        ckpt.checksums = True
-        ckpt.save(0)
-    finally:
-        teardown()
+        run.save(0, weights_only=True)
     return recipe
 
 
@@ -348,19 +325,33 @@ def _tokenizer_vocab(tok_dir: str) -> int:
 # export
 # ---------------------------------------------------------------------------------------------
 def load_model(load: str, recipe: str | None, extra: list[str]):
-    """The model of `recipe` (default LOAD/recipe.yaml) with the newest checkpoint under `load`,
-    weights only, as --finetune loads them."""
+    """The run of `recipe` (default LOAD/recipe.yaml) with the newest checkpoint under `load`,
+    weights only, as --finetune loads them; the caller enters it (`with load_model(...) as run`)."""
     recipe = recipe or os.path.join(load, RECIPE)
     if not os.path.isfile(recipe):
         raise ConfigError(f"--load={load}: no {RECIPE} there (pass --recipe, the imported checkpoint's recipe)")
-    args = parse_args(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint", *extra])
-    model = build(args)
-    from megatron_ext.training import checkpointing
+    return _Loaded(open_run(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
+                                     "--exit-on-missing-checkpoint", *extra]))
 
-    quiet = io.StringIO()
-    with contextlib.redirect_stdout(quiet):
-        checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly()).load()
-    return args, model
+
+class _Loaded:
+    """A run whose weights are loaded as it is entered (the loader's lines kept off stdout)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __enter__(self):
+        self.run.__enter__()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.run.load(weights_only=True)
+        except BaseException:
+            self.run.teardown()
+            raise
+        return self.run
+
+    def __exit__(self, *exc):
+        return self.run.__exit__(*exc)
 
 
 def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
@@ -368,8 +359,8 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
     from safetensors.torch import save_file
 
     recipe = recipe or os.path.join(load, RECIPE)
-    try:
-        args, model = load_model(load, recipe, ["--world-size", "1"])
+    with load_model(load, recipe, ["--world-size", "1"]) as run:
+        args, model = run.args, run.model
         tok_dir = args.tokenizer_model
         model_type, c = read_hf_config(tok_dir)
         tensors = model_tensors(model[0])
@@ -408,8 +399,6 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         elif os.path.exists(os.path.join(out, WEIGHTS_INDEX)):
             os.remove(os.path.join(out, WEIGHTS_INDEX))
         return names
-    finally:
-        teardown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,9 +416,9 @@ def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str
 
     seq = len(ids)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        args, model = load_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
-                                                 "--global-batch-size", str(parallel_dp(world, extra)), *extra])
+    with load_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
+                                   "--global-batch-size", str(parallel_dp(world, extra)), *extra]) as run:
+        args, model = run.args, run.model
         vocab = read_hf_config(args.tokenizer_model)[1]["vocab_size"]
         tokens = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(seq).unsqueeze(0)
@@ -464,8 +453,6 @@ def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str
             torch.distributed.broadcast_object_list(box, src=src)
             result = box[0]
         return result if torch.distributed.get_rank() == 0 else None
-    finally:
-        teardown()
 
 
 def parallel_dp(world: int, extra: list[str]) -> int:

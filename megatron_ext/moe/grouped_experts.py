@@ -23,13 +23,6 @@ from types import SimpleNamespace
 
 import torch
 
-# torch._grouped_mm needs every row stride to be a multiple of 16 bytes (also on Hopper's kernel)
-ALIGN_BYTES = 16
-
-
-def aligned(features: int, dtype: torch.dtype) -> bool:
-    return (features * torch.empty((), dtype=dtype).element_size()) % ALIGN_BYTES == 0
-
 
 def _valid_rows(num_rows: int, offsets: torch.Tensor) -> torch.Tensor:
     """[rows, 1] bool: the row is one of an expert's (not padding). Device comparison, no read."""

@@ -260,11 +260,6 @@ class SyncDetector:
             if isinstance(t, torch.Tensor):
                 self._set(t, False)
 
-    def mark_device(self, *tensors) -> None:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._set(t, True)
-
     # ---------------------------------------------------------------- recording
     def _record(self, kind: str, op: str) -> None:
         event = SyncEvent(kind, op, self._phase, _site())

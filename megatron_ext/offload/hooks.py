@@ -74,7 +74,7 @@ class Hooks:
 
     # ------------------------------------------------------------------ attach
     def attach(self, model_chunks) -> "Hooks":
-        from megatron_ext import seams
+        from megatron_ext.offload import targets as where  # imports megatron-core: at attach, not at import
 
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         modules = self.options.modules
@@ -83,18 +83,18 @@ class Hooks:
                 self._static_keys.add(_storage_key(p))
                 if getattr(p, "main_grad", None) is not None:
                     self._static_keys.add(_storage_key(p.main_grad))
-            root = seams.offload_unwrap(chunk)
+            root = where.offload_unwrap(chunk)
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
-            for layer in seams.offload_layers(root):
+            for layer in where.offload_layers(root):
                 fused = [m for m in modules if m in ("router_fc1", "router_fc2", "moe_act")]
-                if fused and seams.offload_fused_experts(layer):
+                if fused and where.offload_fused_experts(layer):
                     raise ConfigError(
                         f"--use-transformer-engine-op-fuser=True: the experts run as one fused op that never "
                         f"calls their linear_fc1/linear_fc2; --activation-offload-modules {' '.join(fused)} "
                         "would offload nothing"
                     )
-                targets = seams.offload_targets(layer, modules)
+                targets = where.offload_targets(layer, modules)
                 if not targets:
                     continue
                 self._layer_params[id(layer)] = list(layer.parameters())

@@ -7,8 +7,6 @@ makes its own stream wait for that fence before writing it (stream order, no hos
 """
 from __future__ import annotations
 
-import torch
-
 from megatron_ext.platform import streams
 
 POISON = 0xFF  # every float format reads 0xFF..FF as NaN

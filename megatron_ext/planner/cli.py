@@ -15,8 +15,8 @@ COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", 
 
 def train_flags(argv: list) -> list:
     """scripts/plan.py's spellings (--gpu, --memory-gb=N, ...) as train.py's (--plan-gpu, ...): one
-    table (``megatron_ext.planner.OPTIONS``) for both and for recipe keys (plan_gpu: ...)."""
-    from megatron_ext.planner import OPTIONS
+    table (``megatron_ext.planner.options.OPTIONS``) for both and for recipe keys (plan_gpu: ...)."""
+    from megatron_ext.planner.options import OPTIONS
 
     out = []
     for a in argv:
@@ -42,7 +42,7 @@ def parse(argv: list, prefix: str = "--", parse_run=None):
     come from one parse of the argument table (``parse_run``: ``arguments.parse``), so a recipe's
     ``plan_gpu:`` is read as --plan-gpu is."""
     from megatron_ext.errors import ConfigError
-    from megatron_ext.planner import OPTIONS
+    from megatron_ext.planner.options import OPTIONS
     from megatron_ext.planner.hardware import GPUS
 
     run_argv = list(argv) if prefix == "--plan-" else train_flags(argv)

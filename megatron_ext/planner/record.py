@@ -16,7 +16,7 @@ class _Tagger:
     input in one byte per element."""
 
     def __init__(self, model, exclude):
-        from megatron_ext.seams import offload_layers
+        from megatron_ext.offload.targets import offload_layers
 
         self.exclude = exclude
         self.current = "embedding"

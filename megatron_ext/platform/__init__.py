@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.platform import cpu_shims
+from megatron_ext.platform.attempts import restart_count, store_prefix  # noqa: F401 (the platform's API)
 
 
 @dataclass(frozen=True)
@@ -74,17 +75,6 @@ def setup() -> Platform:
             cpu_shims.apply_all()
         _PLATFORM = platform
     return _PLATFORM
-
-
-def restart_count() -> int:
-    """How many times this job was restarted: torchrun's TORCHELASTIC_RESTART_COUNT (--max-restarts)
-    plus slurm's SLURM_RESTART_COUNT (a requeued job); 0 on a first start."""
-    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
-def store_prefix() -> str:
-    """The key prefix of this attempt in the job's key-value store (see :func:`init_distributed`)."""
-    return f"megatron_ext/attempt_{os.environ.get('SLURM_RESTART_COUNT') or 0}.{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
 
 
 def init_distributed(timeout_s: int = 600) -> Platform:

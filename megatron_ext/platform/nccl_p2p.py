@@ -89,9 +89,9 @@ def _store_client():
                            timeout=datetime.timedelta(seconds=max(DEADLOCK_S, 30)))
     # under this attempt's prefix (platform.init_distributed): a restarted world must not read the
     # marks a killed attempt left in the same store
-    from megatron_ext import platform
+    from megatron_ext.platform.attempts import store_prefix
 
-    return dist.PrefixStore(f"{platform.store_prefix()}/{PREFIX}", client)
+    return dist.PrefixStore(f"{store_prefix()}/{PREFIX}", client)
 
 
 def _release_store(store) -> None:

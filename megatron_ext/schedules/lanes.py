@@ -125,7 +125,7 @@ def group_kind(group) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# recording hook (benchmarks, tests: megatron_ext/bench/overlap.py); the runtime only calls it
+# recording hook (benchmarks, tests: scripts/bench/overlap.py); the runtime only calls it
 # ---------------------------------------------------------------------------------------------
 HOOK = None  # an object with collective_issued / collective_done / collective_waited / segment
 

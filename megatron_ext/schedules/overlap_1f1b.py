@@ -265,7 +265,7 @@ def forward_backward_overlap(
 
     STATS["calls"] += 1  # its seams were installed with the run (megatron_ext/seams/schedules.py)
     lanes.set_groups()
-    from megatron_ext.seams.schedules import per_pass_state
+    from megatron_ext.seams.moe import per_pass_state
 
     lanes.set_stateful(per_pass_state(model if isinstance(model, list) else [model]))
     lanes.GROUPS.hidden = get_model_config(model[0] if isinstance(model, list) else model).hidden_size

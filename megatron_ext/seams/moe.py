@@ -126,3 +126,30 @@ def emulated_dtoh(detector):
             yield
     finally:
         _DETECTORS.pop()
+
+
+# Per-call attributes of megatron's shared-expert overlap (transformer/moe/shared_experts.py:185-189
+# set, :228-361 pre_forward_comm .. get_output advance the state machine and fill the caches).
+SHARED_EXPERT_STATE = ("_overlap_state", "cached_fc1_input", "cached_fc2_input", "cached_fc2_output",
+                       "cached_output", "gate_score")
+
+
+def per_pass_state(model_chunks) -> list:
+    """(object, attributes) that keep state between the calls of one pass, for lanes.set_stateful:
+    every MoE layer's token dispatcher (MoELayer.token_dispatcher, moe_layer.py:299-324, ours or
+    megatron's: every attribute, they are all per-call or constant) and every SharedExpertMLP
+    with --moe-shared-expert-overlap (SHARED_EXPERT_STATE)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    out, seen = [], set()
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for d in (module.token_dispatcher, getattr(module, "_training_token_dispatcher", None)):
+                    if d is not None and id(d) not in seen:
+                        seen.add(id(d))
+                        out.append((d, None))
+            elif isinstance(module, SharedExpertMLP) and module.config.moe_shared_expert_overlap:
+                out.append((module, SHARED_EXPERT_STATE))
+    return out

@@ -36,20 +36,10 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as S
 from megatron.core.tensor_parallel import layers, mappings
 
+from megatron_ext import offload
 from megatron_ext.patching import Patch, set_attr, undo_all
 from megatron_ext.platform.cpu_shims import pad_reduce_scatter_pieces
-
-lanes = None  # megatron_ext.schedules.lanes, bound by _bind_lanes() when a record routing through it is installed
-
-
-def _bind_lanes() -> None:
-    global lanes
-    # Up a floor, on purpose: these records route megatron-core's collectives through the overlap's
-    # lanes; bound at install time, so that importing the seams imports no capability package.
-    from megatron_ext.schedules import lanes as module
-
-    lanes = module
-
+from megatron_ext.schedules import lanes
 
 def _nbytes(t):
     return t.numel() * t.element_size()
@@ -156,7 +146,6 @@ def _wrap_list_all_gather(orig):
 
 
 def _install_tp_collectives():
-    _bind_lanes()
     undos = [
         set_attr(dist, "all_reduce", _wrap_all_reduce(dist.all_reduce)),
         set_attr(dist, "all_to_all_single", _wrap_a2a(dist.all_to_all_single)),
@@ -171,7 +160,6 @@ def _install_tp_collectives():
 
 
 def _install_lane_memory_buffers():
-    _bind_lanes()
     orig = parallel_state.get_global_memory_buffer
 
     def get_global_memory_buffer():
@@ -185,7 +173,6 @@ def _install_plain_pass_labels():
     """megatron/core/pipeline_parallel/schedules.py:397 forward_step and :532 backward_step, looked
     up as module globals by every plain schedule: recorded segments and collectives name their
     micro-batch ("F3" / "B1"), for the timeline of the plain schedule."""
-    _bind_lanes()
     fwd, bwd = S.forward_step, S.backward_step
     count = {"b": 0}
 
@@ -282,33 +269,6 @@ def plain_schedule_steps(forward_step, backward_step):
         _STAND_INS.clear()
 
 
-# Per-call attributes of megatron's shared-expert overlap (transformer/moe/shared_experts.py:185-189
-# set, :228-361 pre_forward_comm .. get_output advance the state machine and fill the caches).
-SHARED_EXPERT_STATE = ("_overlap_state", "cached_fc1_input", "cached_fc2_input", "cached_fc2_output",
-                       "cached_output", "gate_score")
-
-
-def per_pass_state(model_chunks) -> list:
-    """(object, attributes) that keep state between the calls of one pass, for lanes.set_stateful:
-    every MoE layer's token dispatcher (MoELayer.token_dispatcher, moe_layer.py:299-324, ours or
-    megatron's: every attribute, they are all per-call or constant) and every SharedExpertMLP
-    with --moe-shared-expert-overlap (SHARED_EXPERT_STATE)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    out, seen = [], set()
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                for d in (module.token_dispatcher, getattr(module, "_training_token_dispatcher", None)):
-                    if d is not None and id(d) not in seen:
-                        seen.add(id(d))
-                        out.append((d, None))
-            elif isinstance(module, SharedExpertMLP) and module.config.moe_shared_expert_overlap:
-                out.append((module, SHARED_EXPERT_STATE))
-    return out
-
-
 def _install_combined_plan_offload_groups():
     """megatron/core/models/common/fine_grained_callables.py:159 build_layer_callables (looked up
     at model_chunk_schedule_plan.py:116 when a layer's plan is built, called at :122): a
@@ -321,9 +281,6 @@ def _install_combined_plan_offload_groups():
     from megatron.core.models.common import fine_grained_callables as fgc
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    # up a floor, on purpose: the plan's layer nodes open and close activation-offload groups
-    from megatron_ext import offload
 
     orig = fgc.build_layer_callables
 

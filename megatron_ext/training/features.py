@@ -1,23 +1,26 @@
-"""How the capabilities compose: the one place that says which package's hooks the builders call,
-and in which order. Each capability package may define
+"""How the capabilities compose: the one place that says which package's hooks a run calls, and in
+which order. Each capability package may define
 
     add_arguments(parser)          its flags, declared once, with help text, in an argparse group
                                    titled "megatron_ext: <capability>"
     before_validate(args)          refuse flags before megatron's validate_args asserts on them
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig before the model is built
-    after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
+    before_wrap(args, chunks)      change the built model chunks before the data-parallel wrapper
+                                   lays out its buffers (what is frozen then has no gradient buffer)
+    after_model(args, model)       attach to the wrapped model chunks (list of DDP-wrapped modules)
     at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
-A training step composes them as build_model (training/model.py) does: the run's seams -> the model
-chunks -> layout-invariant init -> the data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) ->
-after_model below: the dispatcher, then offload. The 1F1B overlap has nothing to attach: it is the
-schedule the step picks (schedules.forward_backward_func)."""
+The run (training/run.py Run.build) calls them in this order: the config -> before_model -> the
+model chunks -> layout-invariant init -> before_wrap -> the data-parallel wrapper (DDP,
+Megatron-FSDP or FSDP2) -> after_model. The 1F1B overlap has nothing to attach: it is the schedule
+the step picks (schedules.get_forward_backward_func)."""
 from __future__ import annotations
 
-from megatron_ext import moe, offload, schedules, training
+from megatron_ext import moe, offload, schedules
+from megatron_ext.training import hooks as training
 
 # The order every hook runs in. moe first: it replaces the token dispatcher and the experts, and
 # offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
@@ -53,9 +56,14 @@ def before_model(args, config) -> None:
         fn(args, config)
 
 
+def before_wrap(args, chunks) -> None:
+    for fn in _hooks("before_wrap"):
+        fn(args, chunks)
+
+
 def after_model(args, model) -> None:
-    moe.after_model(args, model)  # the sync-free dispatcher and grouped experts, in every MoE layer
-    offload.after_model(args, model)  # after the dispatcher: hooks the modules it put in place
+    for fn in _hooks("after_model"):
+        fn(args, model)
 
 
 def at_log_line(args) -> None:

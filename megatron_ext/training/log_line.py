@@ -14,7 +14,6 @@ from megatron.training.training import num_floating_point_operations
 
 from megatron_ext import platform
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import features
 
 
 def validate(args) -> None:
@@ -114,8 +113,11 @@ _MEMORY_KEYS = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded byte
 
 
 class TrainingLogger:
-    def __init__(self, args, model: list | None = None, optimizer=None):
+    def __init__(self, args, model: list | None = None, optimizer=None, capabilities=None):
+        """``capabilities``: what at_log_line() and log_counters() are called on at each line (the
+        run hands in megatron_ext/training/features.py)."""
         self.args = args
+        self.capabilities = capabilities
         self.model, self.optimizer = model, optimizer  # for the per-rank state bytes
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         self.last = self.interval_start = time.perf_counter()
@@ -194,7 +196,8 @@ class TrainingLogger:
         self.interval_iterations += 1
         line_due = iteration % args.log_interval == 0 or iteration == args.train_iters
         if line_due:
-            features.at_log_line(args)  # every rank
+            if self.capabilities is not None:
+                self.capabilities.at_log_line(args)  # every rank
             record.update(self._memory())
             if args.log_params_norm and self.model is not None:  # a collective: every rank
                 record["params norm"] = params_norm(args, self.model)
@@ -202,7 +205,8 @@ class TrainingLogger:
             self._read_losses()
             # like Megatron, time and throughput averaged over the iterations since the last line
             per_iteration = (now - self.interval_start) / self.interval_iterations
-            shown = dict(record, **self._rates(per_iteration), **features.log_counters())
+            counters = self.capabilities.log_counters() if self.capabilities is not None else {}
+            shown = dict(record, **self._rates(per_iteration), **counters)
             print(self.format(shown), flush=True)
             scalars = {k: v for k, v in shown.items() if isinstance(v, (int, float)) and k != "iteration"}
             if self.writer is not None:

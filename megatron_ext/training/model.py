@@ -30,14 +30,14 @@ from megatron.training.training import (
 )
 
 from megatron_ext import platform, seams
-from megatron_ext.training import checkpointing, features
+from megatron_ext.seams import registry
+from megatron_ext.training import checkpointing
 
 
 def transformer_config(args) -> TransformerConfig:
     config = core_transformer_config_from_args(args)
     if args.multi_latent_attention:
         _mla_yarn_from_flags(args, config)
-    features.before_model(args, config)
     return config
 
 
@@ -120,16 +120,13 @@ def install_seams(args, config: TransformerConfig) -> None:
         seams.TORCH_NORM_SEQUENCE_PARALLEL.apply()
 
 
-def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True, around_wrap=contextlib.nullcontext) -> list:
-    """The run's model chunks (training/run.py Run.build); ``around_wrap`` is the context the
-    data-parallel wrapper is built in (a probe's measurement point)."""
+def build_chunks(args, config: TransformerConfig, meta: bool = False) -> list:
+    """The model chunks, one per virtual pipeline stage, before any data-parallel wrapper
+    (training/run.py Run.build runs the capabilities' hooks around this and wrap())."""
     install_seams(args, config)
-    seams.install(args)  # this run's seams, once, before the model exists; the run's teardown removes them
+    registry.install(args)  # this run's seams, once, before the model exists; the run's teardown removes them
     vp_size = args.virtual_pipeline_model_parallel_size
     chunks = []
-    # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and initialises
-    # each parameter on the device, its shard only (megatron's get_model, training.py:1768)
-    meta = args.init_model_with_meta_device and wrap_with_ddp  # validate: with --use-megatron-fsdp only
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
         decoder_spec = layer_spec(args, config, stage)
@@ -146,14 +143,20 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True, aro
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
-    with around_wrap():
-        if wrap_with_ddp and args.use_torch_fsdp2:
-            chunks = wrap_fsdp2(args, config, chunks)
-        elif wrap_with_ddp and args.use_megatron_fsdp:
-            chunks = wrap_fsdp(args, config, chunks)
-        elif wrap_with_ddp:
-            chunks = wrap_ddp(args, config, chunks)
-    features.after_model(args, chunks)
+    return chunks
+
+
+def wrap(args, config: TransformerConfig, chunks: list) -> list:
+    """The data-parallel wrapper of the run: torch FSDP2, Megatron-FSDP or megatron's DDP."""
+    if args.use_torch_fsdp2:
+        return wrap_fsdp2(args, config, chunks)
+    if args.use_megatron_fsdp:
+        return wrap_fsdp(args, config, chunks)
+    return wrap_ddp(args, config, chunks)
+
+
+def built(chunks: list) -> list:
+    """Chunks the run's teardown releases (release_models)."""
     _BUILT.extend(chunks)
     return chunks
 

@@ -18,7 +18,7 @@ def initialize(
     seed: int = 1234,
 ) -> None:
     platform.init_distributed()
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         destroy()

@@ -10,7 +10,7 @@ Partial uses call the stages they need; each runs once, the ones it needs first:
     build(wrap)    config -> model chunks -> layout-invariant init -> features' before_wrap ->
                    DDP / Megatron-FSDP / FSDP2 -> features' after_model (training/model.py)
     optimize()     optimizer, LR schedule, the schedule's config callbacks
-    load()         the newest intact checkpoint under --load (training/checkpointing.py)
+    load()         the newest intact checkpoint under --load (training/checkpointing.py); save()
     data()         train / valid / test iterators positioned after the loaded iteration
     step()         one iteration (schedule, then optimizer step)
 
@@ -107,13 +107,23 @@ class Run:
         """The model chunks (one per virtual pipeline stage), wrapped for data parallelism unless
         ``wrap`` is False (conversion and tracing use the bare modules)."""
         if self.model is None:
-            from megatron_ext.training import model as models
+            from megatron_ext.training import features, model as models
 
             self.initialize()
+            args = self.args
             with self._around("around_build"):
-                self.config = models.transformer_config(self.args)
-                self.model = models.build_model(self.args, self.config, wrap_with_ddp=wrap,
-                                                around_wrap=lambda: self._around("around_wrap"))
+                self.config = models.transformer_config(args)
+                features.before_model(args, self.config)
+                # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and
+                # initialises each parameter on the device, its shard only (megatron's get_model,
+                # training.py:1768); validate allows it with --use-megatron-fsdp only
+                chunks = models.build_chunks(args, self.config, meta=args.init_model_with_meta_device and wrap)
+                features.before_wrap(args, chunks)  # frozen weights have no gradient buffer
+                if wrap:
+                    with self._around("around_wrap"):
+                        chunks = models.wrap(args, self.config, chunks)
+                features.after_model(args, chunks)
+                self.model = models.built(chunks)
             self._at("after_build")
         return self.model
 
@@ -140,6 +150,20 @@ class Run:
         self.iteration = self.checkpointer.load()
         self._at("after_load")
         return self.iteration
+
+    def save(self, iteration: int, weights_only: bool = False) -> None:
+        """A checkpoint of this iteration under --save, checksummed (``weights_only``: the model's
+        weights alone, as an import writes them)."""
+        from megatron_ext.training import checkpointing
+
+        if weights_only:
+            checkpointing.Checkpointer(self.args, self.build(wrap=False) if self.model is None else self.model,
+                                       None, checkpointing.WeightsOnly()).save(iteration)
+        else:
+            self.optimize()
+            if self.checkpointer is None:
+                self.checkpointer = checkpointing.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
+            self.checkpointer.save(iteration)
 
     def data(self):
         if self.iterators is None:
@@ -178,7 +202,7 @@ class Run:
 
     def train(self) -> list[dict]:
         """The loop, as megatron.training.train runs it; returns the logged history."""
-        from megatron_ext.training import evaluation, exits, model as models, observability
+        from megatron_ext.training import evaluation, exits, features, model as models, observability
         from megatron_ext.training.log_line import TrainingLogger
 
         args = self.args
@@ -186,7 +210,8 @@ class Run:
         start = self.load()
         iterators = self.data()
         self._schedule()  # megatron's, or our TP-overlap 1F1B
-        logger = TrainingLogger(args, self.model, self.optimizer)  # model, optimizer: the per-rank state bytes
+        # model, optimizer: the per-rank state bytes; the capabilities' counters at each line
+        logger = TrainingLogger(args, self.model, self.optimizer, capabilities=features)
         try:
             observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
             iteration = start

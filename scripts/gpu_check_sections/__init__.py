@@ -3,13 +3,13 @@ them: each is ``section_<name>(size, claims) -> dict``, run at ``size`` (the har
 its claims."""
 from __future__ import annotations
 
-from scripts.gpu_check_sections.cuda_facts import section_cuda_facts
-from scripts.gpu_check_sections.moe_layer import section_moe_layer
-from scripts.gpu_check_sections.multihot import section_multihot
-from scripts.gpu_check_sections.offload import section_offload
-from scripts.gpu_check_sections.planner import section_planner
-from scripts.gpu_check_sections.train_script import section_train
-from scripts.gpu_check_sections.transformer_engine import section_transformer_engine
+from gpu_check_sections.cuda_facts import section_cuda_facts
+from gpu_check_sections.moe_layer import section_moe_layer
+from gpu_check_sections.multihot import section_multihot
+from gpu_check_sections.offload import section_offload
+from gpu_check_sections.planner import section_planner
+from gpu_check_sections.train_script import section_train
+from gpu_check_sections.transformer_engine import section_transformer_engine
 
 
 SECTIONS = ("cuda_facts", "multihot", "moe_layer", "offload", "train", "planner", "transformer_engine")

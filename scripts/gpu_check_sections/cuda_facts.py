@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from scripts.gpu_check_sections.common import NO_CUDA, claim, cuda
+from gpu_check_sections.common import NO_CUDA, claim, cuda
 
 
 def section_cuda_facts(size, claims) -> dict:

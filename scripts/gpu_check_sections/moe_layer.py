@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from scripts.gpu_check_sections.common import NO_CUDA, claim, count_cuda_syncs, cuda, sync_free, timed_ms
+from gpu_check_sections.common import NO_CUDA, claim, count_cuda_syncs, cuda, sync_free, timed_ms
 
 
 def cuda_graph_replays(layer, x, x_other) -> bool | str:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from scripts.gpu_check_sections.common import NO_CUDA, claim, count_cuda_syncs, cuda, sync_free, timed_ms
+from gpu_check_sections.common import NO_CUDA, claim, count_cuda_syncs, cuda, sync_free, timed_ms
 
 
 def section_multihot(size, claims) -> dict:
     from megatron_ext import platform
     from megatron_ext.moe.multihot import indices_to_multihot, reference_indices_to_multihot
-    from scripts.bench_dispatcher import bench_multihot
+    from bench_dispatcher import bench_multihot
 
     device = platform.current().device
     rows = []

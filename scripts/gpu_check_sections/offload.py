@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from scripts.gpu_check_sections.common import NO_CUDA, claim, cuda, timed_ms
+from gpu_check_sections.common import NO_CUDA, claim, cuda, timed_ms
 
 
 DENSE_SETS = [["core_attention"], ["qkv_linear"], ["attn_proj"], ["qkv_linear", "core_attention", "attn_proj"]]
@@ -20,7 +20,7 @@ def section_offload(size, claims) -> dict:
     from megatron_ext.offload import canonical_modules, theory
     from megatron_ext.offload import manager as om
     from megatron_ext.platform import streams
-    from megatron_ext.bench import offload as jobs
+    from bench import offload as jobs
     from megatron_ext.training import parallel
 
     dtype = torch.bfloat16 if cuda() else torch.float32
@@ -29,7 +29,7 @@ def section_offload(size, claims) -> dict:
     cases = []
 
     def step(chunks, c, batches):
-        """One forward+backward through megatron-core's schedule (megatron_ext/bench/offload.py's run_step
+        """One forward+backward through megatron-core's schedule (scripts/bench/offload.py's run_step
         without its gradient copy, which would add to the measured device peak)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from scripts.gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda
+from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda
 
 
 PLAN_CASES = (("dense", "tiny_dense.yaml", []),
@@ -13,7 +13,7 @@ PLAN_CASES = (("dense", "tiny_dense.yaml", []),
 
 
 def section_planner(size, claims) -> dict:
-    from megatron_ext.bench.plan import measure
+    from bench.plan import measure
 
     rows = []
     for name, recipe, flags in PLAN_CASES:

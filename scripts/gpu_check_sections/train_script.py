@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 
-from scripts.gpu_check_sections.common import ROOT, claim
+from gpu_check_sections.common import ROOT, claim
 
 
 def run_train(argv) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from scripts.gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, package_version
-from scripts.gpu_check_sections.train_script import run_train
+from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, package_version
+from gpu_check_sections.train_script import run_train
 
 
 def delay_wgrad_dry_run(te_importable: bool) -> dict:

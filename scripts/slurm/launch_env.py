@@ -30,7 +30,7 @@ KEYS = {  # dest -> default
 
 
 def _target_module():
-    sys.path.insert(0, ROOT)  # target.py imports megatron_ext.errors (no torch)
+    # target.py imports megatron_ext.errors (no torch), from the environment the job trains in
     spec = importlib.util.spec_from_file_location(
         "megatron_ext_launch_target", os.path.join(ROOT, "megatron_ext", "platform", "target.py")
     )

@@ -2,13 +2,13 @@
 
 The offload-off vs offload-on comparison itself (model build, megatron-core's schedules, bitwise
 losses and grads, peak bytes, link settings of the CPU copy engine) is
-``megatron_ext.bench.offload.compare``, shared with the benchmark; these are the test-only jobs.
+``scripts/bench/offload.compare``, shared with the benchmark; these are the test-only jobs.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_ext.bench.offload import batches, build, offload_options
+from bench.offload import batches, build, offload_options
 from megatron_ext.training import parallel
 
 

@@ -14,7 +14,7 @@ from tests.dist import run_distributed
 
 DENSE = ["core_attention", "qkv_linear", "attn_proj"]
 MOE = ["core_attn", "qkv_linear", "attn_proj", "expert_fc1", "router_fc2", "moe_act", "shared_experts"]
-JOB = "megatron_ext.bench.offload:compare"
+JOB = "bench.offload:compare"
 
 
 def _check_exact(results, offloaded=True):
@@ -127,12 +127,12 @@ def test_fused_expert_op_is_seen_on_the_built_layer():
     TEGroupedMLP._with_fused_impl); SequentialMLP and dense layers are not affected."""
     from types import SimpleNamespace as NS
 
-    from megatron_ext import seams
+    from megatron_ext.offload import targets
 
-    assert seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
-    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
-    assert not seams.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
-    assert not seams.offload_fused_experts(NS(mlp=NS()))
+    assert targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
+    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
+    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
+    assert not targets.offload_fused_experts(NS(mlp=NS()))
 
 
 def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):

@@ -54,7 +54,7 @@ def _check_within(results, bound=0.05):
 
 
 def test_predicted_peak_within_5_percent_pp2_with_offload():
-    results = run_distributed(2, "megatron_ext.bench.plan:measure", argv=[
+    results = run_distributed(2, "bench.plan:measure", argv=[
         *DENSE, "--pipeline-model-parallel-size", "2", "--activation-offload-modules", "qkv_linear", "core_attention",
         "attn_proj", *OFFLOAD])
     rows = _check_within(results)
@@ -82,7 +82,7 @@ def test_predicted_peak_within_5_percent_many_experts_ep2():
         traced = traced_experts(a)
         seq, mbs = (base_shape(a, traced)[f] for f in ("seq", "mbs"))
         assert seq % tp == 0 and (seq // tp * mbs * k) % (2 * traced) == 0 and seq < 128, (e, k, tp, traced, seq)
-    rows = _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[*MOE, *MANY_EXPERTS, "--expert-model-parallel-size", "2"]))
+    rows = _check_within(run_distributed(2, "bench.plan:measure", argv=[*MOE, *MANY_EXPERTS, "--expert-model-parallel-size", "2"]))
     assert rows[0]["predicted"]["components"]["moe_dispatch"] > 0  # the peak is in a MoE layer, EP2 exchanges
 
 
@@ -90,7 +90,7 @@ def test_predicted_peak_within_5_percent_zero_sync_dropless_ep2():
     """Fixed-budget dispatch (worst-case budget: twice the routed rows here) with the experts as grouped
     GEMMs over the whole buffer and a copy of the local experts' weights: the trace sizes the buffers
     as the run's per token, and counts weight copies per local expert (experts / EP)."""
-    _check_within(run_distributed(2, "megatron_ext.bench.plan:measure", argv=[
+    _check_within(run_distributed(2, "bench.plan:measure", argv=[
         *MOE, "--expert-model-parallel-size", "2", "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]))
 
 
@@ -129,7 +129,7 @@ def test_plan_json_components_and_candidates():
 def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
     """Mixtral-8x7B on H100 with a budget its recipe cannot meet without offload: the planner's
     choice, scaled down to this machine, fits the scaled budget; the recipe without it does not."""
-    r = run_distributed(2, "megatron_ext.bench.plan:validate_choice", timeout=120)[0]
+    r = run_distributed(2, "bench.plan:validate_choice", timeout=120)[0]
     assert "--activation-offload-modules" in r["chosen_flags"]
     assert max(r["chosen_peaks"]) <= r["budget_bytes"] < max(r["plain_peaks"])
     assert 0 < r["phi"] < 1
@@ -263,7 +263,8 @@ def test_published_qwen3_fits_as_given():
 
 
 def test_planner_imports_no_bench_and_no_circle():
-    """From the source: no module of megatron_ext/planner imports megatron_ext.bench, and the
+    """From the source: no module of megatron_ext/planner imports the benchmarks' helpers
+    (scripts/bench/), and the
     planner's modules import each other without a circle (function-level imports included)."""
     import ast
     import os
@@ -281,7 +282,7 @@ def test_planner_imports_no_bench_and_no_circle():
                 deps.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
-        assert not any(d == "megatron_ext.bench" or d.startswith("megatron_ext.bench.") for d in deps), (name, deps)
+        assert not any(d.split(".")[0] == "bench" for d in deps), (name, deps)
         graph[mod] = {d for d in deps if d.startswith("megatron_ext.planner.")} - {mod}
     state = {}
 

@@ -131,15 +131,15 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
     each schedule issued (as p2p-checker programs)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext import seams
-    from megatron_ext.bench.overlap import FlopCounter, Recorder
+    from megatron_ext.seams import registry
+    from bench.overlap import FlopCounter, Recorder
     from megatron_ext.platform import nccl_p2p
     from megatron_ext.schedules import lanes, overlap_1f1b
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
-    seams.install_schedules_seams()  # so the plain schedule's collectives are recorded too
+    registry.install_schedules_seams()  # so the plain schedule's collectives are recorded too
     args, config, model, data = build(argv_for(kind, tp, pp, vpp, extra))
-    seams.install_schedules_seams()  # again: a second build in one job tears the last run's seams down
+    registry.install_schedules_seams()  # again: a second build in one job tears the last run's seams down
     out = {}
     runs = {}
     if debug_after:

@@ -436,7 +436,7 @@ def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeyp
     CUDA events recorded around the wait (stand-ins here record what they were asked)."""
     import torch
 
-    from megatron_ext.bench.overlap import Recorder
+    from bench.overlap import Recorder
     from megatron_ext.schedules import lanes
 
     class Event:

@@ -9,7 +9,7 @@ def _run_steps(experts: int, ours: bool, steps: int = 2) -> dict:
     gradient syncs with an update of the sharded weights in between, so each fetch after the first
     gathers new values into the bucket whose views the seam keeps. Returns every observable."""
     from megatron_ext import platform
-    from megatron_ext.bench import fsdp as bench
+    from bench import fsdp as bench
     from megatron_ext.seams import fsdp_fetch
     from megatron_ext.training import parallel
 
@@ -55,7 +55,7 @@ def _run_steps(experts: int, ours: bool, steps: int = 2) -> dict:
 
 
 def fsdp_fetch_bitwise_and_counts(experts=(4, 8)) -> dict:
-    from megatron_ext.bench.fsdp import measure
+    from bench.fsdp import measure
 
     stock = _run_steps(experts[-1], ours=False)
     ours = _run_steps(experts[-1], ours=True)

@@ -1,18 +1,14 @@
 """Megatron-FSDP's fetch with the fsdp_fetch seam against stock (megatron_ext/seams/fsdp_fetch.py),
-and the per-layer figures scripts/bench_fsdp.py reports (megatron_ext/bench/fsdp.py)."""
+and the per-layer figures scripts/bench_fsdp.py reports (scripts/bench/fsdp.py)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
 from tests.dist import run_distributed
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
-import bench_fsdp  # noqa: E402
+import bench_fsdp  # noqa: E402 (scripts/ is on the tests' path: pytest.ini)
 
 EXPERTS = (4, 8)
 
@@ -94,13 +90,12 @@ def test_train_py_runs_bitwise_with_the_seams(extra):
 def test_a_megatron_fsdp_run_installs_the_seams_and_teardown_removes_them():
     import argparse
 
-    from megatron_ext import seams
-    from megatron_ext.seams import fsdp_fetch
+    from megatron_ext.seams import fsdp_fetch, registry
 
     assert not any(r.active for r in fsdp_fetch.SEAMS)
-    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    registry.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
     assert not any(r.active for r in fsdp_fetch.SEAMS)  # not without --use-megatron-fsdp
-    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False, use_megatron_fsdp=True))
+    registry.install(argparse.Namespace(overlap_tp_comm_1f1b=False, use_megatron_fsdp=True))
     assert all(r.active for r in fsdp_fetch.SEAMS)
-    seams.uninstall()
+    registry.uninstall()
     assert not any(r.active for r in fsdp_fetch.SEAMS)

@@ -8,12 +8,14 @@ FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 MEMORY = ("param bytes", "grad bytes", "optim bytes", "fsdp unsharded bytes", "fsdp unsharded peak bytes")
 
 
-def _losses(argv: list[str]) -> list[dict]:
+def _losses(argv: list[str], probes=()) -> list[dict]:
     """Each iteration's loss and grad norm; where a log line was due, this rank's state bytes too."""
-    import train as entry
+    from megatron_ext.training.run import Run
 
     keep = ("lm loss", "grad norm", "params norm", "num zeros", *MEMORY)
-    return [{k: r[k] for k in keep if k in r} for r in entry.main(argv)]
+    with Run.from_argv(argv, probes) as run:
+        history = run.train()
+    return [{k: r[k] for k in keep if k in r} for r in history]
 
 
 def against_ddp(argv: list[str], strategies: list[str]) -> dict:
@@ -139,36 +141,41 @@ def meta_built(argv: list[str]) -> dict:
     materialises them), and the MoE routers' buffers once the model is built. The build runs with
     torch's deterministic fill on: memory a build leaves uninitialised reads NaN, not whatever the
     allocator held."""
+    import contextlib
+
     import torch
 
     from megatron_ext.training import model as models
 
     from megatron.core import config
 
-    build, build_model, meta, experimental, buffers = models._gpt_model, models.build_model, [], [], {}
+    build, meta, experimental, buffers = models._gpt_model, [], [], {}
 
-    def recorded(*args, **kwargs):
+    def recorded(*args, **kwargs):  # each chunk as GPTModel returns it, before Megatron-FSDP materialises it
         experimental.append(config.is_experimental_enabled())
         chunk = build(*args, **kwargs)
         meta.extend(n for n, p in chunk.named_parameters() if p.device.type == "meta")
         return chunk
 
-    def filled(*args, **kwargs):
-        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty fills NaN
-        try:
-            chunks = build_model(*args, **kwargs)
-        finally:
-            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        for chunk in chunks:
-            buffers.update({n: b.tolist() for n, b in chunk.named_buffers() if ".router." in n})
-        return chunks
+    class Filled:  # the run's probe: the build with deterministic fill on, the routers' buffers after it
+        @contextlib.contextmanager
+        def around_build(self, run):
+            before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+            torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty fills NaN
+            try:
+                yield
+            finally:
+                torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
-    models._gpt_model, models.build_model = recorded, filled
+        def after_build(self, run):
+            for chunk in run.model:
+                buffers.update({n: b.tolist() for n, b in chunk.named_buffers() if ".router." in n})
+
+    models._gpt_model = recorded
     try:
-        history = _losses(argv)
+        history = _losses(argv, probes=[Filled()])
     finally:
-        models._gpt_model, models.build_model = build, build_model
+        models._gpt_model = build
     return {"history": history, "meta": meta, "experimental": experimental + [config.is_experimental_enabled()],
             "router buffers": buffers}
 

@@ -8,7 +8,7 @@ def gather_counts(experts: int, seams: bool = True, defaults: bool = False, extr
     """One measured train.main run (1 warm-up + 1 counted + 1 timed iteration) of the many-experts
     recipe with E experts on DP2/EP2. defaults=True: megatron-core's DDP defaults instead of the
     recipe's (distributed optimizer, no overlap, one bucket per buffer)."""
-    from megatron_ext.bench import gather
+    from bench import gather
 
     argv = ["--recipe", RECIPE, "--num-experts", str(experts), "--expert-model-parallel-size", "2",
             "--seq-length", "32", "--max-position-embeddings", "32", *extra]

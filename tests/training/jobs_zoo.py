@@ -11,27 +11,24 @@ def _digest(t) -> str:
 
 
 def train_digest(argv: list[str]) -> dict:
-    """train.main on this rank; its log history, and a hash of every parameter and of its last
+    """The training loop on this rank (megatron_ext/training/run.py); its log history, and a hash of every parameter and of its last
     gradient (DDP's main_grad) after training: equal hashes = bit-identical weights and gradients."""
-    import train
     from megatron_ext import offload
-    from megatron_ext.seams import offload_unwrap
-    from megatron_ext.training import model as models
+    from megatron_ext.offload.targets import offload_unwrap
+    from megatron_ext.training.run import Run
 
-    built, original = [], models.build_model
+    built = []
 
-    def keep(*a, **k):
-        chunks = original(*a, **k)
-        built.extend(offload_unwrap(c) for c in chunks)  # the DDP wrappers are emptied at teardown
-        return chunks
+    class Keep:  # the run's probe: the modules inside the DDP wrappers (emptied at teardown)
+        def after_build(self, run):
+            built.extend(offload_unwrap(c) for c in run.model)
 
-    models.build_model = keep
     try:
-        history = train.main(list(argv))
+        with Run.from_argv(list(argv), probes=[Keep()]) as run:
+            history = run.train()
         mgr = offload.current()
         by_module = {f"{m}/{path}": dict(v) for (m, path), v in mgr.module_stats.items()} if mgr else {}
     finally:
-        models.build_model = original
         offload.detach()
     params, grads = {}, {}
     for i, chunk in enumerate(built):

@@ -105,7 +105,6 @@ def install(records: str, kills: dict) -> None:
 def main() -> None:
     records, spec, sep, *argv = sys.argv[1:]
     assert sep == "--"
-    sys.path.insert(0, ROOT)
     from megatron_ext import errors, platform
 
     platform.dump_native_crashes()
@@ -113,9 +112,9 @@ def main() -> None:
     from megatron_ext import arguments
 
     install(records, _kills(spec))
-    import train
+    from megatron_ext.training.run import main as train_main
 
-    errors.run(lambda: train.main(argv), explain=arguments.explain)
+    errors.run(lambda: train_main(argv), explain=arguments.explain)
 
 
 if __name__ == "__main__":

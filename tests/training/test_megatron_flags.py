@@ -262,7 +262,7 @@ def test_llama3_rope_factors_are_transformers_llama3():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatron_ext import seams
+    from megatron_ext.seams import registry
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}
@@ -277,11 +277,11 @@ def test_llama3_rope_factors_are_transformers_llama3():
                                use_cpu_initialization=True).inv_freq
 
     assert not torch.equal(ours(), expected)  # megatron-core's fixed factors
-    seams.install(args)
+    registry.install(args)
     try:
         assert torch.equal(ours(), expected)
     finally:
-        seams.uninstall()
+        registry.uninstall()
     with pytest.raises(ConfigError, match=r"^--rope-scaling-high-freq-factor=1.0 without --use-rope-scaling"):
         arguments.parse(DENSE + ["--rope-scaling-high-freq-factor", "1"], exit_on_dry_run=False)
 

@@ -1,5 +1,5 @@
 """Sharded parameters: the distributed optimizer's gather / reduce path does per-bucket, not
-per-parameter, work for many-expert MoE models (counts from megatron_ext.bench.gather on a DP2/EP2
+per-parameter, work for many-expert MoE models (counts from bench.gather on a DP2/EP2
 gloo world running train.main)."""
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ training loop calls after the last micro-batch). Counted, for one step after a w
                     `resident_after_step`: bytes of every layer's unsharded storages still held
                     after the backward
 
-The counting machinery is megatron_ext/bench/gather.py's (one TorchDispatchMode counting op names,
+The counting machinery is scripts/bench/gather.py's (one TorchDispatchMode counting op names,
 c10d collectives told apart by name); the wrappers installed here are measurement only (installed
 for one measured run, removed after it), not seams.
 """
@@ -35,7 +35,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext.bench.gather import OpCounter, is_collective
+from .gather import OpCounter, is_collective
 
 DEFAULTS = dict(hidden=32, heads=4, ffn=64, moe_ffn=32, topk=2, layers=2, seq=16, mbs=2, seed=1234)
 WRAPPERS = ("megatron_fsdp", "fsdp2")

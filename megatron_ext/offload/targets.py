@@ -1,6 +1,6 @@
-"""Seams of chunked, race-free activation offload.
+"""Where activation offload attaches in megatron-core's modules (nothing of megatron-core is replaced).
 
-Nothing of megatron-core is replaced. megatron_ext.offload.manager attaches torch module hooks to
+megatron_ext.offload.manager attaches torch module hooks to
 megatron-core modules and pushes torch's saved-tensor hooks around their forward. The modules it
 finds, by the names of the flag --activation-offload-modules:
   pass  (one micro-batch of one chunk): pre-hook on GPTModel      models/gpt/gpt_model.py:519

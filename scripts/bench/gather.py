@@ -287,7 +287,7 @@ class _Measurement:
     def after_build(self, run):
         from megatron.core import parallel_state
 
-        from megatron_ext import seams as seam_mod
+        from megatron_ext.seams import registry as seam_mod
 
         chunks = run.model
         if self.seams:
@@ -319,7 +319,7 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     comparison; seams=True installs them (as a run does through the training package's hook).
     ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
     parsing (the distributed optimizer stays on)."""
-    from megatron_ext import seams as seam_mod
+    from megatron_ext.seams import registry as seam_mod
     from megatron_ext.training.run import Run
 
     iters = 1 + counted_steps + timed_steps

@@ -1,0 +1,89 @@
+"""The training package as a capability: its flags, its checks before any compute, its teardown
+(the hooks of megatron_ext/training/features.py)."""
+from megatron_ext.errors import ConfigError
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group(
+        "megatron_ext: training", "initialisation, what the model builder adds, checkpoint retention"
+    )
+    group.add_argument(
+        "--layout-invariant-init",
+        action="store_true",
+        help="Initialise every parameter from its global checkpoint key and --seed, so every "
+        "TP/PP/VPP/EP/DP layout starts from identical weights (for comparing layouts).",
+    )
+    group.add_argument(
+        "--save-keep-last",
+        type=int,
+        default=None,
+        help="Keep only the newest K complete checkpoints under --save (older ones are deleted after "
+        "each successful save; multiples of megatron's --save-retain-interval are kept too). "
+        "Default: keep all.",
+    )
+    from megatron_ext.training.checkpointing import add_arguments as add_checkpointing_arguments
+    from megatron_ext.training.model import add_arguments as add_model_arguments
+
+    add_model_arguments(group)
+
+    add_checkpointing_arguments(group)
+    return parser
+
+
+def before_validate(args) -> None:
+    from megatron_ext.training.model import before_validate as model_before_validate
+    from megatron_ext.training.optimizer import refuse_batch_size_schedules
+
+    model_before_validate(args)
+    refuse_batch_size_schedules(args)
+    from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
+
+    checkpointing_before_validate(args)
+
+
+def validate(args) -> None:
+    import contextlib
+    import io
+
+    from megatron_ext.training import data, optimizer, tokenizer
+    from megatron_ext.training import log_line as training_logging
+
+    tokenizer.configure(args)  # the vocabulary (and its padding) from the tokenizer flags
+    with contextlib.redirect_stdout(io.StringIO()):  # megatron prints 'setting training iterations to N'
+        optimizer.resolve_iterations(args)  # --train-iters, or from --train-samples; the LR schedule
+    data.validate(args)
+    training_logging.validate(args)
+    from megatron_ext.training.checkpointing import validate as validate_checkpointing
+    from megatron_ext.training.ckpt_dirs import check_loadable
+
+    validate_checkpointing(args)
+    check_loadable(args)  # every checkpoint under --load damaged (a cheap look): refused here, at --dry-run too
+    from megatron_ext.training.observability import validate as validate_observability
+
+    validate_observability(args)
+    if args.layout_invariant_init and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--layout-invariant-init with --pipeline-model-parallel-size>1 needs "
+            "--untie-embeddings-and-output-weights (tied weights live on two stages)"
+        )
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
+        raise ConfigError(
+            "--init-model-with-meta-device without --use-megatron-fsdp: megatron leaves the meta-built "
+            "parameters uninitialised (torch.empty_like) for a DDP model, and megatron-core's torch FSDP2 "
+            "wrapper never materialises them; it is for Megatron-FSDP, which initialises each shard"
+        )
+    if args.layout_invariant_init and args.init_model_with_meta_device:
+        raise ConfigError(
+            "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
+            "Megatron-FSDP shards them, and a meta-device model has none until it does"
+        )
+
+
+def teardown() -> None:
+    # imported here, as in validate(): importing this package (argument parsing does) stays light
+    from megatron_ext.seams import registry
+    from megatron_ext.training import model, step
+
+    step.release_schedule_hooks()
+    model.release_models()
+    registry.uninstall()  # what the run installed (training/model.py build_model)
