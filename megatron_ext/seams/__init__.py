@@ -21,6 +21,9 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        local shards
     fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
                        once, gradients handled per FSDP unit, not per parameter
+    sft.py             --sft: the chat template inside megatron's tokenizer; a packed row's
+                       per-conversation causal mask through the local spec's softmax (sliding windows
+                       too); token-weighted validation
     megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
                        megatron.training's global args/timers/writer set for the length of a run
 
@@ -38,7 +41,7 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, moe, offload, planner, schedules, sharded_params,
+    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, moe, offload, planner, schedules, sft, sharded_params,
     training,
 )
 from megatron_ext.seams.checkpointing import (
@@ -54,7 +57,7 @@ from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatr
 
 _CAPABILITIES = (
     training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
-    planner,
+    planner, sft,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
