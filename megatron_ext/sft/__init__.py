@@ -61,13 +61,13 @@ def before_validate(args) -> None:
     if args.mtp_num_layers:
         raise ConfigError(f"--mtp-num-layers={args.mtp_num_layers} with --sft: multi-token prediction shifts labels "
                           "across the packed conversations' boundaries")
-    if args.transformer_impl == "transformer_engine" and args.pipeline_model_parallel_size > 1 \
-            and args.micro_batch_size > 1:
-        raise ConfigError(
-            f"--micro-batch-size={args.micro_batch_size} with --sft, --transformer-impl=transformer_engine and "
-            f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}: packed (THD) micro-batches are "
-            "flattened into one row, which the pipeline's [seq, micro-batch] messages cannot carry; use "
-            "--micro-batch-size 1")
+    for flag, size in (("--micro-batch-size", args.micro_batch_size),
+                       ("--eval-micro-batch-size", args.eval_micro_batch_size or 1)):
+        if args.transformer_impl == "transformer_engine" and args.pipeline_model_parallel_size > 1 and size > 1:
+            raise ConfigError(
+                f"{flag}={size} with --sft, --transformer-impl=transformer_engine and "
+                f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}: packed (THD) micro-batches are "
+                f"flattened into one row, which the pipeline's [seq, micro-batch] messages cannot carry; use {flag} 1")
     if not args.calculate_per_token_loss:
         args.calculate_per_token_loss = True
         args.config_sources["calculate_per_token_loss"] = "sft (the loss is token-weighted over the global batch)"

@@ -101,12 +101,13 @@ class ChatTemplate:
     def encode(self, messages: list[dict], line: int) -> Encoded:
         """The conversation's tokens and assistant mask; DataError (naming `line`) where it cannot be
         trained on."""
+        from jinja2 import TemplateError
+
         try:
             return self._encode(messages, line)
-        except DataError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the template's own refusal (raise_exception), or a jinja error
-            raise DataError(line, f"the chat template refuses it: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except (TemplateError, TypeError) as e:  # the template's raise_exception, or what it cannot render
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(line, f"the chat template refuses it: {why}") from None
 
     def _encode(self, messages: list[dict], line: int) -> Encoded:
         for k, message in enumerate(messages):

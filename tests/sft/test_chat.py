@@ -174,10 +174,13 @@ ONLY_REPLIES = "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['co
 NO_REPLIES = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
 LAST_THINKS = ("{% for m in messages %}{{ m['role'] }}: {% if loop.last and m['role'] == 'assistant' %}<think></think>"
                "{% endif %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+NO_TOOLS = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+            "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 GOOD = {"messages": [{"role": "user", "content": "1 plus 1?"}, {"role": "assistant", "content": "1 + 1 = 2."}]}
 TWO_TURNS = {"messages": GOOD["messages"] + [{"role": "user", "content": "And plus 1?"},
                                              {"role": "assistant", "content": "2 + 1 = 3."}]}
 NO_REPLY = {"messages": [{"role": "system", "content": "Hi."}, {"role": "user", "content": "1 plus 1?"}]}
+TOOL = {"messages": GOOD["messages"][:1] + [{"role": "tool", "content": "2"}] + GOOD["messages"][1:]}
 NARRATOR = {"messages": [{"role": "narrator", "content": "Once."}] + GOOD["messages"]}
 
 REFUSALS = {
@@ -185,6 +188,8 @@ REFUSALS = {
     "no assistant turn": ([GOOD, NO_REPLY], (), r"^--data-path=\S+: line 2: a conversation with no assistant turn"),
     "unknown role": ([GOOD, NARRATOR], ("--chat-template", STRICT),
                      r"^--data-path=\S+: line 2: unknown role 'narrator' \(message 1\)"),
+    "template refuses": ([GOOD, TOOL], ("--chat-template", NO_TOOLS),
+                         r"^--data-path=\S+: line 2: the chat template refuses it: no tool turns$"),
     "mask covers every token": ([GOOD], ("--chat-template", ONLY_REPLIES),
                                 r"^--data-path=\S+: line 1: the assistant mask covers every token"),
     "mask covers none": ([GOOD], ("--chat-template", NO_REPLIES),
@@ -222,6 +227,14 @@ def test_refused_in_one_line(made, tmp_path, case):
     with pytest.raises(ConfigError, match=expected) as refused:
         parse(*chats.argv(data, made["tokenizer"], "--dry-run", *flags))
     assert "\n" not in str(refused.value)
+
+
+def test_a_role_the_template_renders_is_accepted(made, tmp_path):
+    """ChatML's template renders any role: a tool turn is rendered and stays out of the loss."""
+    args, _ = parse(*chats.argv(made["data"], made["tokenizer"], "--dry-run"))
+    encoded = template_of(args).encode(TOOL["messages"], 1)
+    text = template_of(args).hf.decode(encoded.ids[encoded.assistant].tolist())
+    assert text == "1 + 1 = 2.<|im_end|>\n"
 
 
 def test_refusals_without_a_template_or_file(made, tmp_path):
