@@ -10,6 +10,7 @@ loaders serve it as they serve pretraining data (megatron/core/datasets/blended_
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -56,7 +57,11 @@ class PackedChatDataset(MegatronDataset):
     conversations first-fit decreasing packs first with the short ones it packs last."""
 
     def __init__(self, dataset: ChatLines, dataset_path, indices, num_samples, index_split, config):
-        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
+        with warnings.catch_warnings():
+            # the base class warns where the pad token is another special token (EOS): GPT datasets mask
+            # labels by that value; rows here mask by position (packing.assemble)
+            warnings.filterwarnings("ignore", message="The pad token id in the tokenizer collides")
+            super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         length = config.sequence_length
         encoded = [e for i in indices for e in dataset[int(i)]]
         kept = [packing.cut(e.ids, e.assistant, length) for e in encoded]
