@@ -11,8 +11,10 @@ and loaders (dataset.py), attended per conversation (attention.py: transformer-e
 sequences, or a block-diagonal causal mask on the local spec). The loss is token-weighted over the
 global batch in training (--calculate-per-token-loss, set by --sft) and in validation.
 
-Hooks: before_validate / validate (features.py); training/data.py calls check_data and
-build_datasets, training/step.py calls packed_inputs, training/evaluation.py token_weighted_evaluation.
+No flags of its own (megatron's --sft, --sft-tokenizer-prompt-format, --chat-template). Hook:
+before_validate (features.py). Called by training/data.py: check_data (at validation, every line
+rendered and masked) and build_datasets; by training/step.py: packed_inputs; by
+training/evaluation.py: token_weighted_evaluation.
 """
 from __future__ import annotations
 
