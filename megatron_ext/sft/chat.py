@@ -124,8 +124,8 @@ class ChatTemplate:
             before = self._render_prefix(messages[:k], generation_prompt=True)
             upto = self.render(messages[: k + 1])
             if not upto.startswith(before):
-                raise DataError(line, f"assistant turn at message {k + 1}: the template's render of the conversation "
-                                "up to it does not begin with its generation prompt")
+                raise DataError(line, f"assistant turn at message {k + 1}: the chat template's render up to it does not "
+                                "begin with the render before it and the generation prompt")
             if not text.startswith(upto):
                 raise DataError(line, f"assistant turn at message {k + 1}: the chat template renders it differently once "
                                 "later turns follow (not prefix-stable); give each such reply its own conversation, "
