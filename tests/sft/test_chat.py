@@ -176,6 +176,8 @@ LAST_THINKS = ("{% for m in messages %}{{ m['role'] }}: {% if loop.last and m['r
                "{% endif %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 NO_TOOLS = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
             "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+OTHER_PROMPT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}bot: {% endif %}")
 GOOD = {"messages": [{"role": "user", "content": "1 plus 1?"}, {"role": "assistant", "content": "1 + 1 = 2."}]}
 TWO_TURNS = {"messages": GOOD["messages"] + [{"role": "user", "content": "And plus 1?"},
                                              {"role": "assistant", "content": "2 + 1 = 3."}]}
@@ -190,6 +192,9 @@ REFUSALS = {
                      r"^--data-path=\S+: line 2: unknown role 'narrator' \(message 1\)"),
     "template refuses": ([GOOD, TOOL], ("--chat-template", NO_TOOLS),
                          r"^--data-path=\S+: line 2: the chat template refuses it: no tool turns$"),
+    "generation prompt": ([GOOD], ("--chat-template", OTHER_PROMPT),
+                          r"^--data-path=\S+: line 1: assistant turn at message 2: the chat template's render up to it "
+                          r"does not begin with the render before it and the generation prompt$"),
     "mask covers every token": ([GOOD], ("--chat-template", ONLY_REPLIES),
                                 r"^--data-path=\S+: line 1: the assistant mask covers every token"),
     "mask covers none": ([GOOD], ("--chat-template", NO_REPLIES),
