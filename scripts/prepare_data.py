@@ -14,6 +14,10 @@ bytes (ids 0..255) and end-of-document (256) after it; train with
 --input takes JSON-lines files (.json/.jsonl: one document per line, text under --json-keys), and
 text files or directories (one document per file). `--python-stdlib` reads this interpreter's own
 standard-library sources, present on every machine.
+
+Chat data for `train.py --sft` is not prepared here: it is read as JSON lines (megatron_ext/sft).
+`--chat-example DIR` writes a small one and a tokenizer for it (what recipes/tiny_sft.yaml trains on):
+    python scripts/prepare_data.py --chat-example recipes/tiny_sft
 """
 from __future__ import annotations
 
@@ -160,12 +164,15 @@ def build(args, files: list[str], progress_every: float = 2.0) -> dict:
 
 
 def get_args(argv=None):
-    from megatron.training.arguments import _add_tokenizer_args
+    from megatron.training.arguments import _add_sft_args, _add_tokenizer_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_tokenizer_args(parser)  # megatron's own tokenizer flags, as tools/preprocess_data.py
+    _add_sft_args(parser)  # --sft-tokenizer-prompt-format, which megatron's SFTTokenizer reads
     group = parser.add_argument_group("input data")
     source = group.add_mutually_exclusive_group(required=True)
+    source.add_argument("--chat-example", metavar="DIR", help="write DIR/conversations.jsonl and DIR/tokenizer/: "
+                        "a small chat data set for train.py --sft, and a tokenizer with a chat template for it")
     source.add_argument("--input", nargs="+", help="JSON-lines files (.json/.jsonl), text files or directories")
     source.add_argument("--python-stdlib", action="store_true", help="this interpreter's stdlib .py files")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
@@ -179,13 +186,17 @@ def get_args(argv=None):
                        "(always on byte-level)")
     group.add_argument("--lang", type=str, default="english", help="(only with --split-sentences)")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True, help="writes PREFIX_<json key>_document.bin/.idx")
+    group.add_argument("--output-prefix", help="writes PREFIX_<json key>_document.bin/.idx (required but with --chat-example)")
     group.add_argument("--skip-existing", action="store_true", help="do nothing if the dataset exists")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=int, default=1, help="(only 1: one output per key)")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     args = parser.parse_args(argv)
+    if args.output_prefix is None and not args.chat_example:
+        parser.error("the following arguments are required: --output-prefix")
+    if args.sft:
+        parser.error("--sft: chat data is read as JSON lines by train.py --sft --data-path FILE.jsonl, not prepared here")
     if args.split_sentences:
         parser.error("--split-sentences: sentence splitting needs nltk's punkt data, which is not available here")
     if args.partitions != 1:
@@ -202,6 +213,13 @@ def main(argv=None) -> dict:
     platform.setup()  # before megatron-core is imported
     args = get_args(argv)
     from megatron_ext.errors import ConfigError
+
+    if args.chat_example:
+        from megatron_ext.sft import example
+
+        written = example.write(args.chat_example)
+        print(f"wrote {written['data']} and {written['tokenizer']}/", flush=True)
+        return written
 
     prefix = f"{args.output_prefix}_{args.json_keys[0]}_document"
     if args.skip_existing and os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):

@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing import optimizer as dist_ckpt_optimizer
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.models.common import fine_grained_callables
@@ -56,6 +57,7 @@ TARGETS = {
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
     "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
     "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils,
+    "FusedScaleMaskSoftmax": FusedScaleMaskSoftmax,
 }
 
 

@@ -298,7 +298,7 @@ RULES = (
     *(Rule("files", (dest,), lambda a, d=dest: not _missing_data(getattr(a, d)),
            "each dataset prefix needs PREFIX.bin and PREFIX.idx (scripts/prepare_data.py writes them)",
            detail=lambda a, d=dest: "not found: " + ", ".join(_missing_data(getattr(a, d))),
-           when=lambda a, d=dest: getattr(a, d) and not a.mock_data)
+           when=lambda a, d=dest: getattr(a, d) and not a.mock_data and not a.sft)  # --sft: JSON lines (sft/)
       for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
     *(Rule("files", (dest,), lambda a, d=dest: _exists(getattr(a, d)), "no such file",
            when=lambda a, d=dest: getattr(a, d, None))

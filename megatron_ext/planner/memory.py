@@ -195,20 +195,31 @@ def dispatch_bytes(args, layout: Layout) -> float:
     return dispatch_rows(args, layout) * args.hidden_size * elem
 
 
+def packed_mask_bytes(args) -> float:
+    """--sft on the local spec: the per-conversation attention mask of a packed micro-batch (bool
+    [micro-batch, 1, S, S], megatron_ext/sft/attention.py), made by each chunk's forward step and held
+    until its backward (the softmax's masked fill keeps it). Transformer-engine's packed sequences
+    carry only their cu_seqlens."""
+    if not getattr(args, "sft", False) or getattr(args, "transformer_impl", None) != "local":
+        return 0.0
+    return float(args.micro_batch_size * args.seq_length ** 2)
+
+
 def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,
-                    boundary: float = 0.0, dispatch: float = 0.0) -> dict:
+                    boundary: float = 0.0, dispatch: float = 0.0, per_pass: float = 0.0) -> dict:
     """Replay the rank's pass order; the most live activation bytes and what they were at that moment
     (boundary tensors the schedule holds, receives posted ahead and sends in flight, count as
     ``boundary`` bytes each; a MoE layer's forward and backward add ``dispatch`` bytes, the
-    expert-parallel exchange's buffers). Also, per model chunk, the bytes its passes hold at that
-    moment."""
+    expert-parallel exchange's buffers; every pass from its forward to its backward holds ``per_pass``
+    bytes the trace does not see, ``packed_mask_bytes``). Also, per model chunk, the bytes its passes
+    hold at that moment."""
     names = [[_name(scaled, c) for c in comps] for comps in comps_per_chunk]
     saved = [[scaled.saved[n] for n in ns] for ns in names]
     mods = set(offload.modules)
     off = [[sum(v for m, v in scaled.offloadable_at(n, offload.min_tensor_bytes).items() if m in mods)
             if isinstance(c, tuple) else 0.0 for n, c in zip(ns, comps)]
            for ns, comps in zip(names, comps_per_chunk)]
-    total = [sum(s) for s in saved]
+    total = [sum(s) + per_pass for s in saved]
     total_off = [sum(o) for o in off]
     alive: list = []
     best = dict(peak=-1.0)
@@ -230,7 +241,7 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
         others_off = min(sum(total_off[c] for _m, c in alive), offload.pool_bytes)
         ns, ss, oo = names[v], saved[v], off[v]
         if kind == "F":
-            prefix = 0.0
+            prefix = per_pass
             for j, n in enumerate(ns):
                 held_off = sum(oo[:max(0, j - 1)])  # one group late: the previous layer is still resident
                 removed = min(others_off + held_off, offload.pool_bytes)
@@ -247,7 +258,7 @@ def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int,
             # layers still on the host
             for j in range(len(ns) - 1, -1, -1):
                 n = ns[j]
-                held = sum(ss[: j + 1])
+                held = per_pass + sum(ss[: j + 1])
                 held_off = sum(oo[: max(0, j - offload.prefetch_depth)])
                 removed = min(others_off + held_off, offload.pool_bytes)
                 consider(others + held + scaled.bwd[n] - removed, others + held, scaled.bwd[n], removed,
@@ -262,7 +273,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
     comps_per_chunk = [chunk_components(args, config, layout, pp_rank, v) for v in range(vpp)]
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
     act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout),
-                          dispatch_bytes(args, layout))
+                          dispatch_bytes(args, layout), packed_mask_bytes(args))
     if backend == "gloo" and getattr(args, "use_distributed_optimizer", False):
         # the distributed optimizer reduce-scatters the gradient buckets under torch's coalescing
         # manager, which on gloo (no coalesced collectives) gathers them into one flat copy at the
@@ -283,7 +294,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
         params = sum(scaled.params_dense[n] + scaled.params_expert[n] for n in unique)
         chunks.append(dict(chunk=v, layers=[(c[1] if isinstance(c, tuple) else c) for c in comps],
                            parameters=params,
-                           activations_per_microbatch=sum(scaled.saved[n] for n in names),
+                           activations_per_microbatch=sum(scaled.saved[n] for n in names) + packed_mask_bytes(args),
                            activations_at_peak=act["chunk_held"][v]))
     return dict(stage=pp_rank, peak_bytes=sum(components.values()), activation_peak_bytes=act["peak"],
                 components=components, at=act["where"], in_flight=act["in_flight"],

@@ -30,7 +30,7 @@ import them); schedules.py binds megatron-core to the overlap's lanes and offloa
 sits above those packages, with registry.py: every replacement of a megatron (or torch) attribute is
 a reversible record in registry.SEAMS (the record type of the CPU shims, megatron_ext/patching.py). A
 run installs the records its flags need once, before its model is built (registry.install(args),
-from training/model.py build_model), and its teardown removes what it installed
+from training/model.py build_chunks), and its teardown removes what it installed
 (registry.uninstall()). Where offload attaches (nothing replaced) lives with offload:
 megatron_ext/offload/targets.py. Scoped records (a benchmark's labels, the sync detector's
 emulation) are applied only inside a block (`Patch.applied()`); the torch-norm record is held for

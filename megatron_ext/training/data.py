@@ -1,6 +1,7 @@
 """Training, validation and test data as pretrain_gpt.py builds them: megatron-core GPT datasets
 (indexed .bin/.idx, or mock) split by --split or given per split (--train/valid/test-data-path),
-behind megatron's samplers and data loaders (--dataloader-type, --num-workers).
+behind megatron's samplers and data loaders (--dataloader-type, --num-workers). With --sft, packed
+chat conversations from JSON lines instead (megatron_ext/sft), through the same builder and loaders.
 
 The tokenizer comes from the tokenizer flags (megatron_ext/training/tokenizer.py); the byte-level
 text of scripts/prepare_data.py (ids 0..255 = UTF-8 bytes, 256 = end of document) reads with
@@ -17,7 +18,7 @@ from megatron.training.datasets.data_samplers import build_pretraining_data_load
 from megatron.training.training import cyclic_iter
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
-from megatron_ext import platform
+from megatron_ext import platform, sft
 from megatron_ext.training import tokenizer
 
 BYTE_VOCAB_SIZE = 257
@@ -69,10 +70,12 @@ def validate(args) -> None:
     for flag, value in (("--full-validation", args.full_validation),
                         ("--multiple-validation-sets", args.multiple_validation_sets),
                         ("--dataloader-type=external", args.dataloader_type == "external"),
-                        ("--fim-data", args.fim_data), ("--sft", args.sft)):
+                        ("--fim-data", args.fim_data)):
         if value:
             raise ConfigError(f"{flag}: not supported by this loop (pretrain_gpt.py's standard GPT data only)")
-    if not args.mock_data:
+    if args.sft:  # chat data: every conversation rendered, masked and packed before any compute
+        sft.check_data(args, dataset_config(args), list(num_samples(args)))
+    elif not args.mock_data:
         _check_splits(dataset_config(args), list(num_samples(args)))
     import multiprocessing
 
@@ -122,8 +125,10 @@ def _check_splits(config: GPTDatasetConfig, sizes: list[int]) -> None:
 
 
 def build_datasets(args):
-    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     config, sizes = dataset_config(args), list(num_samples(args))
+    if args.sft:
+        return sft.build_datasets(config, sizes)
+    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
     return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
 
@@ -172,10 +177,10 @@ def build_iterators(args, num_chunks: int, iteration: int = 0) -> Iterators:
 
 def build_train_iterators(args, num_chunks: int, consumed_samples: int = 0) -> list:
     """The training iterators alone (benchmarks and schedule tests)."""
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        MockGPTDataset if args.mock_data else GPTDataset,
-        [args.train_samples or args.train_iters * args.global_batch_size, 0, 0],
-        lambda: True,
-        dataset_config(args),
-    ).build()
+    config, sizes = dataset_config(args), [args.train_samples or args.train_iters * args.global_batch_size, 0, 0]
+    if args.sft:
+        train = sft.build_datasets(config, sizes)[0]
+    else:
+        train = BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset, sizes, lambda: True,
+                                              config).build()[0]
     return _iterators(args, train, consumed_samples, num_chunks)

@@ -19,13 +19,15 @@ Megatron-FSDP or FSDP2) -> after_model. The 1F1B overlap has nothing to attach: 
 the step picks (schedules.get_forward_backward_func)."""
 from __future__ import annotations
 
-from megatron_ext import moe, offload, schedules
+from megatron_ext import moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
 
 # The order every hook runs in. moe first: it replaces the token dispatcher and the experts, and
 # offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
-# saved tensors offload already manages; training last (its checks read what the others settled).
-CAPABILITIES = (moe, offload, schedules, training)
+# saved tensors offload already manages; sft before training: it sets --calculate-per-token-loss
+# before megatron validates, and training's data checks (training/data.py) read the chat data it
+# accepted; training last (its checks read what the others settled).
+CAPABILITIES = (moe, offload, schedules, sft, training)
 
 
 def _hooks(name):

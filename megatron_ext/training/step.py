@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
-from megatron_ext import platform
+from megatron_ext import platform, sft
 
 
 @dataclass
@@ -20,16 +20,23 @@ class StepResult:
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """pretrain_gpt.py's forward step. With ``return_schedule_plan`` (asked by megatron's combined
+    """pretrain_gpt.py's forward step. A packed chat batch (--sft, keys cu_seqlens and max_seqlen)
+    brings its per-conversation attention: a mask on the local spec, PackedSeqParams (THD) on
+    transformer-engine's (megatron_ext/sft/attention.py). With ``return_schedule_plan`` (asked by megatron's combined
     1F1B, --overlap-moe-expert-parallel-comm, combined_1f1b.py:384) the model's schedule plan
     (GPTModel.build_schedule_plan) stands in for the output, as pretrain_gpt.py returns it."""
-    batch = {k: v.to(platform.current().device) for k, v in next(data_iterator).items()}
+    batch, packed = next(data_iterator), {}
+    if "cu_seqlens" in batch:  # --sft: packed conversations attend only within themselves
+        batch, packed = sft.packed_inputs(batch, model, platform.current().device)
+    else:
+        batch = {k: v.to(platform.current().device) for k, v in batch.items()}
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["tokens"],
             batch["position_ids"],
             batch.get("attention_mask"),
             labels=batch["labels"],
+            **packed,
         )
         return plan, partial(loss_func, batch["loss_mask"])
     output = model(
@@ -37,6 +44,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         batch["position_ids"],
         batch.get("attention_mask"),
         labels=batch["labels"],
+        **packed,
     )
     return output, partial(loss_func, batch["loss_mask"])
 

@@ -5,6 +5,8 @@
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR   (a saved tokenizer directory)
     --tokenizer-type SentencePieceTokenizer|GPTSentencePieceTokenizer|Llama2Tokenizer --tokenizer-model M.model
     --tokenizer-type TikTokenizer --tokenizer-model VOCAB.json
+    --tokenizer-type SFTTokenizer --tokenizer-model DIR --sft-tokenizer-prompt-format F   (a Hugging Face
+                                                          tokenizer with a prompt format's chat template)
 
 The vocabulary size (padded to --make-vocab-size-divisible-by x TP, as megatron pads it) and the
 end-of-document id come from the tokenizer, so --vocab-size is needed only by NullTokenizer (and
@@ -16,6 +18,7 @@ import importlib.util
 import os
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.sft import PROMPT_FORMATS
 
 # --tokenizer-type -> (the flags naming its files, the package megatron loads it with)
 _NEEDS = {
@@ -34,7 +37,7 @@ _KEY_FIELDS = (
     "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "special_tokens",
     "metadata_path", "null_tokenizer_eod_id", "null_tokenizer_pad_id", "tiktoken_pattern",
     "tiktoken_num_special_tokens", "tokenizer_hf_no_use_fast", "tokenizer_hf_no_include_special_tokens",
-    "trust_remote_code", "tokenizer_sentencepiece_legacy", "chat_template",
+    "trust_remote_code", "tokenizer_sentencepiece_legacy", "chat_template", "sft_tokenizer_prompt_format",
 )
 _CACHE: dict = {}
 
@@ -59,6 +62,9 @@ def check(args) -> None:
     if kind not in _NEEDS:
         raise ConfigError(f"--tokenizer-type={kind}: not a text tokenizer for GPT pretraining")
     files, package = _NEEDS[kind]
+    if kind == "SFTTokenizer" and args.sft_tokenizer_prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"--sft-tokenizer-prompt-format={args.sft_tokenizer_prompt_format}: one of "
+                          f"{', '.join(PROMPT_FORMATS)} (megatron's SFTTokenizer)")
     if kind == "NullTokenizer" and args.vocab_size is None:
         raise ConfigError("--tokenizer-type=NullTokenizer needs --vocab-size (257 for scripts/prepare_data.py's byte-level data)")
     for dest in files:
