@@ -10,7 +10,6 @@ def packed_rows(argv: list[str], windowed: list[str]) -> dict:
     import contextlib
     import io
 
-
     from megatron_ext.training import data
     from megatron_ext.training.run import Run
 
