@@ -18,6 +18,7 @@ option, where no new trace is needed (a larger TP is tried when the search alrea
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import sys
@@ -309,16 +310,28 @@ def _nearest(candidates: list, given: dict, top: int) -> list:
     return sorted(chosen, key=lambda c: c.peak)
 
 
-def _grown(base, k: int, reparse, gpus_per_node: int) -> list:
+def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
     """The split ``base`` on k times its GPUs, the extra ones as data, pipeline, expert or tensor
-    parallelism (each validated by megatron)."""
+    parallelism, each validated by megatron; the sizes that cannot divide (the global batch, the
+    layers, the experts, the heads) or whose TP has no trace (``traced``: args -> bool) are not parsed."""
     tp, pp, ep = base.tensor_model_parallel_size, base.pipeline_model_parallel_size, base.expert_model_parallel_size
-    world = ["--world-size", str(base.world_size * k)]
-    variants = [([], False), (["--pipeline-model-parallel-size", str(pp * k)], True)]
+    layout = memory.Layout.from_args(base)
+    uneven = bool(getattr(base, "decoder_first_pipeline_num_layers", None)
+                  or getattr(base, "decoder_last_pipeline_num_layers", None))
+    variants = []
+    if base.global_batch_size % (layout.mbs * layout.dp * k) == 0:
+        variants.append(([], False))
+    if uneven or base.num_layers % (pp * k * (layout.vpp or 1)) == 0:
+        variants.append((["--pipeline-model-parallel-size", str(pp * k)], True))
     if base.num_experts and base.num_experts % (ep * k) == 0:
         variants.append((["--expert-model-parallel-size", str(ep * k)], False))
-    if tp * k <= gpus_per_node:
+    wider = copy.copy(base)  # as the TP variant will parse: a dense model's expert TP follows its TP
+    wider.tensor_model_parallel_size, wider.sequence_parallel = tp * k, True
+    if not base.num_experts:
+        wider.expert_tensor_parallel_size = tp * k
+    if tp * k <= gpus_per_node and base.num_attention_heads % (tp * k) == 0 and traced(wider):
         variants.append((["--tensor-model-parallel-size", str(tp * k), "--sequence-parallel"], False))
+    world = ["--world-size", str(base.world_size * k)]
     out = []
     for flags, pp_changes in variants:
         a = _reparse(base, [*_layout_flags(base), *world, *flags], pp_changes, reparse)
@@ -339,12 +352,15 @@ def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int) -
                          b["--pipeline-model-parallel-size"] != args.pipeline_model_parallel_size, reparse)
         if b is not None:
             splits.append(b)
+    def traced(a) -> bool:  # evaluating ``a`` needs no new trace
+        return all(evaluate["tracer"].has(a, r) for r in evaluate["recomputes"])
+
     seen = set()
     for k in (2, 4, 8, 16):
         fitting = []
-        for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node)):
+        for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node, traced)):
             layout_key = st.key({**given, **st.layout_of(a)})
-            if layout_key in seen or not all(evaluate["tracer"].has(a, r) for r in evaluate["recomputes"]):
+            if layout_key in seen or not traced(a):
                 continue
             seen.add(layout_key)
             fitting += [c for c in _evaluate_split(a, evaluate) if c.fits]
