@@ -1,9 +1,11 @@
 """Predict each pipeline stage's peak memory and the step time of a recipe on a GPU cluster, and
 choose the offload / prefetch / recompute (with --search-parallelism also the TP/PP/VPP/EP/micro-batch
-split) that fits a memory budget at the least step time. See docs/planner.md.
+split) that fits a memory budget at the least step time, with the torchrun / sbatch command that runs
+it; when nothing fits, the nearest ways to fit. See docs/planner.md.
 
     PYTHONPATH=. .venv/bin/python scripts/plan.py --recipe recipes/cluster/llama3_70b.yaml --gpu h100 \
-        [--memory-gb N] [--host-link-gbps N] [--search-parallelism] [--json] [--png FILE] [train.py flags]
+        [--memory-gb N] [--host-link-gbps N] [--gpus-per-node N] [--search-parallelism] [--json] [--png FILE]
+        [train.py flags]
 
 Same as `train.py --recipe R --plan [--plan-gpu ...]` (recipe keys plan_gpu:, plan_memory_gb:, ...).
 The run is planned as the cluster runs it: megatron's transformer-engine spec unless --assume-no-te

@@ -1,6 +1,6 @@
 """The planner: each pipeline stage's peak device memory and the step time of a run, predicted from
 the model itself, and the offload / prefetch / recompute (and parallel layout) that fits a memory
-budget at the least step time. See docs/planner.md.
+budget at the least step time, with the command that runs it (launch.py). See docs/planner.md.
 
     scripts/plan.py --recipe R [flags] --gpu h100 [--memory-gb N] [--host-link-gbps N] [--json]
     train.py --recipe R [flags] --plan [--plan-gpu h100] [--plan-memory-gb N] ...

@@ -1,5 +1,7 @@
 """The planner's command line (scripts/plan.py, train.py --plan): the run as given, per stage and
-component, then the best candidates for the budget and the flags of the winner."""
+component, then the best candidates for the budget, the flags of the winner and the command that
+runs it (``megatron_ext.planner.launch``); when nothing fits, the nearest ways to fit and then the
+one-line refusal."""
 from __future__ import annotations
 
 import contextlib
@@ -51,7 +53,7 @@ def parse(argv: list, prefix: str = "--", parse_run=None):
     opts = {name.replace("-", "_"): getattr(args, "plan_" + name.replace("-", "_")) for name in OPTIONS}
     if opts["gpu"] not in GPUS:
         raise ConfigError(f"{prefix}gpu={opts['gpu']}: unknown GPU; known: {', '.join(sorted(GPUS))}")
-    for name in ("memory_gb", "host_link_gbps"):
+    for name in ("memory_gb", "host_link_gbps", "gpus_per_node"):
         if opts[name] is not None and not opts[name] > 0:
             raise ConfigError(f"{prefix}{name.replace('_', '-')}={opts[name]}: must be > 0")
     if getattr(args, "platform", None) == "cuda" and getattr(args, "target_gpu", None) is None:
@@ -132,14 +134,49 @@ def candidate_table(cands: list) -> str:
     for i, c in enumerate(cands):
         rows.append((str(i + 1), "yes" if c.fits else "no", f"{c.step_time_s:.3f}",
                      f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout,
-                     "(as given)" if c.as_given else (" ".join(c.flags) or "(no recompute, no offload)"), c.why))
+                     "(as given)" if c.as_given else (" ".join(c.flags) or "(recipe changes only: see why)"), c.why))
     return _grid(rows)
 
 
-def run(argv: list, prefix: str, parse_run, refuse: bool = True) -> tuple:
+def nearest_table(nearest: list, budget: float, gpus_per_node: int) -> str:
+    from megatron_ext.planner.launch import nodes_for
+
+    rows = [("#", "kind", "GPUs", "fits", "step s", "largest stage GiB", "over budget GiB", "layout", "flags")]
+    for i, c in enumerate(nearest):
+        world = c.settings["--world-size"]
+        nodes, per_node = nodes_for(world, gpus_per_node)
+        rows.append((str(i + 1), c.kind, f"{world} ({nodes} x {per_node})", "yes" if c.fits else "no",
+                     f"{c.step_time_s:.3f}", f"{c.peak / GIB:.2f}", f"{(c.peak - budget) / GIB:+.2f}", c.layout,
+                     "(as given)" if c.as_given else (" ".join(c.flags) or "(recipe changes only)")))
+    return _grid(rows)
+
+
+@contextlib.contextmanager
+def _logs_to_stderr():
+    """megatron's root log handler writes to the stdout of its import time: while planning, its
+    records go to stderr, so that stdout is the plan's (one JSON object with --json)."""
+    moved = [h for h in logging.getLogger().handlers
+             if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stdout, sys.__stdout__)]
+    old = [h.setStream(sys.stderr) for h in moved]
+    try:
+        yield
+    finally:
+        for h, stream in zip(moved, old):
+            h.setStream(stream)
+
+
+def run(argv: list, prefix: str, parse_run, refuse: bool = True, tracer=None) -> tuple:
     """(options, the search's result, the --json report) for a command line, printing nothing on
-    stdout. ``refuse``: a budget nothing meets is a ConfigError (else the result says so)."""
+    stdout. ``refuse``: a budget nothing meets is a ConfigError (else the result says so in
+    ``refusal``, with the nearest ways to fit)."""
+    with _logs_to_stderr():
+        return _run(argv, prefix, parse_run, refuse, tracer)
+
+
+def _run(argv: list, prefix: str, parse_run, refuse: bool, tracer) -> tuple:
     from megatron_ext import platform
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner import launch
     from megatron_ext.planner.search import plan
 
     opts, args = parse(argv, prefix, parse_run)
@@ -151,29 +188,57 @@ def run(argv: list, prefix: str, parse_run, refuse: bool = True) -> tuple:
         with contextlib.redirect_stdout(sys.stderr):
             result = plan(args, gpu=opts["gpu"], memory_gb=opts["memory_gb"], host_link_gbps=opts["host_link_gbps"],
                           search_parallelism=opts["search_parallelism"], top=opts["top"], flag_prefix=prefix,
-                          reparse=reparse(parse_run), refuse=refuse)
+                          reparse=reparse(parse_run), refuse=False, tracer=tracer, gpus_per_node=opts["gpus_per_node"])
     finally:
         log.setLevel(level)
+    if refuse and result["refusal"]:
+        raise ConfigError(result["refusal"])
+
+    def launch_of(c):  # parsed back as train.py will parse it (launch.build's check)
+        return launch.build(args, result["given_settings"], c.settings, opts["gpu"], opts["gpus_per_node"],
+                            check=reparse(parse_run))
+
+    best = result["candidates"][0]
+    result["launch"] = launch_of(best) if best.fits else None
+    for c in result["nearest"]:
+        c.launch = launch_of(c) if c.fits else None
     report = dict(stages=[dict(stage=s["stage"], peak_bytes=round(s["peak_bytes"]),
                                components={k: round(v) for k, v in s["components"].items()},
                                in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
                           for s in result["stages"]],
                   candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
                   budget_bytes=round(result["budget_bytes"]), layout=result["layout"],
-                  as_given=as_given_json(result["as_given"]))
+                  as_given=as_given_json(result["as_given"]),
+                  launch=launch.as_json(result["launch"]) if result["launch"] else None,
+                  nearest=[dict(c.as_json(), kind=c.kind, peak_bytes=round(c.peak),
+                                over_budget_bytes=round(c.peak - result["budget_bytes"]),
+                                launch=launch.as_json(c.launch) if c.launch else None) for c in result["nearest"]],
+                  refusal=result["refusal"])
     return opts, result, report
 
 
 def main(argv: list | None, prefix: str, parse_run) -> dict:
+    from megatron_ext.errors import ConfigError
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts, result, report = run(argv, prefix, parse_run)
+    opts, result, report = run(argv, prefix, parse_run, refuse=False)
     if opts["png"]:
         from megatron_ext.planner.picture import draw
 
         draw(result, opts["png"])
     if opts["json"]:
         print(json.dumps(report, indent=1))
-        return report
+    else:
+        _print_plan(opts, result)
+    if result["refusal"]:
+        sys.stdout.flush()
+        raise ConfigError(result["refusal"])
+    return report
+
+
+def _print_plan(opts: dict, result: dict) -> None:
+    from megatron_ext.planner import launch
+
     print(f"{result['layout']} on {opts['gpu']}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
           f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s, efficiency {result['efficiency']:.0%} of peak "
           "(predicted; not measured on GPU)")
@@ -185,11 +250,22 @@ def main(argv: list | None, prefix: str, parse_run) -> dict:
     print(stage_table(result["stages"]))
     print("\nPer model chunk (GiB; activations: saved for backward):")
     print(chunk_table(result["stages"]))
-    print(f"\nBest {len(result['candidates'])} of {result['all_candidates']} candidates:")
-    print(candidate_table(result["candidates"]))
     best = result["candidates"][0]
-    print("\nFlags of the winner: " + ("(none: the run fits as given)" if best.as_given else " ".join(best.flags)
-                                        or "(none: drop the run's recompute / offload)"))
+    if best.fits:
+        print(f"\nBest {len(result['candidates'])} of {result['all_candidates']} candidates:")
+        print(candidate_table(result["candidates"]))
+        print("\nFlags of the winner: " + ("(none: the run fits as given)" if best.as_given else " ".join(best.flags)
+                                            or "(none: drop the run's recompute / offload)"))
+        print("Launch: " + launch.text(result["launch"]))
+    else:
+        print(f"\nNo configuration fits {result['budget_bytes'] / GIB:.1f} GiB per GPU. The nearest ways to fit, "
+              "by the predicted peak of the fullest stage:")
+        print(nearest_table(result["nearest"], result["budget_bytes"], opts["gpus_per_node"]))
+        more = next((c for c in result["nearest"] if c.launch), None)
+        if more:
+            print("Launch with more GPUs: " + launch.text(more.launch))
+        elif not any(c.kind == "more GPUs" for c in result["nearest"]):
+            print("More GPUs: no split of up to 16 times the GPUs that the search could evaluate without a new trace "
+                  "fits" + ("" if opts["search_parallelism"] else " (--search-parallelism also tries larger TP)"))
     if opts["png"]:
         print(f"Picture: {opts['png']}")
-    return report

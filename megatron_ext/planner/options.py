@@ -17,6 +17,10 @@ OPTIONS = {
     "png": dict(default=None, metavar="FILE",
                 help="Also draw per stage memory by component, as given and with the chosen configuration."),
     "top": dict(type=int, default=5, metavar="N", help="How many candidates to print."),
+    "gpus-per-node": dict(type=int, default=8, metavar="N",
+                          help="GPUs per node of the cluster: the launch printed for the winner (torchrun "
+                          "--nnodes / --nproc-per-node, the slurm template's nodes and GPUS_PER_NODE). "
+                          "A GB200 NVL72 compute tray has 4."),
 }
 
 

@@ -16,10 +16,11 @@ def draw(result: dict, path: str) -> None:
     before = result["stages"]
     best = result["candidates"][0]
     after = best.stages
+    chosen = "chosen" if best.fits else "closest"  # nothing fits: the configuration nearest the budget
     n = len(before)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * n + 3), 4.5))
     width = 0.38
-    for side, stages, dx, hatch in (("as given", before, -width / 2, ""), ("chosen", after, width / 2, "//")):
+    for side, stages, dx, hatch in (("as given", before, -width / 2, ""), (chosen, after, width / 2, "//")):
         for i, s in enumerate(stages):
             c = s["components"]
             bottom = 0.0
@@ -34,9 +35,9 @@ def draw(result: dict, path: str) -> None:
                 ax.bar(i + dx, -c["offload_removed"] / GIB, width, bottom=bottom, fill=False, hatch="..",
                        edgecolor="grey", label="offloaded (on the host)" if i == 0 else None)
     ax.axhline(result["budget_bytes"] / GIB, color="black", linestyle="--", label="budget")
-    ax.set_xticks(range(n), [f"stage {i}\nleft: as given\nright: chosen" for i in range(n)], fontsize=7)
+    ax.set_xticks(range(n), [f"stage {i}\nleft: as given\nright: {chosen}" for i in range(n)], fontsize=7)
     ax.set_ylabel("GiB per GPU (predicted)")
-    ax.set_title(f"{result['layout']} on {result['gpu']}: chosen {' '.join(best.flags) or '(as given)'}",
+    ax.set_title(f"{result['layout']} on {result['gpu']}: {chosen} {' '.join(best.flags) or '(as given)'}",
                  fontsize=7, wrap=True)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()

@@ -6,15 +6,26 @@ alone and the modules in order of the bytes they remove (largest first, growing 
 prefetch depth 1 and 2; combinations megatron_ext.offload refuses (a recomputed module offloaded,
 offload under full recompute) are left out. A candidate fits when every stage's predicted peak is
 within the budget; fitting candidates are ranked by predicted step time, the others by their peak.
+A candidate is its settings (``megatron_ext.planner.settings``): the run as given is evaluated once,
+as itself, and its flags are those that differ from the run's.
+
+When nothing fits, the nearest ways to fit (``nearest``), ranked by how far over the budget their
+fullest stage is: the closest candidates of each kind the search evaluated (another layout,
+recompute / offload on the run's layout), and more GPUs: the smallest world size (2, 4, 8, 16 times
+the run's) at which the run's split (and with --search-parallelism the nearest splits) fits with the
+extra GPUs as data, pipeline, expert or tensor parallelism, each with every recompute / offload
+option, where no new trace is needed (a larger TP is tried when the search already traced it).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import sys
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, steptime
+from megatron_ext.planner import settings as st
 from megatron_ext.planner import trace as tr
 from megatron_ext.planner.run import recompute_of, target_config
 from megatron_ext.planner.hardware import EFFICIENCY, GPUS
@@ -36,10 +47,18 @@ class Candidate:
     time: dict = dataclasses.field(default_factory=dict)
     layout: str = ""
     as_given: bool = False  # the run exactly as its flags say
+    settings: dict = dataclasses.field(default_factory=dict)  # the configuration (settings.of_args)
+    kind: str = ""  # among the nearest ways to fit: "more GPUs", "another layout", "recompute / offload", "as given"
+    launch: dict | None = None  # the command that runs it (megatron_ext.planner.launch), where the CLI made one
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_bytes_per_stage)
 
     def as_json(self) -> dict:
         return dict(flags=self.flags, as_given=self.as_given, fits=self.fits, peak_bytes_per_stage=[round(p) for p in self.peak_bytes_per_stage],
                     step_time_s=self.step_time_s, why=self.why, layout=self.layout,
+                    world_size=self.settings.get("--world-size"),
                     time={k: v for k, v in self.time.items() if k.endswith("_s")})
 
 
@@ -49,17 +68,31 @@ class Tracer:
     def __init__(self):
         self.cache: dict = {}
 
+    @staticmethod
+    def _recompute(args, recompute: str | None) -> tuple:
+        """What a trace with ``recompute`` runs: (granularity, selective modules); None is the run's
+        own (its --recompute-modules). Full recompute is traced on every layer whatever the method."""
+        if recompute is None:
+            own = recompute_of(args)
+            return own, tuple(getattr(args, "recompute_modules", None) or ("core_attn",)) if own == "selective" else ()
+        return recompute, ("core_attn",) if recompute == "selective" else ()
+
+    def _key(self, args, recompute: str | None) -> tuple:
+        return (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None),
+                self._recompute(args, recompute), args.transformer_impl,
+                memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
+
     def __call__(self, args, recompute: str | None) -> dict:
         """``recompute`` None: as the run has it (its own --recompute-modules)."""
-        same = recompute == recompute_of(args) and (
-            recompute != "selective" or list(getattr(args, "recompute_modules", None) or ["core_attn"]) == ["core_attn"])
-        recompute = None if same else recompute
-        key = (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None), recompute,
-               args.transformer_impl, tuple(getattr(args, "recompute_modules", None) or ()) if recompute is None else (),
-               memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
+        key = self._key(args, recompute)
         if key not in self.cache:
-            self.cache[key] = tr.trace(args, recompute)
+            own = self._recompute(args, recompute) == self._recompute(args, None)
+            self.cache[key] = tr.trace(args, None if own else recompute)
         return self.cache[key]
+
+    def has(self, args, recompute: str | None) -> bool:
+        """Traced already (evaluating ``args`` with ``recompute`` costs no trace)."""
+        return self._key(args, recompute) in self.cache
 
 
 def _offload_sets(scaled, min_bytes: int, recompute: str) -> list:
@@ -76,34 +109,17 @@ def _offload_sets(scaled, min_bytes: int, recompute: str) -> list:
 
 
 def _layout_flags(args) -> list:
-    f = ["--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
-         "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
-    if args.virtual_pipeline_model_parallel_size:
-        per = args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_model_parallel_size)
-        f += ["--num-layers-per-virtual-pipeline-stage", str(per)]
-    if args.num_experts:
-        f += ["--expert-model-parallel-size", str(args.expert_model_parallel_size)]
-    f += ["--micro-batch-size", str(args.micro_batch_size)]
-    if args.tensor_model_parallel_size > 1 and args.sequence_parallel:
-        f.append("--sequence-parallel")
-    return f
+    """Every flag of the split ``args`` has (its world size aside)."""
+    return st.render(st.layout_of(args), [f for f in st.LAYOUT if f != "--world-size"])
 
 
-def _flags(args, recompute: str, off: memory.Offload, pool_bytes: float, layout_search: bool) -> tuple:
-    flags, notes = (_layout_flags(args) if layout_search else []), []
-    if recompute == "selective":
-        flags += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
-    elif recompute == "full":
-        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    elif recompute_of(args) != "none":
+def _notes(args, recompute: str, modules: tuple) -> list:
+    notes = []
+    if recompute == "none" and recompute_of(args) != "none":
         notes.append("recompute off (drop recompute_granularity)")
-    if off.modules:
-        flags += ["--activation-offload-modules", *off.modules,
-                  "--activation-offload-prefetch-depth", str(off.prefetch_depth),
-                  "--activation-offload-pool-mb", str(max(64, math.ceil(pool_bytes * 1.25 / 2**20)))]
-    elif getattr(args, "activation_offload_modules", None):
+    if not modules and getattr(args, "activation_offload_modules", None):
         notes.append("offload off (drop activation_offload_modules)")
-    return flags, notes
+    return notes
 
 
 def _reparse(args, flags: list, drop_uneven: bool, parse_run):
@@ -178,12 +194,13 @@ def _why(peaks: list, budget: float) -> tuple:
                   if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
 
 
-def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dict, link: float,
-              efficiency: float, recomputes=RECOMPUTE) -> list:
+def _evaluate(args, tracer: Tracer, budget: float, gpu: dict, link: float, efficiency: float, given: dict,
+              recomputes=RECOMPUTE) -> list:
+    """Every recompute / offload option on the split ``args``, except the run as given (``given``:
+    its settings), which is its own candidate."""
     config = target_config(args)
     layout = memory.Layout.from_args(args)
-    base = memory.Offload.from_args(args)
-    min_bytes = base.min_tensor_bytes if base.modules else memory.Offload().min_tensor_bytes
+    min_bytes = int(getattr(args, "activation_offload_min_tensor_kb", 64) * 1024)  # the run's: its command keeps it
     out = []
     for recompute in recomputes:
         traced = tracer(args, recompute)
@@ -192,27 +209,34 @@ def _evaluate(args, layout_search: bool, tracer: Tracer, budget: float, gpu: dic
             for depth in ((1, 2) if mods else (1,)):
                 off = memory.Offload(mods, depth, min_bytes)
                 stages = memory.predict(args, config, scaled, off)
+                pool = max(-s["components"]["offload_removed"] for s in stages)
+                chosen = {**st.layout_of(args), **st.recompute_choice(recompute),
+                          **st.offload_choice(mods, depth, max(64, math.ceil(pool * 1.25 / 2**20)), given)}
+                if st.key(chosen) == st.key(given):
+                    continue
                 group = _group_bytes(scaled, stages, off)
                 t = steptime.step_time(args, layout, stages, group, gpu, efficiency, link, recompute)
                 peaks = [s["peak_bytes"] for s in stages]
-                pool = max(-s["components"]["offload_removed"] for s in stages)
-                flags, notes = _flags(args, recompute, off, pool, layout_search)
                 fits, why = _why(peaks, budget)
                 if t["offload_exposed_s"] > 0:
                     why += f"; the host link cannot hide {t['offload_exposed_s']:.2f} s of copies"
+                notes = _notes(args, recompute, mods)
                 if notes:
                     why += "; " + ", ".join(notes)
-                out.append(Candidate(flags, fits, peaks, t["step_time_s"], why, stages, t, layout.describe()))
+                out.append(Candidate(st.flags_between(given, chosen), fits, peaks, t["step_time_s"], why, stages, t,
+                                     layout.describe(), settings=chosen))
     return out
 
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
          flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None,
-         refuse: bool = True) -> dict:
-    """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...}.
-    Raises ConfigError naming the flag for an unknown GPU or a budget nothing meets. ``reparse``
-    (argv -> parsed arguments) validates the layouts of ``search_parallelism``."""
+         refuse: bool = True, gpus_per_node: int = 8) -> dict:
+    """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...,
+    "given_settings", "nearest": the nearest ways to fit when nothing fits, "refusal": that one-line
+    message or None}. Raises ConfigError naming the flag for an unknown GPU, and with ``refuse`` for a
+    budget nothing meets. ``reparse`` (argv -> parsed arguments) validates the layouts of
+    ``search_parallelism`` and of more GPUs (without it, no more-GPUs hint)."""
     if gpu not in GPUS:
         raise ConfigError(f"{flag_prefix}gpu={gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
     g = GPUS[gpu]
@@ -220,6 +244,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     link = host_link_gbps * 1e9 if host_link_gbps else g["host_link"]
     tracer = tracer or Tracer()
     given = tracer(args, None)  # the run as given
+    given_settings = st.of_args(args)
     layout = memory.Layout.from_args(args)
     scaled = tr.scaled(args, given)
     as_given = memory.predict(args, target_config(args), scaled)
@@ -229,32 +254,135 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     peaks = [s["peak_bytes"] for s in as_given]
     fits, why = _why(peaks, budget)
     given_candidate = Candidate([], fits, peaks, t["step_time_s"], "as given: " + why, as_given, t,
-                                layout.describe(), as_given=True)
-    candidates = []
-    for a in (layouts(args, reparse) if search_parallelism else [args]):
-        try:
-            candidates += _evaluate(a, search_parallelism, tracer, budget, g, link, efficiency, recomputes)
-        except (ValueError, AssertionError, RuntimeError) as e:  # a split megatron refuses
-            print(f"planner: {memory.Layout.from_args(a).describe()} skipped: {str(e).splitlines()[-1][:200]}",
-                  file=sys.stderr)
-            continue
-    candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else max(c.peak_bytes_per_stage), len(c.flags)))
+                                layout.describe(), as_given=True, settings=given_settings)
+    evaluate = dict(tracer=tracer, budget=budget, gpu=g, link=link, efficiency=efficiency, given=given_settings,
+                    recomputes=recomputes)
+    splits = layouts(args, reparse) if search_parallelism else [args]
+    candidates = [c for a in splits for c in _evaluate_split(a, evaluate)]
+    candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.peak, len(c.flags)))
     # the run as given first when it fits: nothing to change, no recompute or offload it does not need
     candidates = [given_candidate, *candidates] if fits else [*candidates, given_candidate]
     seen, unique = set(), []
-    for c in candidates:
-        key = (c.as_given, tuple(c.flags), c.why.split("; ", 1)[-1] if not c.as_given else "")
-        if key not in seen:
-            seen.add(key)
+    for c in candidates:  # one row per configuration (a split the layout search reaches twice, say)
+        if st.key(c.settings) not in seen:
+            seen.add(st.key(c.settings))
             unique.append(c)
     unique.sort(key=lambda c: not c.fits)  # stable: the fitting ones, in the order above
-    if refuse and (not unique or not unique[0].fits):
-        closest = unique[0] if unique else None
-        what = (f"; closest: {' '.join(closest.flags) or 'as given'} ({closest.layout}) needs "
-                f"{max(closest.peak_bytes_per_stage) / GIB:.1f} GiB" if closest else "")
-        given_flag = f"{flag_prefix}memory-gb={memory_gb}" if memory_gb else f"{flag_prefix}gpu={gpu}"
-        raise ConfigError(f"{given_flag}: no configuration fits {budget / GIB:.1f} GiB per GPU{what}")
+    nearest, refusal = [], None
+    if not unique[0].fits:
+        nearest = _nearest(unique, given_settings, top)
+        if reparse is not None:
+            others = [c.settings for c in nearest if c.kind == "another layout"][:2] if search_parallelism else []
+            bases = [args, *others]
+            more = _more_gpus(args, bases, evaluate, reparse, gpus_per_node)
+            nearest = ([more] if more else []) + nearest
+        refusal = _refusal(nearest, budget, flag_prefix, memory_gb, gpu, gpus_per_node)
+        if refuse:
+            raise ConfigError(refusal)
     return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency,
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
-                as_given=given_candidate,
+                as_given=given_candidate, given_settings=given_settings, nearest=nearest, refusal=refusal,
                 trace_divisor=given["divisor"])
+
+
+def _evaluate_split(a, evaluate: dict) -> list:
+    try:
+        return _evaluate(a, **evaluate)
+    except (ValueError, AssertionError, RuntimeError) as e:  # a split megatron refuses
+        print(f"planner: {memory.Layout.from_args(a).describe()} skipped: {str(e).splitlines()[-1][:200]}",
+              file=sys.stderr)
+        return []
+
+
+def _kind(c: Candidate, given: dict) -> str:
+    same_split = all(c.settings[f] == given[f] for f in st.LAYOUT)
+    return "as given" if c.as_given else "recompute / offload" if same_split else "another layout"
+
+
+def _nearest(candidates: list, given: dict, top: int) -> list:
+    """The candidates closest to the budget (lowest fullest-stage peak): the closest of each kind,
+    then the next closest, ``top`` in all, ranked by peak."""
+    by_peak = sorted(candidates, key=lambda c: c.peak)
+    for c in by_peak:
+        c.kind = _kind(c, given)
+    firsts = list({c.kind: c for c in reversed(by_peak)}.values())
+    chosen = firsts + [c for c in by_peak if c not in firsts][:max(0, top - len(firsts))]
+    return sorted(chosen, key=lambda c: c.peak)
+
+
+def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
+    """The split ``base`` on k times its GPUs, the extra ones as data, pipeline, expert or tensor
+    parallelism, each validated by megatron; the sizes that cannot divide (the global batch, the
+    layers, the experts, the heads) or whose TP has no trace (``traced``: args -> bool) are not parsed."""
+    tp, pp, ep = base.tensor_model_parallel_size, base.pipeline_model_parallel_size, base.expert_model_parallel_size
+    layout = memory.Layout.from_args(base)
+    uneven = bool(getattr(base, "decoder_first_pipeline_num_layers", None)
+                  or getattr(base, "decoder_last_pipeline_num_layers", None))
+    variants = []
+    if base.global_batch_size % (layout.mbs * layout.dp * k) == 0:
+        variants.append(([], False))
+    if uneven or base.num_layers % (pp * k * (layout.vpp or 1)) == 0:
+        variants.append((["--pipeline-model-parallel-size", str(pp * k)], True))
+    if base.num_experts and base.num_experts % (ep * k) == 0:
+        variants.append((["--expert-model-parallel-size", str(ep * k)], False))
+    wider = copy.copy(base)  # as the TP variant will parse: a dense model's expert TP follows its TP
+    wider.tensor_model_parallel_size, wider.sequence_parallel = tp * k, True
+    if not base.num_experts:
+        wider.expert_tensor_parallel_size = tp * k
+    if tp * k <= gpus_per_node and base.num_attention_heads % (tp * k) == 0 and traced(wider):
+        variants.append((["--tensor-model-parallel-size", str(tp * k), "--sequence-parallel"], False))
+    world = ["--world-size", str(base.world_size * k)]
+    out = []
+    for flags, pp_changes in variants:
+        a = _reparse(base, [*_layout_flags(base), *world, *flags], pp_changes, reparse)
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int) -> Candidate | None:
+    """The fastest configuration that fits at the smallest world size (2 to 16 times the run's) on
+    one of ``bases`` (the run's split and nearest splits) with more GPUs; splits that would need a new
+    trace are left out."""
+    given = evaluate["given"]
+    splits = []
+    for b in bases:
+        if isinstance(b, dict):  # a split as settings: parse it as the run with these flags
+            b = _reparse(args, st.render(b, [f for f in st.LAYOUT if f != "--world-size"]),
+                         b["--pipeline-model-parallel-size"] != args.pipeline_model_parallel_size, reparse)
+        if b is not None:
+            splits.append(b)
+    def traced(a) -> bool:  # evaluating ``a`` needs no new trace
+        return all(evaluate["tracer"].has(a, r) for r in evaluate["recomputes"])
+
+    seen = set()
+    for k in (2, 4, 8, 16):
+        fitting = []
+        for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node, traced)):
+            layout_key = st.key({**given, **st.layout_of(a)})
+            if layout_key in seen or not traced(a):
+                continue
+            seen.add(layout_key)
+            fitting += [c for c in _evaluate_split(a, evaluate) if c.fits]
+        if fitting:
+            best = min(fitting, key=lambda c: (c.step_time_s, len(c.flags)))
+            best.kind = "more GPUs"
+            return best
+    return None
+
+
+def _refusal(nearest: list, budget: float, flag_prefix: str, memory_gb, gpu: str, gpus_per_node: int) -> str:
+    """The one-line refusal: the closest candidate on these GPUs and, if found, the GPUs that fit."""
+    from megatron_ext.planner.launch import nodes_for
+
+    here = [c for c in nearest if c.kind != "more GPUs"]
+    closest = here[0] if here else None
+    what = (f"; closest: {' '.join(closest.flags) or 'as given'} ({closest.layout}) needs {closest.peak / GIB:.1f} GiB"
+            if closest else "")
+    more = next((c for c in nearest if c.kind == "more GPUs"), None)
+    if more:
+        world = more.settings["--world-size"]
+        nodes, per_node = nodes_for(world, gpus_per_node)
+        what += f"; fits on {world} GPUs ({nodes} x {per_node}): {' '.join(more.flags)} ({more.peak / GIB:.1f} GiB)"
+    given_flag = f"{flag_prefix}memory-gb={memory_gb}" if memory_gb else f"{flag_prefix}gpu={gpu}"
+    return f"{given_flag}: no configuration fits {budget / GIB:.1f} GiB per GPU{what}"
