@@ -9,6 +9,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        buffers; the plain schedule's passes labelled (benchmark only) or replaced
                        by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
+    lora.py            LoRA: the targeted linears' forward and checkpoint entries, the router's gating
+                       (per instance); the embedding's output needing a gradient under recompute
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
     planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,
                        megatron's global buffer requests recorded
@@ -38,7 +40,7 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, moe, offload, planner, schedules, sharded_params,
+    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, moe, offload, planner, schedules, sharded_params,
     training,
 )
 from megatron_ext.seams.checkpointing import (
@@ -54,7 +56,7 @@ from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatr
 
 _CAPABILITIES = (
     training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
-    planner,
+    planner, lora,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them

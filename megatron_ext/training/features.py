@@ -6,23 +6,27 @@ and in which order. Each capability package may define
     before_validate(args)          refuse flags before megatron's validate_args asserts on them
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig before the model is built
+    before_wrap(args, chunks)      change the built, initialised model chunks (unwrapped) before the
+                                   data-parallel wrapper lays out its buffers from requires_grad
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
     at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
 A training step composes them as build_model (training/model.py) does: the run's seams -> the model
-chunks -> layout-invariant init -> the data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) ->
+chunks -> layout-invariant init -> before_wrap -> the data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) ->
 after_model below: the dispatcher, then offload. The 1F1B overlap has nothing to attach: it is the
 schedule the step picks (schedules.forward_backward_func)."""
 from __future__ import annotations
 
-from megatron_ext import moe, offload, schedules, training
+from megatron_ext import lora, moe, offload, schedules, training
 
-# The order every hook runs in. moe first: it replaces the token dispatcher and the experts, and
+# The order every hook runs in. lora first: its adapters and the frozen base exist before the
+# data-parallel wrapper is built (before_wrap), so every package after it finds the adapted linears
+# (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces the token dispatcher and the experts, and
 # offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
 # saved tensors offload already manages; training last (its checks read what the others settled).
-CAPABILITIES = (moe, offload, schedules, training)
+CAPABILITIES = (lora, moe, offload, schedules, training)
 
 
 def _hooks(name):
@@ -51,6 +55,11 @@ def validate(args) -> None:
 def before_model(args, config) -> None:
     for fn in _hooks("before_model"):
         fn(args, config)
+
+
+def before_wrap(args, chunks) -> None:
+    for fn in _hooks("before_wrap"):
+        fn(args, chunks)
 
 
 def after_model(args, model) -> None:

@@ -144,6 +144,7 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
+    features.before_wrap(args, chunks)  # LoRA: adapters attached, base frozen, before the buffers exist
     if wrap_with_ddp and args.use_torch_fsdp2:
         chunks = wrap_fsdp2(args, config, chunks)
     elif wrap_with_ddp and args.use_megatron_fsdp:
