@@ -41,7 +41,8 @@ def add_arguments(parser):
                    help="The linears to adapt, by megatron-core's names: "
                    f"{', '.join(targets.NAMES)}; a dotted tail of a module path narrows it "
                    "(experts.linear_fc1 = the routed experts only, shared_experts.linear_fc2, mlp.linear_fc1 = "
-                   "the dense MLPs only). Default: every attention and MLP linear the model has (not the router).")
+                   "the dense MLPs only); all-linear = every attention and MLP linear the model has and the router. "
+                   "Default: every attention and MLP linear the model has (not the router).")
     g.add_argument("--lora-rslora", action="store_true",
                    help="Rank-stabilised scale alpha / sqrt(rank) (peft's use_rslora).")
     g.add_argument("--lora-fused-adapters", action="store_true",
@@ -67,8 +68,17 @@ def default_targets(args) -> list:
     return [name for name in targets.NAMES if name in found and name != targets.ROUTER]
 
 
+ALL_LINEAR = "all-linear"  # peft's name for every linear of the model: here the defaults and the router
+
+
 def target_list(args) -> list:
-    return list(args.lora_target_modules) if args.lora_target_modules else default_targets(args)
+    given = list(args.lora_target_modules or [])
+    if not given:
+        return default_targets(args)
+    if ALL_LINEAR in given:
+        extra = [targets.ROUTER] if args.num_experts else []
+        return default_targets(args) + extra + [t for t in given if t != ALL_LINEAR]
+    return given
 
 
 def validate(args) -> None:

@@ -89,7 +89,7 @@ def attach(args, chunks: list, target_names: list) -> None:
             else:
                 adapter = _linear_adapter(args, config, name, module, rank, scale)
             trainable.update(id(p) for p in adapter.parameters())
-        if _recomputes(args):
+        if _embedding_needs_grad(args):
             _HOOKS.extend(seams.lora.embedding_output_needs_grad(model))
     _refuse_unmatched(hits)
     adapters.init_adapters(chunks, args.seed)
@@ -148,10 +148,14 @@ def _router_adapter(args, router, rank: int, scale: float):
     return adapter
 
 
-def _recomputes(args) -> bool:
-    """Does a megatron checkpoint (recompute) function wrap part of a layer? Its output needs a
-    gradient only if an input does (seams/lora.py)."""
-    return bool(args.recompute_granularity or getattr(args, "moe_layer_recompute", False))
+def _embedding_needs_grad(args) -> bool:
+    """With the embedding frozen, nothing before the first adapter needs a gradient. Two of
+    megatron's paths need it to: a checkpoint (recompute) function, whose output needs a gradient
+    only if an input does (seams/lora.py), and the combined-1F1B plan of
+    --overlap-moe-expert-parallel-comm, whose embedding node runs a backward of its own
+    (models/common/model_chunk_schedule_plan.py:609)."""
+    return bool(args.recompute_granularity or getattr(args, "moe_layer_recompute", False)
+                or getattr(args, "overlap_moe_expert_parallel_comm", False))
 
 
 def _refuse_unmatched(hits: dict) -> None:

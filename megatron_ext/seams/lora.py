@@ -19,9 +19,10 @@ model is built, before the data-parallel wrapper; the instances die with the mod
   TopKRouter.gating                transformer/moe/router.py:87 (called from TopKRouter.forward)
     -> the class's gating, plus the adapter term, when the router is a LoRA target.
   GPTModel.embedding (LanguageModelEmbedding, models/gpt/gpt_model.py:168, called at :345) ->
-    a forward hook marking its output as needing a gradient, under recompute: megatron's
-    CheckpointFunction (tensor_parallel/random.py:581) returns an output that needs a gradient only if
-    an input does, and with the embedding frozen nothing before the first adapter does.
+    a forward hook marking its output as needing a gradient, where megatron needs one and, with the
+    embedding frozen, nothing before the first adapter has one: under recompute (CheckpointFunction,
+    tensor_parallel/random.py:581, returns an output that needs a gradient only if an input does) and
+    in the combined-1F1B plan (its embedding node runs a backward, model_chunk_schedule_plan.py:609).
 Read, never written: ColumnParallelLinear/RowParallelLinear .tp_group (layers.py:953/1314),
   .sequence_parallel (:1058, :1313), .explicit_expert_comm (:960, :1326; set on a shared expert's
   linears by --moe-shared-expert-overlap, transformer/moe/shared_experts.py:166-175), .gather_output,

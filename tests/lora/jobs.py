@@ -75,8 +75,15 @@ def _collected(into: dict):
         models.build_model, parallel.destroy = build, destroy
 
 
+def _numpy(tensors: dict) -> dict:
+    """Tensors go back to the test process as numpy arrays: a pickled torch tensor is shared through a
+    file descriptor, whose server thread would outlive the job (tests/dist.py's leak check)."""
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
 def train_adapters(argv: list[str]) -> dict:
-    """train.main; its log history, and the full adapter factors and last gradients (every rank)."""
+    """train.main; its log history, and the full adapter factors and last gradients (every rank), as
+    numpy arrays."""
     import train
 
     out: dict = {}
@@ -84,7 +91,7 @@ def train_adapters(argv: list[str]) -> dict:
         return dict(history=train.main(list(argv)), values={}, grads={})
     with _collected(out):
         history = train.main(list(argv))
-    return dict(history=history, values=out.get("values", {}), grads=out.get("grads", {}))
+    return dict(history=history, values=_numpy(out.get("values", {})), grads=_numpy(out.get("grads", {})))
 
 
 def train_adapters_many(argvs: dict) -> dict:

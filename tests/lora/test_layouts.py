@@ -44,13 +44,18 @@ RTOL = 1e-5  # tests/training/test_layouts.py
 GRAD_RTOL = 1e-5  # per factor, on the norm of the difference (measured: <= 4e-7)
 
 
+def _tensors(result: dict) -> dict:
+    return dict(result, values={k: torch.from_numpy(v) for k, v in result["values"].items()},
+                grads={k: torch.from_numpy(v) for k, v in result["grads"].items()})
+
+
 def _run_all():
-    ref = run_distributed(1, "tests.lora.jobs:train_adapters", argv=BASE + ["--world-size", "1"])[0]
+    ref = _tensors(run_distributed(1, "tests.lora.jobs:train_adapters", argv=BASE + ["--world-size", "1"])[0])
     argvs = {name: BASE + extra + ["--world-size", "2"] for name, extra in LAYOUTS.items()}
     argvs["ddp-adam"] = BASE + ADAM + ["--world-size", "2"]
     argvs["fsdp-adam"] = BASE + ADAM + FSDP + ["--world-size", "2"]
     per_rank = run_distributed(2, "tests.lora.jobs:train_adapters_many", argvs=argvs)
-    return ref, {name: (per_rank[0][name], per_rank[-1][name]) for name in argvs}
+    return ref, {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
 
 
 @pytest.fixture(scope="module")
