@@ -97,3 +97,53 @@ def train_adapters(argv: list[str]) -> dict:
 def train_adapters_many(argvs: dict) -> dict:
     """train_adapters for several runs in one job: {name: result}."""
     return {name: train_adapters(list(argv)) for name, argv in argvs.items()}
+
+
+def _run(argv: list[str]) -> dict:
+    """train_adapters, or the one-line refusal it stopped with."""
+    from megatron_ext.errors import ConfigError
+
+    try:
+        return train_adapters(argv)
+    except ConfigError as e:
+        return {"error": str(e)}
+
+
+def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> dict:
+    """Every way a LoRA run meets checkpoints, in one job (results keyed by step):
+    base      a full run saves the base (no LoRA); other: another base
+    pretrained  LoRA with --pretrained-checkpoint base and --load = --save a new directory, 4 iterations
+    first / resumed  LoRA from the base by --finetune --load base, saving at 2 and stopping; then
+              resuming from the adapter checkpoint alone (its base found from its record)
+    finetuned   --finetune --load of the adapter checkpoint, no training: the adapters it loads
+    refused_*   the adapter checkpoint without LoRA, with another rank, on another base"""
+    import math
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.training import ckpt_dirs, ckpt_lora
+
+    base, other, adapters, pre = (os.path.join(root, n) for n in ("base", "other", "adapters", "pretrained"))
+    out = {}
+    out["base"] = _run(base_argv + ["--train-iters", "2", "--save", base])
+    out["other"] = _run(base_argv + ["--train-iters", "1", "--save", other])
+    lora = base_argv + lora_argv
+    out["first"] = _run(lora + ["--train-iters", "4", "--finetune", "--load", base, "--save", adapters,
+                                "--save-interval", "2", "--exit-interval", "2"])
+    out["resumed"] = _run(lora + ["--train-iters", "4", "--load", adapters, "--save", adapters])
+    out["pretrained"] = _run(lora + ["--train-iters", "4", "--pretrained-checkpoint", base, "--load", pre,
+                                     "--save", pre])
+    out["finetuned"] = _run(lora + ["--train-iters", "4", "--finetune", "--load", adapters, "--skip-train"])
+    out["refused_no_lora"] = _run(base_argv + ["--train-iters", "4", "--load", adapters])
+    rank = lora_argv.index("--lora-rank") + 1
+    other_rank = lora_argv[:rank] + ["4"] + lora_argv[rank + 1:]
+    out["refused_rank"] = _run(base_argv + other_rank + ["--train-iters", "4", "--load", adapters])
+    out["refused_base"] = _run(lora + ["--train-iters", "4", "--load", adapters, "--pretrained-checkpoint", other])
+    saved = ckpt_dirs.checkpoint_dir(adapters, 4)
+    metadata = dist_checkpointing.load_tensors_metadata(saved)
+    out["keys"] = sorted(metadata)
+    out["model_numel"] = sum(math.prod(t.global_shape) for k, t in metadata.items() if not k.startswith("optimizer"))
+    out["record"] = dist_checkpointing.load_common_state_dict(saved)["lora"]
+    out["base_identity"] = {"path": base, "iteration": 2, "checksum": ckpt_lora.identity(ckpt_dirs.checkpoint_dir(base, 2))}
+    return out
