@@ -147,3 +147,45 @@ def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> d
     out["record"] = dist_checkpointing.load_common_state_dict(saved)["lora"]
     out["base_identity"] = {"path": base, "iteration": 2, "checksum": ckpt_lora.identity(ckpt_dirs.checkpoint_dir(base, 2))}
     return out
+
+
+def frozen_state(argv: list[str]) -> dict:
+    """train.main; the last log line's state bytes, and what holds a gradient or optimizer state when
+    it is taken: the parameters (adapter factors or not) that require or have a gradient, the
+    parameters in DDP's gradient buffers, the numel of the optimizer's state tensors."""
+    import train
+    from megatron_ext.seams import offload_unwrap
+    from megatron_ext.training import log_line
+
+    seen: dict = {}
+    state_bytes = log_line.state_bytes
+
+    def record(model, optimizer):
+        named = [(n, p) for c in model for n, p in offload_unwrap(c).named_parameters()]
+        adapter = {id(p) for n, p in named if ".lora." in n}
+        seen.update(
+            adapter_numel=sum(p.numel() for n, p in named if id(p) in adapter),
+            base_numel=sum(p.numel() for n, p in named if id(p) not in adapter),
+            trainable_not_adapter=[n for n, p in named if p.requires_grad and id(p) not in adapter],
+            base_with_grad=[n for n, p in named if id(p) not in adapter and (
+                getattr(p, "main_grad", None) is not None or p.grad is not None)],
+            buffered=sorted(n for n, p in named if any(p is q for c in model for buf in log_line._ddp_buffers(c)
+                                                       for q in buf.params)),
+            adapter_names=sorted(n for n, p in named if id(p) in adapter),
+            optimizer_state_numel=sum(v.numel() for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                                      for st in opt.optimizer.state.values() for v in st.values()
+                                      if hasattr(v, "dim") and v.dim() > 0),
+        )
+        return state_bytes(model, optimizer)
+
+    log_line.state_bytes = record
+    try:
+        history = train.main(list(argv))
+    finally:
+        log_line.state_bytes = state_bytes
+    last = history[-1] if history else {}
+    return dict(seen, bytes={k: last.get(k) for k in ("param bytes", "grad bytes", "optim bytes")})
+
+
+def frozen_states(argvs: dict) -> dict:
+    return {name: frozen_state(list(argv)) for name, argv in argvs.items()}
