@@ -115,6 +115,14 @@ def _validate_platform(args) -> None:
                           "before the data-parallel wrapper, and a meta-device model has no storage then")
     if getattr(args, "freeze_all_layers", False):
         raise ConfigError(f"{on} with --freeze-all-layers: LoRA freezes every base weight itself")
+    sharded = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2" if args.use_torch_fsdp2 else None
+    if sharded and args.save:
+        raise ConfigError(f"--save={args.save}, {on}, {sharded}=True: adapter-only checkpoints are written from "
+                          "DDP models (with or without the distributed optimizer); train the adapters there, or "
+                          "under this wrapper without --save")
+    if sharded and args.load and not args.finetune:
+        raise ConfigError(f"--load={args.load}, {on}, {sharded}=True: resuming adapters is for DDP models; "
+                          "load the base with --finetune --load and train from there")
 
 
 def _validate_targets(args) -> dict:

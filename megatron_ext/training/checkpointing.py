@@ -534,6 +534,10 @@ def validate(args) -> None:
             "rejects (uneven_dtensor.py:161, measured with tiny_dense at DP2) at the first save; "
             "optim_grads_params saves"
         )
+    if args.pretrained_checkpoint and (args.use_megatron_fsdp or args.use_torch_fsdp2):
+        raise ConfigError(f"--pretrained-checkpoint={args.pretrained_checkpoint} with a sharded data-parallel "
+                          "wrapper: load the base with --finetune --load (a torch_dist checkpoint loads before "
+                          "the model is sharded)")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless
