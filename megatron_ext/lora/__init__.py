@@ -181,6 +181,38 @@ def _validate_layout(args, matched: dict) -> None:
                               "this precision)")
 
 
+def adapter_elements(args) -> dict:
+    """{"dense": (dense, expert), "moe": (...)}: the adapter elements one decoder layer of each kind
+    holds on one rank (tensor parallelism splitting a column adapter's B and a row adapter's A; the
+    routed experts' for this rank's experts, split over expert-TP), for the planner: the adapters'
+    gradients and optimizer state are all a LoRA run keeps of them."""
+    r = args.lora_rank
+    tp = args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    ep = args.expert_model_parallel_size
+    chosen = target_list(args)
+    out = {"dense": [0.0, 0.0], "moe": [0.0, 0.0]}
+    for path, (fin, parts) in targets.model_paths(args).items():
+        if not any(targets.names(path, t) for t in chosen):
+            continue
+        outs = [sum(n for _, n in parts)] if args.lora_fused_adapters else [n for _, n in parts]
+        name = path.rsplit(".", 1)[-1]
+        routed = ".mlp.experts." in path
+        split = etp if routed else tp
+        if name == targets.ROUTER:
+            n = r * fin + r * outs[0]
+        elif name in targets.ROW_PARALLEL:
+            n = r * fin / split + sum(r * o for o in outs)
+        else:
+            n = r * fin * len(outs) + sum(r * o / split for o in outs)
+        if routed:
+            n *= args.num_experts / ep
+        kinds = ("dense", "moe") if ".self_attention." in path else ("dense",) if ".mlp.linear_" in path else ("moe",)
+        for kind in kinds:
+            out[kind][1 if routed else 0] += n
+    return {k: tuple(v) for k, v in out.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # the hook the model builder calls before the data-parallel wrapper
 # ---------------------------------------------------------------------------------------------

@@ -163,9 +163,12 @@ def frozen_state(argv: list[str]) -> dict:
     def record(model, optimizer):
         named = [(n, p) for c in model for n, p in offload_unwrap(c).named_parameters()]
         adapter = {id(p) for n, p in named if ".lora." in n}
+        routed = {id(p) for n, p in named if not getattr(p, "allreduce", True)}  # reduced over expert DP
         seen.update(
             adapter_numel=sum(p.numel() for n, p in named if id(p) in adapter),
             base_numel=sum(p.numel() for n, p in named if id(p) not in adapter),
+            routed_adapter_numel=sum(p.numel() for n, p in named if id(p) in adapter and id(p) in routed),
+            routed_base_numel=sum(p.numel() for n, p in named if id(p) not in adapter and id(p) in routed),
             trainable_not_adapter=[n for n, p in named if p.requires_grad and id(p) not in adapter],
             base_with_grad=[n for n, p in named if id(p) not in adapter and (
                 getattr(p, "main_grad", None) is not None or p.grad is not None)],
