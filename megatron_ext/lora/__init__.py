@@ -9,7 +9,7 @@ gradient buffers for the adapters only, and the optimizer holds state for them o
 Parameter names (what a peft import or export maps; docs/finetune.md):
 ``<linear path>.lora.<part>.lora_A.weight`` ([r, in]) and ``...lora_B.weight`` ([out, r]), global shapes;
 ``<part>`` is ``q`` / ``k`` / ``v`` on linear_qkv, ``gate`` / ``up`` on a gated linear_fc1 (canonical form),
-``all`` elsewhere and for every linear with --lora-fused-adapters. Examples:
+``all`` elsewhere and for the linears --lora-fused-adapters names (all of them without names). Examples:
 ``decoder.layers.0.self_attention.linear_qkv.lora.k.lora_B.weight``,
 ``decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.lora.gate.lora_A.weight`` (model) /
 ``decoder.layers.1.mlp.experts.linear_fc1.lora.gate.lora_A.weight`` (checkpoint key, experts on a
@@ -45,10 +45,11 @@ def add_arguments(parser):
                    "Default: every attention and MLP linear the model has (not the router).")
     g.add_argument("--lora-rslora", action="store_true",
                    help="Rank-stabilised scale alpha / sqrt(rank) (peft's use_rslora).")
-    g.add_argument("--lora-fused-adapters", action="store_true",
-                   help="One adapter per linear (A shared by linear_qkv's query, key and value rows and by "
-                   "a gated linear_fc1's two halves) instead of the canonical separate q / k / v and gate / "
-                   "up adapters that represent a peft adapter exactly.")
+    g.add_argument("--lora-fused-adapters", nargs="*", default=None, metavar="NAME",
+                   help="One adapter per linear (one A for linear_qkv's query, key and value rows, one for a "
+                   "gated linear_fc1's two halves) instead of the canonical separate q / k / v and gate / up "
+                   "adapters: on every linear, or on the ones named as --lora-target-modules names them (e.g. "
+                   "experts.linear_fc1: peft's adapter of a stacked gate_up_proj is one pair per expert).")
     return parser
 
 
@@ -81,12 +82,23 @@ def target_list(args) -> list:
     return given
 
 
+def fused(args, path: str) -> bool:
+    """Is the linear at target path ``path`` adapted in the fused form?"""
+    names = args.lora_fused_adapters
+    return names is not None and (not names or any(targets.names(path, n) for n in names))
+
+
+def _outs(args, path: str, parts: list) -> list:
+    """Output features of each adapter of the linear at ``path`` (its canonical parts, or one)."""
+    return [sum(n for _, n in parts)] if fused(args, path) else [n for _, n in parts]
+
+
 def validate(args) -> None:
     if not enabled(args):
         for flag, dest, off in (("--lora-alpha", "lora_alpha", None), ("--lora-dropout", "lora_dropout", 0.0),
                                 ("--lora-target-modules", "lora_target_modules", None),
                                 ("--lora-rslora", "lora_rslora", False),
-                                ("--lora-fused-adapters", "lora_fused_adapters", False)):
+                                ("--lora-fused-adapters", "lora_fused_adapters", None)):
             value = getattr(args, dest, off)
             if value != off:
                 shown = " ".join(value) if isinstance(value, list) else value
@@ -140,11 +152,13 @@ def _validate_targets(args) -> dict:
             raise ConfigError(f"--lora-target-modules={target}: this model has no such linear (it has: "
                               f"{', '.join(have)})")
         matched[target] = hits
+    for name in args.lora_fused_adapters or []:
+        if not any(targets.names(p, name) for hits in matched.values() for p, _, _ in hits):
+            raise ConfigError(f"--lora-fused-adapters={name}: names none of the linears LoRA adapts here")
     r = args.lora_rank
     for target, hits in matched.items():
         for path, fin, parts in hits:
-            outs = [sum(n for _, n in parts)] if args.lora_fused_adapters else [n for _, n in parts]
-            width = min([fin] + outs)
+            width = min([fin] + _outs(args, path, parts))
             if r > width:
                 raise ConfigError(f"{FLAG}={r}: above the width of {path.split('decoder.layers.', 1)[-1]} "
                                   f"({width}): a rank-{r} adapter of it is not low-rank")
@@ -154,9 +168,9 @@ def _validate_targets(args) -> dict:
 def _validate_layout(args, matched: dict) -> None:
     on = f"{FLAG}={args.lora_rank}"
     paths = [p for hits in matched.values() for p, _, _ in hits]
-    qkv = any(p.endswith("self_attention.linear_qkv") for p in paths)
+    qkv = any(p.endswith("self_attention.linear_qkv") and not fused(args, p) for p in paths)
     experts = any(".experts." in p for p in paths)
-    if qkv and not args.lora_fused_adapters:
+    if qkv:
         groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
         tp = args.tensor_model_parallel_size
         if groups < tp:
@@ -195,7 +209,7 @@ def adapter_elements(args) -> dict:
     for path, (fin, parts) in targets.model_paths(args).items():
         if not any(targets.names(path, t) for t in chosen):
             continue
-        outs = [sum(n for _, n in parts)] if args.lora_fused_adapters else [n for _, n in parts]
+        outs = _outs(args, path, parts)
         name = path.rsplit(".", 1)[-1]
         routed = ".mlp.experts." in path
         split = etp if routed else tp

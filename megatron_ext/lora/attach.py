@@ -18,10 +18,13 @@ def _unwrapped(chunk):
     return chunk
 
 
-def _spec(args, config, name: str, linear, parallel: str, rank: int, scale: float) -> adapters.Spec:
+def _spec(args, config, tpath: str, linear, parallel: str, rank: int, scale: float) -> adapters.Spec:
+    from megatron_ext import lora
+
+    name = tpath.rsplit(".", 1)[-1]
     out_local, in_local = linear.weight.shape
     glu = name == "linear_fc1" and config.gated_linear_unit
-    fused = args.lora_fused_adapters
+    fused = lora.fused(args, tpath)
     common = dict(parallel=parallel, in_local=in_local, rank=rank, scale=scale, dropout=args.lora_dropout,
                   expert=bool(getattr(linear, "is_expert", False)))
     if name == "linear_qkv" and not fused:
@@ -87,7 +90,7 @@ def attach(args, chunks: list, target_names: list) -> None:
             if isinstance(module, TopKRouter):
                 adapter = _router_adapter(args, module, rank, scale)
             else:
-                adapter = _linear_adapter(args, config, name, module, rank, scale)
+                adapter = _linear_adapter(args, config, tpath, module, rank, scale)
             trainable.update(id(p) for p in adapter.parameters())
         if _embedding_needs_grad(args):
             _HOOKS.extend(seams.lora.embedding_output_needs_grad(model))
@@ -98,14 +101,15 @@ def attach(args, chunks: list, target_names: list) -> None:
             p.requires_grad_(id(p) in trainable)
 
 
-def _linear_adapter(args, config, name: str, linear, rank: int, scale: float):
+def _linear_adapter(args, config, tpath: str, linear, rank: int, scale: float):
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
+    name = tpath.rsplit(".", 1)[-1]
     row = isinstance(linear, RowParallelLinear)
     if (row and not linear.input_is_parallel) or (not row and linear.gather_output):
         raise ConfigError(f"--lora-target-modules: {name} is built with its input scattered or its output "
                           "gathered by the linear itself; LoRA adapts linears inside tensor-parallel regions")
-    spec = _spec(args, config, name, linear, "row" if row else "column", rank, scale)
+    spec = _spec(args, config, tpath, linear, "row" if row else "column", rank, scale)
     weight = linear.weight
     adapter = adapters.LinearAdapter(spec, weight.dtype, weight.device)
     linear.add_module("lora", adapter)

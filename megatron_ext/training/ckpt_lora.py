@@ -60,7 +60,7 @@ def record(args, model: list) -> dict:
     base = getattr(_inner(model[0]), "lora_base", None) or {
         "path": None, "seed": args.seed, "layout_invariant_init": bool(args.layout_invariant_init)}
     return {"rank": args.lora_rank, "alpha": args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank),
-            "rslora": bool(args.lora_rslora), "fused": bool(args.lora_fused_adapters),
+            "rslora": bool(args.lora_rslora), "fused": args.lora_fused_adapters,
             "targets": lora.target_list(args), "dropout": args.lora_dropout, "scale": lora.scale(args), "base": base}
 
 
@@ -73,7 +73,9 @@ def identity(directory: str) -> str | None:
 def flags(saved: dict) -> str:
     """The LoRA flags that rebuild the adapters of a checkpoint's record."""
     out = f"--lora-rank {saved['rank']} --lora-alpha {saved['alpha']:g} --lora-target-modules {' '.join(saved['targets'])}"
-    return out + (" --lora-rslora" if saved["rslora"] else "") + (" --lora-fused-adapters" if saved["fused"] else "")
+    fused = saved["fused"]
+    return out + (" --lora-rslora" if saved["rslora"] else "") + (
+        "" if fused is None else " --lora-fused-adapters" + "".join(f" {n}" for n in fused))
 
 
 def plan(ckpt, path: str, iteration: int, common: dict) -> str | None:

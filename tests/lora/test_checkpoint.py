@@ -48,7 +48,7 @@ def test_the_checkpoint_holds_adapters_only_and_names_its_base(story):
     assert r["model_numel"] == sum(v.size for v in r["resumed"]["values"].values())  # the adapters, whole
     rec = r["record"]
     assert {k: rec[k] for k in ("rank", "alpha", "rslora", "fused")} == {"rank": 8, "alpha": 16.0, "rslora": False,
-                                                                       "fused": False}
+                                                                       "fused": None}
     assert rec["base"] == {**r["base_identity"], "path": os.path.abspath(r["base_identity"]["path"])}
     assert rec["base"]["checksum"] is not None
 

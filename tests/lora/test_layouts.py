@@ -49,13 +49,21 @@ def _tensors(result: dict) -> dict:
                 grads={k: torch.from_numpy(v) for k, v in result["grads"].items()})
 
 
+FUSED = ["--lora-fused-adapters"]  # one pair per linear: B sharded as the base's rows (fc1's [gate; up] halves)
+
+
 def _run_all():
-    ref = _tensors(run_distributed(1, "tests.lora.jobs:train_adapters", argv=BASE + ["--world-size", "1"])[0])
+    refs = run_distributed(1, "tests.lora.jobs:train_adapters_many",
+                           argvs={"ref": BASE + ["--world-size", "1"], "ref-fused": BASE + FUSED + ["--world-size", "1"]})[0]
+    ref = _tensors(refs["ref"])
     argvs = {name: BASE + extra + ["--world-size", "2"] for name, extra in LAYOUTS.items()}
     argvs["ddp-adam"] = BASE + ADAM + ["--world-size", "2"]
     argvs["fsdp-adam"] = BASE + ADAM + FSDP + ["--world-size", "2"]
+    argvs["tp2-sp-fused"] = BASE + LAYOUTS["tp2-sp"] + FUSED + ["--world-size", "2"]
     per_rank = run_distributed(2, "tests.lora.jobs:train_adapters_many", argvs=argvs)
-    return ref, {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
+    results = {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
+    results["ref-fused"] = (_tensors(refs["ref-fused"]), refs["ref-fused"])
+    return ref, results
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +106,16 @@ def test_megatron_fsdp_losses_equal_ddp(runs):
     _, results = runs
     ddp, fsdp = _losses(results["ddp-adam"][1]["history"]), _losses(results["fsdp-adam"][1]["history"])
     assert len(ddp) == 2 and all(math.isclose(x, y, rel_tol=RTOL) for x, y in zip(fsdp, ddp)), (fsdp, ddp)
+
+
+def test_fused_adapters_equal_single_process(runs):
+    """--lora-fused-adapters on TP2 + SP: the same losses and adapters (a fused fc1's B, sharded as
+    megatron shards [gate; up], is compared through the losses and values)."""
+    ref, results = runs
+    (mine, last), (single, _) = results["tp2-sp-fused"], results["ref-fused"]
+    got, want = _losses(last["history"]), _losses(single["history"])
+    assert all(math.isclose(x, y, rel_tol=RTOL) for x, y in zip(got, want)) and got != _losses(ref["history"])
+    parts = {k.split(".lora.")[1].split(".")[0] for k in single["values"]}
+    assert parts == {"all"} and mine["values"].keys() == single["values"].keys()
+    for key, v in single["values"].items():
+        assert torch.allclose(mine["values"][key], v, rtol=1e-4, atol=1e-7), key
