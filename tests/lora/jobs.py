@@ -192,3 +192,59 @@ def frozen_state(argv: list[str]) -> dict:
 
 def frozen_states(argvs: dict) -> dict:
     return {name: frozen_state(list(argv)) for name, argv in argvs.items()}
+
+
+def per_layer(stacked: dict) -> dict:
+    """Checkpoint keys stack a block's layers on a leading axis (``decoder.layers.X`` [layers, ...]):
+    one entry per layer, named as the model names it (``decoder.layers.<i>.X``)."""
+    out = {}
+    for key, value in stacked.items():
+        rest = key.removeprefix("decoder.layers.")
+        if rest == key or rest.split(".", 1)[0].isdigit():
+            out[key] = value
+        else:
+            out.update({f"decoder.layers.{i}.{rest}": v for i, v in enumerate(value)})
+    return out
+
+
+def one_lora_step(hf_dir: str, ckpt: str, argv: list[str]) -> dict:
+    """One LoRA step of ours on the import of ``hf_dir`` (into ``ckpt``, as scripts/convert.py import
+    does), B set to random values first (so that A has a gradient too): the factors it ran with and
+    their gradients (per layer, as numpy arrays), its loss and its batch. (peft runs in the test
+    process: transformers' loading leaves threads a pool worker may not keep.)"""
+    import torch
+
+    import train
+    from megatron_ext import hf
+    from megatron_ext.lora import adapters
+    from megatron_ext.training import step
+
+    hf.import_hf(hf_dir, ckpt)
+    draw, forward_step, batches = adapters.init_adapters, step.forward_step, []
+
+    def init_with_random_b(chunks, seed):
+        count = draw(chunks, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for chunk in chunks:
+                for name, p in chunk.named_parameters():
+                    if name.endswith("lora_B.weight"):
+                        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.05)
+        return count
+
+    def recording(data_iterator, model, *a, **k):
+        def it():
+            batch = next(data_iterator)
+            batches.append({key: v.clone().numpy() for key, v in batch.items() if v is not None})
+            yield batch
+
+        return forward_step(it(), model, *a, **k)
+
+    adapters.init_adapters, step.forward_step = init_with_random_b, recording
+    try:
+        ours = train_adapters([*argv, "--load", ckpt, "--finetune", "--recipe", f"{ckpt}/recipe.yaml"])
+    finally:
+        adapters.init_adapters, step.forward_step = draw, forward_step
+    (batch,) = batches
+    return dict(values=per_layer(ours["values"]), grads=per_layer(ours["grads"]), batch=batch,
+                loss=ours["history"][0]["lm loss"])
