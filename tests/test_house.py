@@ -14,7 +14,7 @@ FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters"),
     ("megatron_ext.platform",),
     ("megatron_ext.seams", "megatron_ext.config"),
-    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules"),
+    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.lora"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),

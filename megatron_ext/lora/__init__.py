@@ -104,13 +104,7 @@ def validate(args) -> None:
                 shown = " ".join(value) if isinstance(value, list) else value
                 raise ConfigError(f"{flag}={shown}: needs {FLAG}")
         return
-    r = args.lora_rank
-    if r < 1:
-        raise ConfigError(f"{FLAG}={r}: must be >= 1")
-    if args.lora_alpha is not None and not args.lora_alpha > 0:
-        raise ConfigError(f"--lora-alpha={args.lora_alpha}: must be > 0")
-    if not 0.0 <= args.lora_dropout < 1.0:
-        raise ConfigError(f"--lora-dropout={args.lora_dropout}: must be in [0, 1)")
+    # the rank >= 1, alpha > 0 and dropout in [0, 1) are their domains (megatron_ext/config/domains.py)
     _validate_platform(args)
     matched = _validate_targets(args)
     _validate_layout(args, matched)

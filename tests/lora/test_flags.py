@@ -13,11 +13,11 @@ MOE = ["--recipe", "recipes/tiny_moe.yaml"]
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (DENSE + ["--lora-rank", "0"], r"^--lora-rank=0: must be >= 1$"),
+        (DENSE + ["--lora-rank", "0"], r"^--lora-rank=0: must be an integer >= 1"),
         (MOE + ["--lora-rank", "16", "--lora-target-modules", "router"],
          r"^--lora-rank=16: above the width of mlp\.router \(8\)"),
         (DENSE + ["--lora-rank", "65"], r"^--lora-rank=65: above the width of self_attention\.linear_qkv \(64\)"),
-        (DENSE + ["--lora-rank", "4", "--lora-dropout", "1.0"], r"^--lora-dropout=1\.0: must be in \[0, 1\)$"),
+        (DENSE + ["--lora-rank", "4", "--lora-dropout", "1.0"], r"^--lora-dropout=1\.0: must be a number in \[0, 1\)"),
         (DENSE + ["--lora-rank", "4", "--lora-target-modules", "router"],
          r"^--lora-target-modules=router: this model has no such linear \(it has: "),
         (DENSE + ["--lora-rank", "4", "--lora-target-modules", "linear_kv_down_proj"],
@@ -27,7 +27,7 @@ MOE = ["--recipe", "recipes/tiny_moe.yaml"]
         (DENSE + ["--lora-rank", "4", "--lora-target-modules", "word_embeddings"],
          r"^--lora-target-modules=word_embeddings: not a linear LoRA adapts"),
         (DENSE + ["--lora-alpha", "16"], r"^--lora-alpha=16\.0: needs --lora-rank$"),
-        (DENSE + ["--lora-rank", "4", "--lora-alpha", "0"], r"^--lora-alpha=0\.0: must be > 0$"),
+        (DENSE + ["--lora-rank", "4", "--lora-alpha", "0"], r"^--lora-alpha=0\.0: must be a number > 0"),
         (DENSE + ["--lora-rank", "4", "--group-query-attention", "--num-query-groups", "1",
                   "--tensor-model-parallel-size", "2", "--world-size", "2"],
          r"^--tensor-model-parallel-size=2 with --lora-rank=4 on linear_qkv: .*--lora-fused-adapters$"),
