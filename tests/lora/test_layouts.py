@@ -1,7 +1,8 @@
 """LoRA is exact under every parallel layout: the same losses and the same adapter gradients (every
 factor, assembled from the ranks' shards by its global checkpoint key) on TP1, TP2 + sequence
-parallelism (expert-TP 2 with it, as megatron defaults), PP2, EP2, expert-TP2 without EP, and TP2 + SP with
-megatron's shared-expert overlap, DP2; and Megatron-FSDP's losses (DP2, everything sharded) equal DDP's, with the tolerance of tests/training/test_layouts.py. The
+parallelism (expert-TP 2 with it, as megatron defaults), PP2, EP2, expert-TP2 without EP, TP2 + SP with
+megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP; and
+Megatron-FSDP's losses (DP2, everything sharded) equal DDP's, with the tolerance of tests/training/test_layouts.py. The
 adapters start the same everywhere: A is drawn from its global key (checked on the values), so the
 comparison covers the initialisation too.
 
@@ -19,11 +20,11 @@ import torch
 
 from tests.dist import run_distributed
 
+# two iterations of SGD, the base drawn from its keys, rank-8 adapters
+TRAINING = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5", "--lr-warmup-iters", "0",
+            "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1", "--lora-rank", "8", "--lora-alpha", "16"]
 BASE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--moe-layer-freq", "[0,1]",
-        "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", "--train-iters", "2",
-        "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5", "--lr-warmup-iters", "0", "--clip-grad", "0",
-        "--layout-invariant-init", "--log-interval", "1",
-        "--lora-rank", "8", "--lora-alpha", "16",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", *TRAINING,
         "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -40,6 +41,10 @@ LAYOUTS = {
 ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-3"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
         "fsdp_dtensor"]
+# pipeline with virtual stages needs a layer per virtual stage: tiny_dense's 4 layers
+DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", *TRAINING]
+VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+FUSED = ["--lora-fused-adapters"]  # one pair per linear: B sharded as the base's rows (fc1's [gate; up] halves)
 RTOL = 1e-5  # tests/training/test_layouts.py
 GRAD_RTOL = 1e-5  # per factor, on the norm of the difference (measured: <= 4e-7)
 
@@ -49,20 +54,22 @@ def _tensors(result: dict) -> dict:
                 grads={k: torch.from_numpy(v) for k, v in result["grads"].items()})
 
 
-FUSED = ["--lora-fused-adapters"]  # one pair per linear: B sharded as the base's rows (fc1's [gate; up] halves)
 
 
 def _run_all():
     refs = run_distributed(1, "tests.lora.jobs:train_adapters_many",
-                           argvs={"ref": BASE + ["--world-size", "1"], "ref-fused": BASE + FUSED + ["--world-size", "1"]})[0]
+                           argvs={"ref": BASE + ["--world-size", "1"], "ref-fused": BASE + FUSED + ["--world-size", "1"],
+                                  "ref-dense": DENSE + ["--world-size", "1"]})[0]
     ref = _tensors(refs["ref"])
     argvs = {name: BASE + extra + ["--world-size", "2"] for name, extra in LAYOUTS.items()}
     argvs["ddp-adam"] = BASE + ADAM + ["--world-size", "2"]
     argvs["fsdp-adam"] = BASE + ADAM + FSDP + ["--world-size", "2"]
     argvs["tp2-sp-fused"] = BASE + LAYOUTS["tp2-sp"] + FUSED + ["--world-size", "2"]
+    argvs["pp2-vpp2"] = DENSE + VPP + ["--world-size", "2"]
     per_rank = run_distributed(2, "tests.lora.jobs:train_adapters_many", argvs=argvs)
     results = {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
-    results["ref-fused"] = (_tensors(refs["ref-fused"]), refs["ref-fused"])
+    for name in ("ref-fused", "ref-dense"):
+        results[name] = (_tensors(refs[name]), refs[name])
     return ref, results
 
 
@@ -119,3 +126,14 @@ def test_fused_adapters_equal_single_process(runs):
     assert parts == {"all"} and mine["values"].keys() == single["values"].keys()
     for key, v in single["values"].items():
         assert torch.allclose(mine["values"][key], v, rtol=1e-4, atol=1e-7), key
+
+
+def test_virtual_pipeline_equals_single_process(runs):
+    """PP2 x VPP2 (tiny_dense, a layer per virtual stage): the same losses and adapter gradients."""
+    _, results = runs
+    (mine, last), (single, _) = results["pp2-vpp2"], results["ref-dense"]
+    for x, y in zip(_losses(last["history"]), _losses(single["history"])):
+        assert math.isclose(x, y, rel_tol=RTOL)
+    assert mine["grads"].keys() == single["grads"].keys() and single["grads"]
+    for key, g in single["grads"].items():
+        assert (mine["grads"][key] - g).norm() <= GRAD_RTOL * g.norm(), key
