@@ -1,7 +1,8 @@
 """LoRA is exact under every parallel layout: the same losses and the same adapter gradients (every
 factor, assembled from the ranks' shards by its global checkpoint key) on TP1, TP2 + sequence
 parallelism (expert-TP 2 with it, as megatron defaults), PP2, EP2, expert-TP2 without EP, TP2 + SP with
-megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP; and
+megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP,
+multi-latent attention on EP2; and
 Megatron-FSDP's losses (DP2, everything sharded) equal DDP's, with the tolerance of tests/training/test_layouts.py. The
 adapters start the same everywhere: A is drawn from its global key (checked on the values), so the
 comparison covers the initialisation too.
@@ -23,8 +24,9 @@ from tests.dist import run_distributed
 # two iterations of SGD, the base drawn from its keys, rank-8 adapters
 TRAINING = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5", "--lr-warmup-iters", "0",
             "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1", "--lora-rank", "8", "--lora-alpha", "16"]
-BASE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--moe-layer-freq", "[0,1]",
-        "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", *TRAINING,
+MOE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--moe-layer-freq", "[0,1]",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", *TRAINING]
+BASE = [*MOE, "--group-query-attention", "--num-query-groups", "2",  # 2 query heads per group in linear_qkv
         "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -44,6 +46,9 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
 # pipeline with virtual stages needs a layer per virtual stage: tiny_dense's 4 layers
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", *TRAINING]
 VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+# multi-latent attention (DeepSeek's), adapters on its five projections too
+MLA = [*MOE, "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--lora-target-modules", "all-linear"]
 FUSED = ["--lora-fused-adapters"]  # one pair per linear: B sharded as the base's rows (fc1's [gate; up] halves)
 RTOL = 1e-5  # tests/training/test_layouts.py
 GRAD_RTOL = 1e-5  # per factor, on the norm of the difference (measured: <= 4e-7)
@@ -59,16 +64,17 @@ def _tensors(result: dict) -> dict:
 def _run_all():
     refs = run_distributed(1, "tests.lora.jobs:train_adapters_many",
                            argvs={"ref": BASE + ["--world-size", "1"], "ref-fused": BASE + FUSED + ["--world-size", "1"],
-                                  "ref-dense": DENSE + ["--world-size", "1"]})[0]
+                                  "ref-dense": DENSE + ["--world-size", "1"], "ref-mla": MLA + ["--world-size", "1"]})[0]
     ref = _tensors(refs["ref"])
     argvs = {name: BASE + extra + ["--world-size", "2"] for name, extra in LAYOUTS.items()}
     argvs["ddp-adam"] = BASE + ADAM + ["--world-size", "2"]
     argvs["fsdp-adam"] = BASE + ADAM + FSDP + ["--world-size", "2"]
     argvs["tp2-sp-fused"] = BASE + LAYOUTS["tp2-sp"] + FUSED + ["--world-size", "2"]
     argvs["pp2-vpp2"] = DENSE + VPP + ["--world-size", "2"]
+    argvs["ep2-mla"] = MLA + LAYOUTS["ep2"] + ["--world-size", "2"]
     per_rank = run_distributed(2, "tests.lora.jobs:train_adapters_many", argvs=argvs)
     results = {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
-    for name in ("ref-fused", "ref-dense"):
+    for name in ("ref-fused", "ref-dense", "ref-mla"):
         results[name] = (_tensors(refs[name]), refs[name])
     return ref, results
 
@@ -128,12 +134,17 @@ def test_fused_adapters_equal_single_process(runs):
         assert torch.allclose(mine["values"][key], v, rtol=1e-4, atol=1e-7), key
 
 
-def test_virtual_pipeline_equals_single_process(runs):
-    """PP2 x VPP2 (tiny_dense, a layer per virtual stage): the same losses and adapter gradients."""
+@pytest.mark.parametrize("layout,ref", [("pp2-vpp2", "ref-dense"), ("ep2-mla", "ref-mla")])
+def test_virtual_pipeline_and_latent_attention_equal_single_process(runs, layout, ref):
+    """PP2 x VPP2 (tiny_dense, a layer per virtual stage), and multi-latent attention with adapters on
+    all its projections on EP2 (under tensor parallelism megatron-core's local-spec MLA sums the
+    shared rope key's gradient over the local heads only, full weights too: see docs/finetune.md):
+    the same losses and adapter gradients."""
     _, results = runs
-    (mine, last), (single, _) = results["pp2-vpp2"], results["ref-dense"]
+    (mine, last), (single, _) = results[layout], results[ref]
     for x, y in zip(_losses(last["history"]), _losses(single["history"])):
-        assert math.isclose(x, y, rel_tol=RTOL)
+        assert math.isclose(x, y, rel_tol=RTOL), layout
     assert mine["grads"].keys() == single["grads"].keys() and single["grads"]
+    assert layout != "ep2-mla" or any("linear_kv_down_proj" in k for k in single["grads"])
     for key, g in single["grads"].items():
         assert (mine["grads"][key] - g).norm() <= GRAD_RTOL * g.norm(), key
