@@ -11,9 +11,9 @@ Parameter names (what a peft import or export maps; docs/finetune.md):
 ``<part>`` is ``q`` / ``k`` / ``v`` on linear_qkv, ``gate`` / ``up`` on a gated linear_fc1 (canonical form),
 ``all`` elsewhere and for the linears --lora-fused-adapters names (all of them without names). Examples:
 ``decoder.layers.0.self_attention.linear_qkv.lora.k.lora_B.weight``,
-``decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.lora.gate.lora_A.weight`` (model) /
-``decoder.layers.1.mlp.experts.linear_fc1.lora.gate.lora_A.weight`` (checkpoint key, experts on a
-leading axis, as megatron keys the experts' weights), ``decoder.layers.1.mlp.router.lora.all.lora_B.weight``.
+``decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.lora.gate.lora_A.weight`` (in the model;
+its checkpoint key ``decoder.layers.mlp.experts.experts.linear_fc1.lora.gate.lora_A.weight`` holds every
+layer and expert on leading axes, as megatron keys the weights), ``decoder.layers.1.mlp.router.lora.all.lora_B.weight``.
 
 Checkpoints (``megatron_ext.lora.checkpoint``) hold the adapters and their optimizer state only, with
 the base checkpoint they apply to recorded.

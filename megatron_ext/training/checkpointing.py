@@ -311,6 +311,9 @@ class Checkpointer:
                 f"{args.ckpt_format} (a Megatron-FSDP model fsdp_dtensor, a DDP or torch FSDP2 model torch_dist)"
             )
         if args.ckpt_format == "fsdp_dtensor":
+            if ckpt_lora.save_part(args):
+                raise ConfigError(f"--load={args.load}: {path} is a Megatron-FSDP (fsdp_dtensor) checkpoint; a LoRA "
+                                  "base loads from torch_dist (an import, a DDP run) before the model is sharded")
             common, self._pending_rng = fsdp_checkpoint.load(self, path, iteration, verifier)
             return self._loaded(path, iteration, t0, verifier, common, common["layout"] == ckpt_state.layout(args))
         common = dist_checkpointing.load_common_state_dict(path)
