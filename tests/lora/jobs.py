@@ -111,9 +111,9 @@ def _run(argv: list[str]) -> dict:
 
 def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> dict:
     """Every way a LoRA run meets checkpoints, in one job (results keyed by step):
-    base      a full run saves the base (no LoRA); other: another base
-    full_pretrained / full_finetune  without LoRA: --pretrained-checkpoint base with an empty --load,
-              and --finetune --load base
+    base      a full run saves the base (no LoRA)
+    full_pretrained / full_finetune  without LoRA: --pretrained-checkpoint base with an empty --load
+              (it saves another base, one iteration on), and --finetune --load base
     pretrained  LoRA with --pretrained-checkpoint base and --load = --save a new directory, 4 iterations
     first / resumed  LoRA from the base by --finetune --load base, saving at 2 and stopping; then
               resuming from the adapter checkpoint alone (its base found from its record)
@@ -126,13 +126,11 @@ def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> d
 
     from megatron_ext.training import ckpt_dirs, ckpt_lora
 
-    base, other, adapters, pre = (os.path.join(root, n) for n in ("base", "other", "adapters", "pretrained"))
+    base, other, adapters, pre = (os.path.join(root, n) for n in ("base", "full", "adapters", "pretrained"))
     out = {}
     out["base"] = _run(base_argv + ["--train-iters", "2", "--save", base])
-    out["other"] = _run(base_argv + ["--train-iters", "1", "--save", other])
-    full = os.path.join(root, "full")
-    out["full_pretrained"] = _run(base_argv + ["--train-iters", "1", "--pretrained-checkpoint", base, "--load", full,
-                                               "--save", full])
+    out["full_pretrained"] = _run(base_argv + ["--train-iters", "1", "--pretrained-checkpoint", base, "--load", other,
+                                               "--save", other])
     out["full_finetune"] = _run(base_argv + ["--train-iters", "1", "--finetune", "--load", base])
     lora = base_argv + lora_argv
     out["first"] = _run(lora + ["--train-iters", "4", "--finetune", "--load", base, "--save", adapters,

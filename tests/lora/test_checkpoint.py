@@ -30,7 +30,7 @@ def _losses(result):
 
 def test_resume_from_the_adapter_checkpoint_is_exact(story):
     last = story[-1]
-    for step in ("base", "other", "first", "resumed", "pretrained", "finetuned"):
+    for step in ("base", "full_pretrained", "first", "resumed", "pretrained", "finetuned"):
         assert "error" not in last[step], (step, last[step].get("error"))
     # uninterrupted: --pretrained-checkpoint, which is --finetune --load of the base (the first 2)
     straight = _losses(last["pretrained"])
