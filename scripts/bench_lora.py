@@ -59,7 +59,8 @@ def table(out: dict) -> str:
         mib = [r.get(k, 0) / (1 if mode == "ratio" else 2**20)
                for k in ("peak_bytes_per_rank", "param_bytes_per_rank", "grad_bytes_per_rank", "optim_bytes_per_rank")]
         fmt = "{:.3f}" if mode == "ratio" else "{:.2f}"
-        rows.append([mode, ("{:.3f}" if mode == "ratio" else "{:.0f}").format(r["tokens_per_s"]), *map(fmt.format, mib)])
+        rate = ("{:.3f}" if mode == "ratio" else "{:.0f}").format(r["tokens_per_s"])
+        rows.append([mode, rate, *map(fmt.format, mib)])
     lines = fixed_width(cols, rows)
     lines.append(f"{out['recipe']} on {out['world_size']} processes {' '.join(out['flags'][2:])}; LoRA: "
                  f"{' '.join(out['lora_flags'])}; ratio = LoRA / full; device: {out['device']}")

@@ -44,7 +44,8 @@ def measure(argv: list[str], modes: dict, rounds: int, iters: int, warmup: int, 
             out[mode]["tokens_per_s"] += [h["tokens/s"] for h in history[warmup:]]
             out[mode].update({k: history[-1][k] for k in STATE_KEYS})
     for mode, extra in modes.items():
-        out[mode]["peak_bytes"] = _peak_bytes([*argv, *extra, "--train-iters", str(memory_iters), "--log-interval", "1"])
+        short = ["--train-iters", str(memory_iters), "--log-interval", "1"]
+        out[mode]["peak_bytes"] = _peak_bytes([*argv, *extra, *short])
     return out
 
 

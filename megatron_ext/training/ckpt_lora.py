@@ -72,7 +72,8 @@ def identity(directory: str) -> str | None:
 
 def flags(saved: dict) -> str:
     """The LoRA flags that rebuild the adapters of a checkpoint's record."""
-    out = f"--lora-rank {saved['rank']} --lora-alpha {saved['alpha']:g} --lora-target-modules {' '.join(saved['targets'])}"
+    out = (f"--lora-rank {saved['rank']} --lora-alpha {saved['alpha']:g} "
+           f"--lora-target-modules {' '.join(saved['targets'])}")
     fused = saved["fused"]
     return out + (" --lora-rslora" if saved["rslora"] else "") + (
         "" if fused is None else " --lora-fused-adapters" + "".join(f" {n}" for n in fused))
@@ -113,9 +114,10 @@ def _load_base(ckpt, recorded: dict) -> None:
     if root is None:
         drawn = {"seed": args.seed, "layout_invariant_init": bool(args.layout_invariant_init)}
         if {k: recorded.get(k) for k in drawn} != drawn:
-            raise ConfigError(f"--load={args.load}: its adapters were trained on the base --seed={recorded.get('seed')} "
-                              f"drew (--layout-invariant-init={recorded.get('layout_invariant_init')}), not on this "
-                              "run's; give those flags or the base with --pretrained-checkpoint")
+            raise ConfigError(f"--load={args.load}: its adapters were trained on the base --seed="
+                              f"{recorded.get('seed')} drew (--layout-invariant-init="
+                              f"{recorded.get('layout_invariant_init')}), not on this run's; give those flags or the "
+                              "base with --pretrained-checkpoint")
         return
     base_args = copy.copy(args)
     base_args.load, base_args.finetune, base_args.save, base_args.pretrained_checkpoint = root, True, None, None

@@ -14,8 +14,8 @@ and in which order. Each capability package may define
     teardown()                     forget per-run state (process groups are destroyed after it)
 
 A training step composes them as build_model (training/model.py) does: the run's seams -> the model
-chunks -> layout-invariant init -> before_wrap -> the data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) ->
-after_model below: the dispatcher, then offload. The 1F1B overlap has nothing to attach: it is the
+chunks -> layout-invariant init -> before_wrap (LoRA) -> the data-parallel wrapper (DDP, Megatron-FSDP or
+FSDP2) -> after_model below: the dispatcher, then offload. The 1F1B overlap has nothing to attach: it is the
 schedule the step picks (schedules.forward_backward_func)."""
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from megatron_ext import lora, moe, offload, schedules, training
 
 # The order every hook runs in. lora first: its adapters and the frozen base exist before the
 # data-parallel wrapper is built (before_wrap), so every package after it finds the adapted linears
-# (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces the token dispatcher and the experts, and
-# offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
-# saved tensors offload already manages; training last (its checks read what the others settled).
+# (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces
+# the token dispatcher and the experts, and offload (next) hooks the expert modules moe put in place;
+# the overlap schedule pairs passes whose saved tensors offload already manages; training last (its
+# checks read what the others settled).
 CAPABILITIES = (lora, moe, offload, schedules, training)
 
 

@@ -149,7 +149,8 @@ def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> d
     out["keys"] = sorted(metadata)
     out["model_numel"] = sum(math.prod(t.global_shape) for k, t in metadata.items() if not k.startswith("optimizer"))
     out["record"] = dist_checkpointing.load_common_state_dict(saved)["lora"]
-    out["base_identity"] = {"path": base, "iteration": 2, "checksum": ckpt_lora.identity(ckpt_dirs.checkpoint_dir(base, 2))}
+    out["base_identity"] = {"path": base, "iteration": 2,
+                            "checksum": ckpt_lora.identity(ckpt_dirs.checkpoint_dir(base, 2))}
     return out
 
 

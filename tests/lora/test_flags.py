@@ -63,8 +63,8 @@ def test_scale_and_default_targets():
     assert lora.scale(args) == 32 / 4
     args.lora_target_modules = ["all-linear"]
     assert lora.target_list(args)[-1] == "router"
-    mla = arguments.parse(MOE + ["--lora-rank", "4", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
-                                 "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
-                                 "--dry-run"], exit_on_dry_run=False)
+    mla = arguments.parse(MOE + ["--lora-rank", "4", "--multi-latent-attention", "--q-lora-rank", "32",
+                                 "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+                                 "--v-head-dim", "16", "--dry-run"], exit_on_dry_run=False)
     assert lora.target_list(mla) == ["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                                      "linear_kv_up_proj", "linear_fc1", "linear_fc2"]

@@ -23,7 +23,8 @@ from tests.dist import run_distributed
 
 # two iterations of SGD, the base drawn from its keys, rank-8 adapters
 TRAINING = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5", "--lr-warmup-iters", "0",
-            "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1", "--lora-rank", "8", "--lora-alpha", "16"]
+            "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1", "--lora-rank", "8",
+            "--lora-alpha", "16"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--moe-layer-freq", "[0,1]",
        "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", *TRAINING]
 BASE = [*MOE, "--group-query-attention", "--num-query-groups", "2",  # 2 query heads per group in linear_qkv
@@ -62,9 +63,9 @@ def _tensors(result: dict) -> dict:
 
 
 def _run_all():
+    single = {"ref": BASE, "ref-fused": BASE + FUSED, "ref-dense": DENSE, "ref-mla": MLA}
     refs = run_distributed(1, "tests.lora.jobs:train_adapters_many",
-                           argvs={"ref": BASE + ["--world-size", "1"], "ref-fused": BASE + FUSED + ["--world-size", "1"],
-                                  "ref-dense": DENSE + ["--world-size", "1"], "ref-mla": MLA + ["--world-size", "1"]})[0]
+                           argvs={name: argv + ["--world-size", "1"] for name, argv in single.items()})[0]
     ref = _tensors(refs["ref"])
     argvs = {name: BASE + extra + ["--world-size", "2"] for name, extra in LAYOUTS.items()}
     argvs["ddp-adam"] = BASE + ADAM + ["--world-size", "2"]

@@ -13,14 +13,16 @@ import torch
 from tests.dist import run_distributed
 from tests.hf import models
 
-ARGV = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-        "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0", "--log-interval", "1", "--num-workers", "0",
-        "--lora-rank", "4", "--lora-alpha", "8", "--world-size", "1"]
+ARGV = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
+        "--log-interval", "1", "--num-workers", "0", "--lora-rank", "4", "--lora-alpha", "8", "--world-size", "1"]
 
 # megatron's linear and adapter part -> the module peft adapts (Llama / Qwen3 names): the naming a peft
 # import / export maps (docs/finetune.md)
-PEFT_NAMES = {("self_attention.linear_qkv", "q"): "self_attn.q_proj", ("self_attention.linear_qkv", "k"): "self_attn.k_proj",
-              ("self_attention.linear_qkv", "v"): "self_attn.v_proj", ("self_attention.linear_proj", "all"): "self_attn.o_proj",
+PEFT_NAMES = {("self_attention.linear_qkv", "q"): "self_attn.q_proj",
+              ("self_attention.linear_qkv", "k"): "self_attn.k_proj",
+              ("self_attention.linear_qkv", "v"): "self_attn.v_proj",
+              ("self_attention.linear_proj", "all"): "self_attn.o_proj",
               ("mlp.linear_fc1", "gate"): "mlp.gate_proj", ("mlp.linear_fc1", "up"): "mlp.up_proj",
               ("mlp.linear_fc2", "all"): "mlp.down_proj"}
 
@@ -54,7 +56,8 @@ def compared(tmp_path_factory):
     mask = batch["loss_mask"].flatten().float()
     loss = (losses * mask).sum() / mask.sum()
     loss.backward()
-    theirs = {name.replace(".default.weight", ".weight"): p.grad.numpy() for name, p in params.items() if "lora_" in name}
+    theirs = {name.replace(".default.weight", ".weight"): p.grad.numpy()
+              for name, p in params.items() if "lora_" in name}
     return dict(ours={peft_name(k): v for k, v in ours["grads"].items()}, theirs=theirs, our_loss=ours["loss"],
                 their_loss=float(loss))
 

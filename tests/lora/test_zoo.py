@@ -36,7 +36,8 @@ def test_lora_with_recompute_and_megatron_ep_overlap_bitwise():
     offload + the sync-free dispatcher + the overlapped 1F1B: each bit for bit the plain LoRA run
     (weights, gradients, losses after 2 iterations: the second runs the adapters with B moved)."""
     base = ["--recipe", "recipes/tiny_moe.yaml", "--expert-model-parallel-size", "2", "--bf16", "--train-iters", "2",
-            "--lr-warmup-iters", "0", "--num-layers", "2", "--moe-shared-expert-intermediate-size", "32", "--lora-rank", "8",
+            "--lr-warmup-iters", "0", "--num-layers", "2", "--moe-shared-expert-intermediate-size", "32",
+            "--lora-rank", "8",
             "--lora-dropout", "0.1", "--lora-target-modules", "all-linear"]
     offload = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act",
                "router_fc2", "shared_experts", "--activation-offload-min-tensor-kb", "0"]
