@@ -21,7 +21,7 @@ Per step (one counted step after a warm-up; host time = best of 3 uncounted step
   bucket_calls          top-level calls into megatron's bucket-group methods
   host_ms               this thread's CPU time in that path (host-side work, waits excluded)
   optim_ops             aten ops in optimizer.step() outside that path (for reference)
-  init_s                build_model (GPTModel + DDP buffers); ddp_init_ops / copies: the flattening
+  init_s                the run's build (GPTModel + DDP buffers); ddp_init_ops / copies: the flattening
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ GLU, probabilities, fc2 bias), called with grouped linears in place of the exper
 linear_fc2; its element-wise ops give the same values on one big buffer as on per-expert slices.
 The products are the ones megatron's local linear computes per expert (tensor_parallel/layers.py:576
 ``x @ W.t()``, :626 ``dy @ W``, :677 ``dy.t() @ x``), with the same operand layouts, so on the
-same rows in the same order they are bit-identical. Expert biases (gpt-oss) are gathered per row;
+same rows in the same order they are bit-identical. LoRA adapters on the experts' linears run here
+as grouped GEMMs too (their products are megatron's local linear's as well). Expert biases (gpt-oss) are gathered per row;
 their gradient is a per-expert sum whose order the grouped path does not reproduce (equal to
 rounding).
 """
@@ -46,6 +47,8 @@ class _GroupedMatmul(torch.autograd.Function):
         valid = _valid_rows(x.shape[0], offsets)
         dy = torch.where(valid, dy, torch.zeros((), dtype=dy.dtype, device=dy.device)).contiguous()
         dx = torch.where(valid, torch._grouped_mm(dy, w, offs=offsets), torch.zeros((), dtype=x.dtype, device=x.device))
+        if not any(ctx.needs_input_grad[2:]):  # frozen weights (LoRA's base): no weight gradient
+            return (dx, None, *[None] * w.shape[0])
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [G, out, in]: dy_g.t() @ x_g, as layers.py:677
         return (dx, None, *dw.unbind(0))
 
@@ -69,6 +72,9 @@ class GroupedLinear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = _GroupedMatmul.apply(x2, self.offsets, *[lin.weight for lin in self._linears])
+        adapter = getattr(self._linears[0], "lora", None)  # LoRA (megatron_ext/lora/adapters.py)
+        if adapter is not None:  # added before any bias, as on the expert's own linear
+            y = y + adapter.grouped_delta(x2, self.offsets, self._linears, _GroupedMatmul.apply)
         y = y.view(*shape[:-1], y.shape[-1])
         if self._linears[0].bias is None:
             return y, None

@@ -6,7 +6,8 @@ Model state per stage: parameters (the trace's, scaled; expert parameters / EP; 
 the last stage holds the word embeddings too), gradients (fp32 when megatron accumulates in fp32,
 else the parameter dtype) and Adam state (an fp32 main copy when parameters are 16-bit, two fp32
 moments), sharded over data-parallel ranks by the distributed optimizer (expert parameters over the
-expert-data-parallel ranks); Megatron-FSDP shards parameters and gradients too.
+expert-data-parallel ranks); Megatron-FSDP shards parameters and gradients too. With LoRA the base is
+frozen: gradients and optimizer state are the adapters' only (counted from the flags).
 
 Activations: the pass order of megatron's schedule on this rank (``schedule.passes``) is replayed;
 every pass holds what its components save (embedding on the first chunk, its layers, head on the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megatron_ext import lora
 from megatron_ext.planner import schedule
 from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds
 
@@ -152,11 +154,34 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
     if fsdp:
         params = dense / layout.dp + expert / layout.edp
         grads = grad_elem * (dense / elem / layout.dp + expert / elem / layout.edp)
+    if lora.enabled(args):  # the base frozen: gradients and optimizer state of the adapters only
+        params, grads, opt, count = _lora_state(args, layout, comps_per_chunk, params, elem, grad_elem,
+                                                opt_per_param, sharded, fsdp, count)
     # FP8 GEMMs on 16-bit weights: transformer-engine casts each weight once per step and keeps the
     # FP8 copy across micro-batches (row-wise for the forward and dgrad, column-wise for Hopper's
     # wgrad: 2 bytes per weight); with --fp8-param-gather the parameters are those FP8 tensors
     fp8 = 2 * gemm / elem if fp8_gemms(args) and not getattr(args, "fp8_param_gather", False) else 0.0
     return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count, fp8_weights=fp8)
+
+
+def _lora_state(args, layout: Layout, comps_per_chunk: list, base_params: float, elem: int, grad_elem: int,
+                opt_per_param: int, sharded: bool, fsdp: bool, base_count: float) -> tuple:
+    """(parameters, gradients, optimizer, element count) of a LoRA run's stage: the base's parameters
+    as they are (frozen: no gradient, no main copy, no optimizer state), the adapters' elements
+    (megatron_ext.lora.adapter_elements) with their gradients and optimizer state."""
+    per_layer = lora.adapter_elements(args)
+    dense = expert = 0.0
+    for comps in comps_per_chunk:
+        for comp in comps:
+            if isinstance(comp, tuple):
+                dense += per_layer[comp[1]][0]
+                expert += per_layer[comp[1]][1]
+    dp, edp = (layout.dp, layout.edp) if sharded else (1, 1)
+    on_rank = (dense / layout.dp + expert / layout.edp) if fsdp else dense + expert
+    params = base_params + elem * on_rank
+    grads = grad_elem * on_rank
+    opt = opt_per_param * (dense / dp + expert / edp)
+    return params, grads, opt, base_count + dense + expert
 
 
 def boundary_bytes(args, layout: Layout) -> float:

@@ -94,6 +94,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a.max_position_embeddings = max(seq, 2)
     a.micro_batch_size = mbs
     a.activation_offload_modules = None
+    a.lora_rank = None  # LoRA's adapters are counted from the flags (memory.py); a rank may exceed the tiny widths
     a.fp8 = None
     a.fp8_param_gather = False
     modules = ["core_attn"]

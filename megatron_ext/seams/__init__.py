@@ -9,6 +9,8 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        buffers, megatron's combined-1F1B plan opening activation-offload groups;
                        the plain schedule's passes labelled (benchmark only) or replaced by
                        stand-ins (recording its pipeline messages, tests only)
+    lora.py            LoRA: the targeted linears' forward and checkpoint entries, the router's gating
+                       (per instance); the embedding's output needing a gradient under recompute
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation;
                        what a pass keeps in megatron's MoE modules (the overlap swaps it per lane)
     planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,

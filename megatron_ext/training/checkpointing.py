@@ -40,7 +40,7 @@ from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import ckpt_dirs, ckpt_state, fsdp_checkpoint
+from megatron_ext.training import ckpt_dirs, ckpt_lora, ckpt_state, fsdp_checkpoint
 from megatron_ext.training import ckpt_integrity as integrity
 
 
@@ -98,12 +98,28 @@ def _model_key(i: int) -> str:
     return f"model{i}"
 
 
+def _load_model_state(module, state: dict, part: str | None) -> None:
+    """load_state_dict; a LoRA part (ckpt_lora) holds some of the module's keys, and exactly those."""
+    if part is None:
+        module.load_state_dict(state, strict=True)
+        return
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    expected = set(ckpt_lora.select(dict.fromkeys(missing), ckpt_lora.BASE if part == ckpt_lora.ADAPTERS
+                                    else ckpt_lora.ADAPTERS))
+    if unexpected or set(missing) != expected:
+        raise ConfigError(f"LoRA {part} checkpoint: keys not in this model {sorted(unexpected)[:3]}, "
+                          f"missing {sorted(set(missing) - expected)[:3]}")
+
+
 def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loading: bool,
-                       with_optimizer: bool, with_rng: bool) -> dict:
+                       with_optimizer: bool, with_rng: bool, part: str | None = None) -> dict:
+    """``part``: a LoRA run's adapters or base only (ckpt_lora.select); None: the whole model."""
     metadata = ckpt_state.sharding_metadata(args)
     state = ckpt_state.common_state(args, scheduler, iteration, with_rng=with_rng)
     for i, chunk in enumerate(model):
-        state[_model_key(i)] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
+        state[_model_key(i)] = ckpt_lora.select(_unwrap(chunk).sharded_state_dict(metadata=metadata), part)
+    if part == ckpt_lora.ADAPTERS:
+        state["lora"] = ckpt_lora.record(args, model)
     if with_optimizer:
         if loading:
             seams.ensure_optimizer_state(optimizer)
@@ -193,7 +209,7 @@ class Checkpointer:
         --no-ckpt-fallback (or --ckpt-step) asks for exactly that one."""
         args = self.args
         if not args.load:
-            return 0
+            return self._load_pretrained()
         preloaded = _LOADED_BEFORE_SHARDING.pop(id(args), None)
         if preloaded is not None:  # load_before_sharding
             for line in preloaded:
@@ -205,6 +221,8 @@ class Checkpointer:
         iterations, tracker_note = self._listing()
         if tracker_note:
             self._print(f"warning: {tracker_note}: ignored; the newest checkpoint is found by listing {args.load}")
+        if not iterations and args.pretrained_checkpoint:
+            return self._load_pretrained()
         if not iterations:
             if args.exit_on_missing_checkpoint:
                 raise ConfigError(f"--load={args.load}: no complete checkpoint (--exit-on-missing-checkpoint)")
@@ -234,6 +252,27 @@ class Checkpointer:
                 raise DamagedCheckpoint(f"{line} ({why}: not loading an older one)")
             self._print(line)
         raise DamagedCheckpoint(f"--load={args.load}: every checkpoint is damaged ({iterations})")
+
+    def nested(self, args) -> "Checkpointer":
+        """A checkpointer of this run's model for another directory, model weights only (a base)."""
+        return Checkpointer(args, self.model, None, WeightsOnly())
+
+    def _load_pretrained(self) -> int:
+        """megatron's --pretrained-checkpoint (training/checkpointing.py load_checkpoint): with no
+        checkpoint under --load, the run fine-tunes from it (its model weights, iteration 0)."""
+        args = self.args
+        if not args.pretrained_checkpoint:
+            return 0
+        base_args = copy.copy(args)
+        base_args.load, base_args.finetune, base_args.save, base_args.pretrained_checkpoint = (
+            args.pretrained_checkpoint, True, None, None)
+        base_args.exit_on_missing_checkpoint = True
+        self._print(f"no checkpoint under --load={args.load}: fine-tuning from --pretrained-checkpoint="
+                    f"{args.pretrained_checkpoint}")
+        base = self.nested(base_args)
+        base._print = self._print
+        base.load()
+        return 0
 
     def _listing(self) -> tuple[list[int], str | None]:
         """Rank 0 lists the committed checkpoints and reads the tracker; every rank gets its view."""
@@ -272,9 +311,13 @@ class Checkpointer:
                 f"{args.ckpt_format} (a Megatron-FSDP model fsdp_dtensor, a DDP or torch FSDP2 model torch_dist)"
             )
         if args.ckpt_format == "fsdp_dtensor":
+            if ckpt_lora.save_part(args):
+                raise ConfigError(f"--load={args.load}: {path} is a Megatron-FSDP (fsdp_dtensor) checkpoint; a LoRA "
+                                  "base loads from torch_dist (an import, a DDP run) before the model is sharded")
             common, self._pending_rng = fsdp_checkpoint.load(self, path, iteration, verifier)
             return self._loaded(path, iteration, t0, verifier, common, common["layout"] == ckpt_state.layout(args))
         common = dist_checkpointing.load_common_state_dict(path)
+        part = ckpt_lora.plan(self, path, iteration, common)  # LoRA: an adapter checkpoint loads its base first
         if common.get("scheduler") is None and not args.finetune:  # an import (megatron_ext/hf): weights only
             raise ConfigError(f"--load={args.load}: {path} holds model weights only (an imported model): "
                               "load it with --finetune")
@@ -284,7 +327,7 @@ class Checkpointer:
         with_optimizer = not args.no_load_optim and not args.finetune and "optimizer" in common
         template = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration,
-            loading=True, with_optimizer=with_optimizer, with_rng=with_rng,
+            loading=True, with_optimizer=with_optimizer, with_rng=with_rng, part=part,
         )
         strategy = get_default_load_sharded_strategy(path)
         if args.ckpt_fully_parallel_load:
@@ -296,7 +339,7 @@ class Checkpointer:
             # torch FSDP2: the load wrote the DTensors' local shards in place; megatron skips both
             # load_state_dicts (training.py:2204, skip_load_to_model_and_opt)
             for i, chunk in enumerate(self.model if not args.use_torch_fsdp2 else []):
-                _unwrap(chunk).load_state_dict(state[_model_key(i)], strict=True)
+                _load_model_state(_unwrap(chunk), state[_model_key(i)], part)
             if args.check_for_nan_in_loss_and_grad:  # the non-finite check, before the first step
                 bad = _non_finite_parameters(self.model)
                 if bad:
@@ -383,6 +426,7 @@ class Checkpointer:
                 state = sharded_state_dict(
                     args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
                     with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
+                    part=ckpt_lora.save_part(args),
                 )
                 request = dist_checkpointing.save(
                     state, partial, self._save_strategy(), async_sharded_save=args.async_save,
@@ -493,6 +537,10 @@ def validate(args) -> None:
             "rejects (uneven_dtensor.py:161, measured with tiny_dense at DP2) at the first save; "
             "optim_grads_params saves"
         )
+    if args.pretrained_checkpoint and (args.use_megatron_fsdp or args.use_torch_fsdp2):
+        raise ConfigError(f"--pretrained-checkpoint={args.pretrained_checkpoint} with a sharded data-parallel "
+                          "wrapper: load the base with --finetune --load (a torch_dist checkpoint loads before "
+                          "the model is sharded)")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
     # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless

@@ -14,20 +14,23 @@ which order. Each capability package may define
     teardown()                     forget per-run state (process groups are destroyed after it)
 
 The run (training/run.py Run.build) calls them in this order: the config -> before_model -> the
-model chunks -> layout-invariant init -> before_wrap -> the data-parallel wrapper (DDP,
-Megatron-FSDP or FSDP2) -> after_model. The 1F1B overlap has nothing to attach: it is the schedule
-the step picks (schedules.get_forward_backward_func)."""
+model chunks -> layout-invariant init -> before_wrap (LoRA's adapters, a frozen base) -> the
+data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) -> after_model. The 1F1B overlap has nothing to
+attach: it is the schedule the step picks (schedules.get_forward_backward_func)."""
 from __future__ import annotations
 
-from megatron_ext import moe, offload, schedules, sft
+from megatron_ext import lora, moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
 
-# The order every hook runs in. moe first: it replaces the token dispatcher and the experts, and
-# offload (next) hooks the expert modules moe put in place; the overlap schedule pairs passes whose
-# saved tensors offload already manages; sft before training: it sets --calculate-per-token-loss
-# before megatron validates, and training's data checks (training/data.py) read the chat data it
-# accepted; training last (its checks read what the others settled).
-CAPABILITIES = (moe, offload, schedules, sft, training)
+# The order every hook runs in. lora first: its adapters and the frozen base exist before the
+# data-parallel wrapper is built (before_wrap), so every package after it finds the adapted linears
+# (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces
+# the token dispatcher and the experts, and offload (next) hooks the expert modules moe put in place;
+# the overlap schedule pairs passes whose saved tensors offload already manages; sft before training:
+# it sets --calculate-per-token-loss before megatron validates, and training's data checks
+# (training/data.py) read the chat data it accepted; training last (its checks read what the others
+# settled).
+CAPABILITIES = (lora, moe, offload, schedules, sft, training)
 
 
 def _hooks(name):

@@ -86,4 +86,4 @@ def teardown() -> None:
 
     step.release_schedule_hooks()
     model.release_models()
-    registry.uninstall()  # what the run installed (training/model.py build_model)
+    registry.uninstall()  # what the run installed (training/model.py build_chunks)

@@ -351,7 +351,7 @@ def measure(experts: int, wrapper: str = "megatron_fsdp", timed: int = 3, ours: 
         from megatron_ext.seams import fsdp_fetch
 
         # ours: the seams installed before the wrapper is built (some act on its construction),
-        # as a run's build_model does; stock: megatron-core's code.
+        # as a run's build does; stock: megatron-core's code.
         with (fsdp_fetch.applied() if ours else fsdp_fetch.removed()):
             model = wrap(stack, config, wrapper)
             wrapped = (model, wrapper)

@@ -115,6 +115,11 @@ ZOO = {
 }
 
 
+# LoRA adapters (megatron_ext/lora/) on every attention and MLP linear the architecture has, the routed
+# and shared experts' and the router's (tests/lora/test_zoo.py trains the pipeline cases with them)
+LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "all-linear"]
+
+
 def plain_argv(name: str) -> list[str]:
     case = ZOO[name]
     return [*BASE, *case["argv"], *(MOE_PARALLEL if case["moe"] else [])]
