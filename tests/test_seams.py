@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -57,6 +58,8 @@ TARGETS = {
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
     "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
     "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils,
+    "multi_latent_attention": multi_latent_attention,
+    "MLASelfAttention": multi_latent_attention.MLASelfAttention,
     "FusedScaleMaskSoftmax": FusedScaleMaskSoftmax,
 }
 

@@ -17,6 +17,13 @@ spec that it lacks. Each is plain torch, on every platform (CUDA without transfo
                           the layer's normalised input, where megatron-core's resolver puts --qk-layernorm's query
                           norm into a fused norm+linear (transformer/mla_qk_norm_config.py:148); the KV latent
                           norm stays. DeepSeek-V2-Lite as transformers and DeepSeek's own code compute it.
+  mla_shared_rope_key_grad  multi-latent attention under tensor parallelism: the column-parallel KV down
+                          projection's output is gathered (transformer/multi_latent_attention.py:739) and its
+                          shared rope key expanded to this rank's heads (:960); the gather's backward takes
+                          this rank's slice of a gradient that holds only its own heads' part of the rope
+                          key's (the latent's is reduced by linear_kv_up_proj). The rope key's columns of the
+                          gradient are summed over the tensor-parallel group before the slice (the output is
+                          marked in _qkv_down_projection, :662, and only that gather is replaced).
   llama3_rope_factors     --rope-scaling-low-freq-factor / --rope-scaling-high-freq-factor /
                           --rope-scaling-original-max-position-embeddings: megatron-core's llama-3 rope scaling
                           takes only the factor from its caller (models/common/embeddings/rotary_pos_embedding.py:84)
@@ -112,6 +119,57 @@ def _install_mla_q_proj_without_norm():
     return set_attr(resolver, "_resolve_mla_qk_layernorm", _resolve_mla_qk_layernorm)
 
 
+class _GatherLatentAndSharedRopeKey(torch.autograd.Function):
+    """megatron-core's gather of the column-parallel KV down projection's output (forward: all-gather
+    the last dimension, backward: this rank's slice), with the gradient of the shared rope key (the
+    last qk_pos_emb_head_dim columns) summed over the tensor-parallel group before the slice: every
+    rank's attention heads use that key, so each rank holds only its heads' part of its gradient. The
+    latent's gradient is already the same on every rank (linear_kv_up_proj's input reduces it)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rope_dim):
+        from megatron.core.tensor_parallel.mappings import _gather_along_last_dim
+
+        ctx.group, ctx.rope_dim = group, rope_dim
+        return _gather_along_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core.tensor_parallel.mappings import _split_along_last_dim
+
+        rope = grad[..., grad.shape[-1] - ctx.rope_dim:].contiguous()
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        grad = torch.cat([grad[..., : grad.shape[-1] - ctx.rope_dim], rope], dim=-1)
+        return _split_along_last_dim(grad, ctx.group), None, None
+
+
+_ROPE_KEY_COLUMNS = "_megatron_ext_shared_rope_key_columns"  # set on the KV down projection's output
+
+
+def _install_mla_shared_rope_key_grad():
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    down, gather = mla.MLASelfAttention._qkv_down_projection, mla.gather_from_tensor_model_parallel_region
+
+    def _qkv_down_projection(self, hidden_states):
+        q, kv = down(self, hidden_states)
+        if kv.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:  # sharded: gathered next
+            setattr(kv, _ROPE_KEY_COLUMNS, self.config.qk_pos_emb_head_dim)
+        return q, kv
+
+    def gather_from_tensor_model_parallel_region(input_, group=None):
+        rope_dim = getattr(input_, _ROPE_KEY_COLUMNS, None)
+        if rope_dim is None:
+            return gather(input_, group)
+        return _GatherLatentAndSharedRopeKey.apply(input_, get_tensor_model_parallel_group_if_none(group), rope_dim)
+
+    return undo_all([
+        set_attr(mla.MLASelfAttention, "_qkv_down_projection", _qkv_down_projection),
+        set_attr(mla, "gather_from_tensor_model_parallel_region", gather_from_tensor_model_parallel_region),
+    ])
+
+
 LLAMA3_ROPE: dict = {}  # this run's low / high frequency factors and original positions (for_run)
 
 
@@ -176,6 +234,15 @@ MLA_Q_PROJ_WITHOUT_NORM = Patch(
     "without query LoRA, --qk-layernorm puts a norm in front of linear_q_proj that DeepSeek-V2-Lite does not have",
     _install_mla_q_proj_without_norm,
 )
+MLA_SHARED_ROPE_KEY_GRAD = Patch(
+    "architectures.mla_shared_rope_key_grad",
+    ["megatron/core/transformer/multi_latent_attention.py:739",
+     "megatron/core/transformer/multi_latent_attention.py:960",
+     "megatron/core/transformer/multi_latent_attention.py:662"],
+    "under tensor parallelism the shared rope key's gradient keeps only this rank's heads' part "
+    "(the gather's backward takes this rank's slice of an unreduced gradient)",
+    _install_mla_shared_rope_key_grad,
+)
 LLAMA3_ROPE_FACTORS = Patch(
     "architectures.llama3_rope_factors",
     ["megatron/core/models/common/embeddings/rotary_pos_embedding.py:84",
@@ -189,7 +256,8 @@ ZERO_CENTRED_NORM = Patch(
     "torch's LayerNorm/RMSNorm refuse --apply-layernorm-1p (zero-centred gamma)",
     _install_zero_centred_norm,
 )
-SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, LLAMA3_ROPE_FACTORS, ZERO_CENTRED_NORM]
+SEAMS = [LOCAL_LATENT_ATTENTION, MLA_Q_PROJ_WITHOUT_NORM, MLA_SHARED_ROPE_KEY_GRAD, LLAMA3_ROPE_FACTORS,
+         ZERO_CENTRED_NORM]
 # (flag dest, _apply_scaling's argument, the value megatron-core fixes): the flags (training/model.py),
 # this seam and the Hugging Face import (hf/families.py) read this one table
 LLAMA3_ROPE_FLAGS = (("rope_scaling_low_freq_factor", "low_freq_factor", 1.0),
@@ -204,6 +272,8 @@ def for_run(args):
         out.append(LOCAL_LATENT_ATTENTION)
     if getattr(args, "mla_q_proj_without_norm", False):
         out.append(MLA_Q_PROJ_WITHOUT_NORM)
+    if getattr(args, "multi_latent_attention", False) and getattr(args, "tensor_model_parallel_size", 1) > 1:
+        out.append(MLA_SHARED_ROPE_KEY_GRAD)
     if any(getattr(args, flag, None) is not None for flag, _, _ in LLAMA3_ROPE_FLAGS):
         LLAMA3_ROPE.clear()
         LLAMA3_ROPE.update({key: default if getattr(args, flag) is None else getattr(args, flag)

@@ -2,7 +2,7 @@
 factor, assembled from the ranks' shards by its global checkpoint key) on TP1, TP2 + sequence
 parallelism (expert-TP 2 with it, as megatron defaults), PP2, EP2, expert-TP2 without EP, TP2 + SP with
 megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP,
-multi-latent attention on EP2; and
+multi-latent attention on TP2 + SP; and
 Megatron-FSDP's losses (DP2, everything sharded) equal DDP's, with the tolerance of tests/training/test_layouts.py. The
 adapters start the same everywhere: A is drawn from its global key (checked on the values), so the
 comparison covers the initialisation too.
@@ -72,7 +72,7 @@ def _run_all():
     argvs["fsdp-adam"] = BASE + ADAM + FSDP + ["--world-size", "2"]
     argvs["tp2-sp-fused"] = BASE + LAYOUTS["tp2-sp"] + FUSED + ["--world-size", "2"]
     argvs["pp2-vpp2"] = DENSE + VPP + ["--world-size", "2"]
-    argvs["ep2-mla"] = MLA + LAYOUTS["ep2"] + ["--world-size", "2"]
+    argvs["tp2-sp-mla"] = MLA + LAYOUTS["tp2-sp"] + ["--world-size", "2"]
     per_rank = run_distributed(2, "tests.lora.jobs:train_adapters_many", argvs=argvs)
     results = {name: (_tensors(per_rank[0][name]), per_rank[-1][name]) for name in argvs}
     for name in ("ref-fused", "ref-dense", "ref-mla"):
@@ -135,17 +135,16 @@ def test_fused_adapters_equal_single_process(runs):
         assert torch.allclose(mine["values"][key], v, rtol=1e-4, atol=1e-7), key
 
 
-@pytest.mark.parametrize("layout,ref", [("pp2-vpp2", "ref-dense"), ("ep2-mla", "ref-mla")])
+@pytest.mark.parametrize("layout,ref", [("pp2-vpp2", "ref-dense"), ("tp2-sp-mla", "ref-mla")])
 def test_virtual_pipeline_and_latent_attention_equal_single_process(runs, layout, ref):
     """PP2 x VPP2 (tiny_dense, a layer per virtual stage), and multi-latent attention with adapters on
-    all its projections on EP2 (under tensor parallelism megatron-core's local-spec MLA sums the
-    shared rope key's gradient over the local heads only, full weights too: see docs/finetune.md):
-    the same losses and adapter gradients."""
+    all its projections on TP2 + SP (expert-TP 2; the shared rope key's gradient summed over the
+    tensor-parallel group, megatron_ext/seams/architectures.py): the same losses and adapter gradients."""
     _, results = runs
     (mine, last), (single, _) = results[layout], results[ref]
     for x, y in zip(_losses(last["history"]), _losses(single["history"])):
         assert math.isclose(x, y, rel_tol=RTOL), layout
     assert mine["grads"].keys() == single["grads"].keys() and single["grads"]
-    assert layout != "ep2-mla" or any("linear_kv_down_proj" in k for k in single["grads"])
+    assert layout != "tp2-sp-mla" or any("linear_kv_down_proj" in k for k in single["grads"])
     for key, g in single["grads"].items():
         assert (mine["grads"][key] - g).norm() <= GRAD_RTOL * g.norm(), key

@@ -53,3 +53,35 @@ def test_latent_attention_matches_formula():
     assert r["refused_without_seam"]
     assert r["shape"] == (8, 2, 4 * 16)  # values and output of v_channels per head
     assert r["max_err"] < 1e-5, r
+
+
+# a DeepSeek-V3-style multi-latent attention, scaled down (tests/training/zoo.py's)
+MLA = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--layout-invariant-init", "--num-layers", "2",
+       "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--no-rope-fusion",
+       "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+       "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+KV_DOWN = "decoder.layers.self_attention.linear_kv_down_proj.weight"
+
+
+def _worst(got: dict, ref: dict) -> float:
+    """The largest error relative to its own block's scale: every parameter, and the shared rope key's
+    rows of the KV down projection apart (their gradient is far smaller than the latent's)."""
+    import numpy as np
+
+    blocks = [(k, slice(None)) for k in ref] + [(KV_DOWN, np.s_[..., 32:, :])]
+    return max(float(np.abs(got[k][s] - ref[k][s]).max() / np.abs(ref[k][s]).max()) for k, s in blocks)
+
+
+def test_latent_attention_gradients_equal_one_process_under_tensor_parallelism():
+    """Every gradient of a multi-latent attention model on TP2 and TP2+SP equals one process's (fp32
+    summation order apart); without architectures.mla_shared_rope_key_grad the shared rope key's rows
+    keep half their gradient (megatron-core's gather at multi_latent_attention.py:739)."""
+    ref = run_distributed(1, "tests.seams.jobs:global_gradients", argv=MLA + ["--world-size", "1"])[0]
+    for extra in (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+        got = run_distributed(2, "tests.seams.jobs:global_gradients", argv=MLA + extra + ["--world-size", "2"])[0]
+        assert set(got) == set(ref)
+        assert _worst(got, ref) < 1e-5, extra
+    broken = run_distributed(2, "tests.seams.jobs:global_gradients", without="MLA_SHARED_ROPE_KEY_GRAD",
+                             argv=MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--world-size", "2"])[0]
+    assert _worst(broken, ref) > 0.1
