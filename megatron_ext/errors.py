@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     The message names the flag (``--flag-name=value``) and what is wrong."""
 
 
+class InputError(Exception):
+    """A file a tool reads is not what it expects (a line that is not JSON, a key holding no text);
+    the message names the file and line. Defined here, importable, so it crosses process pools."""
+
+
 def run(main: Callable[[], object], explain: Callable[[BaseException], str | None]) -> None:
     """Call ``main``; a ConfigError, or an error megatron raised from a flag (``explain`` names the
     flags, or returns None for anything else, which keeps its traceback), becomes ``error: LINE`` on
