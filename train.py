@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 observer.before_step(iteration)
                 result = step.train_step(args, model, optimizer, scheduler, iterators.train, forward_backward)
                 models.register_fsdp_buffers(args, model, iteration - start)  # --use-nccl-ub, after the first
-                logger.log(iteration, result, lr=optimizer.param_groups[0]["lr"])
+                logger.log(iteration, result, lr=optim.logged_learning_rate(optimizer))
                 observer.after_step(iteration, result)
                 if evaluation.due(args, iteration, iterators):
                     evaluation.run(args, f"iteration {iteration}", iterators.valid, model, config, iteration,

@@ -78,6 +78,13 @@ def validate(args) -> None:
         )
 
 
+def before_wrap(args, chunks) -> None:
+    if args.freeze_all_layers:
+        from megatron_ext.training.model import freeze_all_layers
+
+        freeze_all_layers(chunks)
+
+
 def teardown() -> None:
     # imported here, as in validate(): importing this package (argument parsing does) stays light
     from megatron_ext import seams

@@ -6,6 +6,8 @@ and in which order. Each capability package may define
     before_validate(args)          refuse flags before megatron's validate_args asserts on them
     validate(args)                 raise ConfigError naming flag and value; runs before any compute
     before_model(args, config)     adjust the TransformerConfig before the model is built
+    before_wrap(args, chunks)      change the built model chunks before the data-parallel wrapper
+                                   lays out its buffers (what is frozen then has no gradient buffer)
     after_model(args, model)       attach to the built model chunks (list of DDP-wrapped modules)
     at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
@@ -51,6 +53,11 @@ def validate(args) -> None:
 def before_model(args, config) -> None:
     for fn in _hooks("before_model"):
         fn(args, config)
+
+
+def before_wrap(args, chunks) -> None:
+    for fn in _hooks("before_wrap"):
+        fn(args, chunks)
 
 
 def after_model(args, model) -> None:

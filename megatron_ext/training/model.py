@@ -144,6 +144,7 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)
+    features.before_wrap(args, chunks)  # frozen weights have no gradient buffer
     if wrap_with_ddp and args.use_torch_fsdp2:
         chunks = wrap_fsdp2(args, config, chunks)
     elif wrap_with_ddp and args.use_megatron_fsdp:
@@ -153,6 +154,16 @@ def build_model(args, config: TransformerConfig, wrap_with_ddp: bool = True) -> 
     features.after_model(args, chunks)
     _BUILT.extend(chunks)
     return chunks
+
+
+def freeze_all_layers(chunks) -> None:
+    """--freeze-all-layers, as megatron's get_model (training/training.py:1778): no parameter
+    takes a gradient, and no router updates its expert bias either."""
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        for module in chunk.modules():
+            if hasattr(module, "frozen_expert_bias"):
+                module.frozen_expert_bias = True
 
 
 def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):

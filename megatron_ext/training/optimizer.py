@@ -36,6 +36,15 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
         return get_optimizer_param_scheduler(optimizer)
 
 
+def logged_learning_rate(optimizer) -> float:
+    """The learning rate of the log line: a parameter group that holds parameters, as megatron's
+    train_step reads it (training.py); 0 when none does (--freeze-all-layers), as its training_log."""
+    for group in optimizer.param_groups:
+        if group["params"] and not group.get("is_decoupled_lr", False):
+            return group["lr"]
+    return 0.0
+
+
 class _NoOptimizer:
     param_groups = [{}]
 
