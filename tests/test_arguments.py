@@ -144,3 +144,31 @@ def test_dry_run_shows_what_was_set_and_labels_megatrons_changes(capsys):
     assert "adam_beta1" not in lines and len(lines) < 80
     hidden = len(vars(args)) - 1 - len(lines)
     assert f"... {hidden} more at their defaults or derived by megatron: --dry-run --all lists every value" in out
+
+
+def test_a_load_without_checkpoint_is_refused_unless_asked_for(tmp_path):
+    """A mistyped --load would train from fresh weights: refused in one line, before any compute,
+    unless --allow-missing-checkpoint, or --load is --save (a job's first run; not with --finetune).
+    megatron's --exit-on-missing-checkpoint refuses even that."""
+    empty, missing, run = tmp_path / "empty", tmp_path / "missing", str(tmp_path / "run")
+    empty.mkdir()
+    lines = {}
+    for name, argv in {
+        "empty": ["--load", str(empty)],
+        "finetune": ["--finetune", "--load", str(empty)],
+        "missing": ["--load", str(missing), "--save", run, "--save-interval", "5"],
+        "finetune into save": ["--finetune", "--load", run, "--save", run, "--save-interval", "5"],
+        "exit": ["--load", run, "--save", run, "--save-interval", "5", "--exit-on-missing-checkpoint"],
+    }.items():
+        with pytest.raises(ConfigError) as e:
+            parse(*argv)
+        lines[name] = str(e.value)
+    assert lines["empty"] == (f"--load={empty}: no checkpoint there (no iter_N directory); name a checkpoint "
+                              "directory, or pass --allow-missing-checkpoint to start from fresh weights")
+    assert lines["finetune"].startswith(f"--finetune --load={empty}: no checkpoint there")
+    assert lines["missing"].startswith(f"--load={missing}: no such directory;")
+    assert lines["finetune into save"].startswith(f"--finetune --load={run}: no such directory;")
+    assert lines["exit"] == f"--load={run}: no checkpoint there (--exit-on-missing-checkpoint)"
+    assert parse("--load", str(empty), "--allow-missing-checkpoint").allow_missing_checkpoint
+    assert parse("--finetune", "--load", str(empty), "--allow-missing-checkpoint").finetune
+    assert parse("--load", run, "--save", run, "--save-interval", "5").load == run

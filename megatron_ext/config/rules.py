@@ -326,9 +326,6 @@ RULES = (
          "--save must be a directory this user can create or write", when=lambda a: a.save),
     Rule("files", ("load",), lambda a: _readable_dir(a.load) or not _exists(a.load),
          "--load must be a readable directory", when=lambda a: a.load),
-    Rule("files", ("load", "save"), lambda a: _exists(a.load) or (a.save and os.path.abspath(a.load) == os.path.abspath(a.save)),
-         "--load does not exist (it may be missing only when it is also --save: a first run that "
-         "resumes later)", when=lambda a: a.load and not a.exit_on_missing_checkpoint),
     Rule("files", ("pretrained_checkpoint",), lambda a: _readable_dir(a.pretrained_checkpoint),
          "--pretrained-checkpoint must be a readable directory", when=lambda a: getattr(a, "pretrained_checkpoint", None)),
 )
