@@ -21,12 +21,13 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import sysconfig
 import time
 
 import numpy as np
 
-from megatron_ext import platform
+from megatron_ext import errors, helptext
 from megatron_ext.errors import InputError  # not SystemExit: the worker pool's feeder hangs on anything but an Exception
 
 BYTE_EOD = 256  # megatron_ext.training.data.BYTE_EOD (not imported here: it imports megatron-core)
@@ -209,7 +210,7 @@ def _add_documents(args, files: list[str], builders: dict, dtype, tok, progress_
     return counts
 
 
-def get_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_tokenizer_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +236,12 @@ def get_args(argv=None):
     group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=int, default=1, help="(only 1: one output per key)")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    group.add_argument("--verbose", action="store_true", help="show the third-party warnings filtered by default")
+    return parser
+
+
+def get_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.split_sentences:
         parser.error("--split-sentences: sentence splitting needs nltk's punkt data, which is not available here")
@@ -248,7 +255,20 @@ def get_args(argv=None):
     return args
 
 
+def _render_help() -> str:
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported
+    return build_parser().format_help()
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # a cached text: neither torch nor megatron-core is imported
+        helptext.show("prepare_data", __file__, _render_help)
+    from megatron_ext import platform
+
+    errors.quiet(argv)  # third-party warnings that tell the user nothing (--verbose shows them)
     platform.setup()  # before megatron-core is imported
     args = get_args(argv)
     from megatron_ext.errors import ConfigError

@@ -241,12 +241,13 @@ def _values(value):
         yield value
 
 
-def check_domains(args, actions: dict) -> str | None:
-    """The first flag whose value is outside its domain, as a refusal line."""
+def check_domains(args, actions: dict) -> dict[str, str]:
+    """Every flag whose value is outside its domain: dest -> its refusal line."""
+    refused = {}
     for dest, fam in DOMAINS.items():
         value = getattr(args, dest, None)
         if value is None or isinstance(value, str):
             continue
         if fam.domain.refuses(value):
-            return f"{flag_of(actions, dest)}={show(value)}: must be {fam.domain} ({fam.name})"
-    return None
+            refused[dest] = f"{flag_of(actions, dest)}={show(value)}: must be {fam.domain} ({fam.name})"
+    return refused

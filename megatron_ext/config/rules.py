@@ -331,17 +331,25 @@ RULES = (
 )
 
 
-def check_rules(args, actions: dict, stage: str) -> str | None:
-    """The first cross-field rule the arguments break, as a refusal line."""
+def check_rules(args, actions: dict, stage: str, refused=()) -> list[str]:
+    """Every cross-field rule the arguments break, as refusal lines. A rule reading a flag already
+    refused (``refused``: dests outside their domain) is not checked: its value is going to change."""
+    lines = []
     for rule in RULES:
-        if rule.stage != stage or not rule.when(args):
+        if rule.stage != stage or {*rule.flags, *rule.context} & set(refused):
             continue
-        if not rule.ok(args):
+        try:
+            broken = rule.when(args) and not rule.ok(args)
+        except ArithmeticError:  # a size already refused (0) that the rule divides by
+            if refused:
+                continue
+            raise
+        if broken:
             allowed = rule.allowed + (f" ({rule.detail(args)})" if rule.detail else "")
             set_context = [d for d in rule.context if getattr(args, d, None) != actions[d].default]
             if rule.family == "platform" and "transformer-engine" in rule.allowed and not target(args).declared:
                 from megatron_ext.platform.target import CLUSTER_HINT
 
                 allowed += "; " + CLUSTER_HINT.format(hint="--assume-te")
-            return f"{describe(args, (*rule.flags, *set_context), functools.partial(name_of, actions))}: {allowed}"
-    return None
+            lines.append(f"{describe(args, (*rule.flags, *set_context), functools.partial(name_of, actions))}: {allowed}")
+    return lines

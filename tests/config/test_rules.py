@@ -34,12 +34,13 @@ def parse(*argv, recipe=DENSE, world_size=1, mock=True):
                                 str(world_size), "--dry-run", *argv], exit_on_dry_run=False)
 
 
-def refused(*argv, recipe=DENSE, world_size=1, mock=True) -> str:
+def refused(*argv, recipe=DENSE, world_size=1, mock=True, problems=1) -> str:
+    """The refusal: one line per problem found (``problems`` of them)."""
     with pytest.raises(ConfigError) as e:
         parse(*argv, recipe=recipe, world_size=world_size, mock=mock)
-    line = str(e.value)
-    assert "\n" not in line and line.strip()
-    return line
+    lines = str(e.value).splitlines()
+    assert len(lines) == problems and all(line.strip() for line in lines), lines
+    return str(e.value)
 
 
 def megatron_parser():
@@ -150,7 +151,7 @@ def test_data_path_pointing_at_nothing_is_refused(tmp_path):
 # --- cross-field rules, one case per family ---------------------------------------------------
 
 RULE_CASES = {
-    "parallel layout": (["--num-experts", "8", "--expert-model-parallel-size", "3"], MOE, 3,
+    "parallel layout": (["--num-experts", "8", "--expert-model-parallel-size", "3", "--global-batch-size", "6"], MOE, 3,
                         r"^--num-experts=8, --expert-model-parallel-size=3: EP must divide the number of experts"),
     "model shape": (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "3"], DENSE, 1,
                     r"^--num-attention-heads=8, --num-query-groups=3: the number of query groups must divide"),
@@ -165,8 +166,8 @@ RULE_CASES = {
     "precision": (["--fp16", "--bf16"], DENSE, 1, r"^--fp16=True, --bf16=True"),
     "platform": (["--moe-permute-fusion"], MOE, 1,
                  r"^--moe-permute-fusion=True, --transformer-impl=local: the fused permutation is a transformer-engine"),
-    "files": (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json"], DENSE, 1,
-              r"^--tokenizer-type=GPT2BPETokenizer, --vocab-file=/nonexistent/vocab.json, --merge-file=None: "
+    "files": (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "README.md"], DENSE, 1,
+              r"^--tokenizer-type=GPT2BPETokenizer, --vocab-file=README.md, --merge-file=None: "
               r"this tokenizer reads --vocab-file and --merge-file"),
 }
 
@@ -190,7 +191,8 @@ def test_rules_name_real_flags():
 
 def test_the_misleading_eval_batch_message_is_replaced():
     """8 experts on EP=3 at world size 3: megatron blamed the eval batch size the user never set."""
-    line = refused("--num-experts", "8", "--expert-model-parallel-size", "3", recipe=MOE, world_size=3)
+    line = refused("--num-experts", "8", "--expert-model-parallel-size", "3", "--global-batch-size", "6",
+                   recipe=MOE, world_size=3)
     assert "eval" not in line and "--expert-model-parallel-size=3" in line
 
 
