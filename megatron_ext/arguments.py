@@ -221,6 +221,7 @@ def finalize(args, parser=None) -> None:
     _one_data_source(args)
     if not args.mock_data and not args.data_path:
         given.add("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
+    given.add(rules.check_not_here(args, actions, refused=outside))
     given.add(rules.check_rules(args, actions, "given", refused=outside))
     for before_validate in features.each("before_validate"):
         with given.check():

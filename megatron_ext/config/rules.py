@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megatron_ext.config.ledger import not_here
 from megatron_ext.config.naming import describe, name_of
 
 
@@ -316,6 +317,22 @@ RULES = (
            "must be a directory this user can create or write (it is written before the first step)",
            when=lambda a, d=dest: getattr(a, d, None))
       for dest in ("tensorboard_dir", "data_cache_path", "wandb_save_dir")),
+    # --- what megatron's parser accepts that this loop does not do (the rest: ledger.py, check_not_here) --
+    Rule("not here", ("distributed_backend",),
+         lambda a: a.distributed_backend == ("nccl" if target(a).cuda else "gloo"),
+         "the backend follows the device here: nccl with CUDA, gloo without (megatron_ext/platform)",
+         when=lambda a: a.config_sources.get("distributed_backend") in ("cli", "recipe")),
+    Rule("not here", ("rerun_mode",), lambda a: a.rerun_mode != "report_stats",
+         "megatron's rerun state machine is driven by its own training loop; a non-finite loss stops the "
+         "run here (--check-for-nan-in-loss-and-grad), and nothing is re-run"),
+    Rule("not here", ("transformer_impl",), lambda a: a.transformer_impl != "inference_optimized",
+         "the inference-optimized layer spec is for megatron's inference engine; train with local or "
+         "transformer_engine"),
+    Rule("not here", ("attention_backend", "transformer_impl"),
+         lambda a: str(getattr(a.attention_backend, "name", a.attention_backend)) != "local",
+         "megatron's GPT builder swaps transformer-engine's core attention for its local one under "
+         "--attention-backend local; this loop does not: use --transformer-impl local",
+         when=lambda a: a.transformer_impl == "transformer_engine"),
     Rule("files", ("yaml_cfg",), lambda a: a.yaml_cfg is None,
          "megatron's --yaml-cfg replaces the whole command line; give a --recipe (its keys merge under "
          "the command line's flags)"),
@@ -329,6 +346,17 @@ RULES = (
     Rule("files", ("pretrained_checkpoint",), lambda a: _readable_dir(a.pretrained_checkpoint),
          "--pretrained-checkpoint must be a readable directory", when=lambda a: getattr(a, "pretrained_checkpoint", None)),
 )
+
+
+def check_not_here(args, actions: dict, refused=()) -> list[str]:
+    """A refusal line for each flag the ledger refuses whenever set (megatron_ext/config/ledger.py):
+    set, here, means a value other than the parser's default. Not for a flag already ``refused``."""
+    lines = []
+    for dest, why in not_here().items():
+        action = actions.get(dest)
+        if action is not None and dest not in refused and getattr(args, dest, action.default) != action.default:
+            lines.append(f"{describe(args, (dest,), functools.partial(name_of, actions))}: not in this loop: {why}")
+    return lines
 
 
 def check_rules(args, actions: dict, stage: str, refused=()) -> list[str]:

@@ -180,6 +180,8 @@ def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
         vp_stage=stage,
     )

@@ -19,6 +19,13 @@ from megatron_ext.errors import ConfigError
 
 def build_optimizer(args, model: list):
     config, overrides = get_megatron_optimizer_config(args)
+    if args.use_mup:  # megatron's setup_model_and_optimizer (training.py:2119): muP's per-parameter LR and eps
+        from megatron.core.optimizer import get_mup_config_overrides
+        from megatron.core.utils import get_model_config
+
+        width_mult = get_model_config(model[0]).mup_width_mult
+        overrides = {**(overrides or {}), **get_mup_config_overrides(config=config, mup_width_mult=width_mult,
+                                                                     optimizer_type=config.optimizer)}
     optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
     return optimizer, build_scheduler(args, optimizer)
 
