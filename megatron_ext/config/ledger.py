@@ -148,18 +148,17 @@ honoured(TC, """
     moe_router_fusion moe_apply_probs_on_input moe_latent_size moe_flex_dispatcher_num_sms moe_deepep_num_sms
     moe_hybridep_num_sms moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
     moe_hybridep_num_sms_preprocessing moe_ncclep_static_shape moe_ncclep_zero_copy moe_mlp_glu_interleave_size
-    moe_expert_rank_capacity_factor clone_scatter_output_in_embedding config_logger_dir flash_decode
+    clone_scatter_output_in_embedding config_logger_dir flash_decode
     symmetric_ar_type nccl_all_reduce_for_prefill inference_fuse_tp_communication
     inference_disable_triton_nvls_kernels inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
     inference_moe_token_dispatcher_type mrope_section mlp_chunks_for_prefill mlp_chunks_for_training
     transformer_impl fine_grained_activation_offloading offload_modules min_offloaded_tensor_size
     delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks activation_offload_fraction
-    moe_paged_stash moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
-    moe_paged_stash_buffer_size_factor_cpu fine_grained_offloading_max_inflight_offloads
+    fine_grained_offloading_max_inflight_offloads
     window_size window_attn_skip_freq no_rope_freq masked_softmax_fusion
     bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion attention_softmax_in_fp32
     pipeline_model_parallel_layout overlap_p2p_comm cp_comm_type test_mode moe_layer_freq
-    moe_router_load_balancing_type moe_aux_loss_coeff barrier_with_L1_time linear_attention_freq
+    moe_router_load_balancing_type moe_aux_loss_coeff barrier_with_L1_time
 """)
 honoured(MLA, "q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor mscale "
          "mscale_all_dim cache_mla_latents")
@@ -203,8 +202,14 @@ no_effect(only_with("--experimental-attention-variant"), """
     dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_kernel_backend dsa_indexer_rope_interleaved
     dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32
     linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
+    linear_attention_freq
 """)
 honoured("megatron_ext.training.model:build_model", "fp16 bf16 init_model_with_meta_device")
+refused("megatron wraps its schedule for the per-rank token budget and the paged stash in its own training "
+        "loop (training.py PagedStashRunner: an overflowing step is re-run); this loop's fixed-size dispatch "
+        "is --moe-dropless-budget-factor", "moe_expert_rank_capacity_factor moe_paged_stash")
+no_effect(only_with("--moe-paged-stash"), "moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda "
+          "moe_paged_stash_buffer_size_factor_cpu")
 refused("a layer-spec choice megatron's GPT builder (megatron/training/models/gpt.py) passes to "
         "transformer-engine's spec, which this loop's layer specs do not take",
         "use_transformer_engine_op_fuser use_kitchen_attention use_te_activation_func use_grouped_gemm_for_dense_mlp "
