@@ -71,6 +71,13 @@ QUIET_WARNINGS = (
     (UserWarning, r"If you are using transformer_engine as the transformer implementation, the core_attn",
      "megatron-core's advice on --recompute-modules core_attn with transformer-engine, printed once per "
      "config: the planner builds many"),
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load "
+                  r"in a single process",
+     "torch's checkpoint reader, when a checkpoint's metadata is read by one process on purpose"),
+    (UserWarning, r"The argument order of load has been changed",
+     "torch.distributed.checkpoint's note on its own signature, which megatron-core's loader calls"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     "torch's deprecation of ShardedTensor, which megatron-core's distributed checkpoints still use"),
     (UserWarning, r"WARNING: there is no optimizer on RANK",
      "no parameter trains on this rank: asked for with --freeze-all-layers (megatron says it may be expected)"),
 )
@@ -82,6 +89,9 @@ QUIET_LOGS = (
      "--mock-data: generated samples, nothing to cache"),
     ("megatron.core.rerun_state_machine", r"Implicit initialization of Rerun State Machine|RerunStateMachine initialized",
      "megatron-core's rerun machine, created on first use; this loop does not re-run iterations (--rerun-mode)"),
+    ("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
+     "megatron-core's note on its own writer, printed at every save: saves here go through megatron-core's "
+     "queue (--async-strategy has no effect here)"),
 )
 
 

@@ -36,8 +36,10 @@ def before_validate(args) -> None:
     model_before_validate(args)
     refuse_batch_size_schedules(args)
     from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
+    from megatron_ext.training.ckpt_dirs import check_loadable
 
     checkpointing_before_validate(args)
+    check_loadable(args)  # no checkpoint, or every one damaged (a cheap look): refused here, at --dry-run too
 
 
 def validate(args) -> None:
@@ -53,10 +55,8 @@ def validate(args) -> None:
     data.validate(args)
     training_logging.validate(args)
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
-    from megatron_ext.training.ckpt_dirs import check_loadable
 
     validate_checkpointing(args)
-    check_loadable(args)  # every checkpoint under --load damaged (a cheap look): refused here, at --dry-run too
     from megatron_ext.training.observability import validate as validate_observability
 
     validate_observability(args)
