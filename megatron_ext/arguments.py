@@ -193,10 +193,15 @@ class Problems:
 
     @contextlib.contextmanager
     def check(self):
+        """A refusal is kept; a failure of another kind after a refusal of this stage is taken as
+        its consequence (a package reading what a refused one would have set) and dropped."""
         try:
             yield
         except ConfigError as e:
             self.add(str(e).splitlines())
+        except Exception:
+            if not self.lines:
+                raise
 
     def raise_any(self) -> None:
         if self.lines:
