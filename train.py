@@ -11,6 +11,19 @@ import time
 
 PROGRAM_START = time.time()  # --exit-duration-in-mins counts from here, as pretrain_gpt.py's
 
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    from megatron_ext import helptext  # a cached text: --help imports neither torch nor megatron-core
+
+    def _render_help() -> str:
+        from megatron_ext import platform
+
+        platform.setup()  # before megatron-core is imported
+        from megatron_ext import arguments
+
+        return arguments.build_parser().format_help()
+
+    helptext.show("train", __file__, _render_help)
+
 from megatron_ext import platform  # noqa: E402
 
 
@@ -27,11 +40,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from megatron_ext import errors
+
+    errors.quiet()  # third-party warnings that tell the user nothing (--verbose shows them)
     platform.dump_native_crashes()  # a native crash prints every thread's Python stack, prefixed [rank<R>]:
     platform.setup()
     from megatron.training.training import set_startup_timestamps
 
-    from megatron_ext import arguments, errors
+    from megatron_ext import arguments
 
     set_startup_timestamps(program_start=PROGRAM_START)
     errors.run(main, explain=arguments.explain)  # a refused flag: one line on rank 0, exit 1

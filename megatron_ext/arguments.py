@@ -29,8 +29,27 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+USAGE = "torchrun --nproc-per-node N train.py --recipe YAML [--dry-run] [flags ...]   (one process: python train.py ...)"
+
+# The Megatron flags most runs set, listed right after this project's own in --help (megatron's
+# several hundred others follow, in megatron's groups).
+COMMON_FLAGS = """
+    num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups
+    seq_length max_position_embeddings num_experts moe_router_topk
+    tensor_model_parallel_size pipeline_model_parallel_size expert_model_parallel_size
+    context_parallel_size sequence_parallel use_distributed_optimizer
+    micro_batch_size global_batch_size train_iters lr min_lr lr_decay_style lr_warmup_iters
+    weight_decay clip_grad bf16 seed
+    data_path mock_data split tokenizer_type tokenizer_model vocab_size
+    save load save_interval finetune log_interval eval_interval eval_iters
+    transformer_impl recompute_granularity
+""".split()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="train.py", description="megatron_ext: Megatron-Core training", allow_abbrev=False)
+    parser = _Parser(prog="train.py", usage=USAGE, description="megatron_ext: Megatron-Core training. Below: this "
+                     "project's flags, then the common Megatron flags, then every other Megatron flag by "
+                     "megatron's groups (docs/flags.md: what each does here).", allow_abbrev=False)
     add_megatron_arguments(parser)
     group = parser.add_argument_group("megatron_ext")
     group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
@@ -48,13 +67,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="Expected number of processes. --dry-run validates against it; a real run refuses to "
         "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
     )
+    group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show the third-party warnings that are filtered by default (deprecations inside torch and "
+        "megatron-core: megatron_ext/errors.py QUIET_WARNINGS); also MEGATRON_EXT_VERBOSE=1.",
+    )
     target.add_arguments(group)
     features.add_arguments(parser)
     planner_options.add_arguments(parser)  # --plan: train.py prints the plan instead of training
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)
+    _ours_and_common_first(parser)
     return parser
+
+
+def _ours_and_common_first(parser) -> None:
+    """--help order: this project's groups, the common Megatron flags, then megatron's groups. Only
+    the listing moves: which group an action is shown in does not change how it parses."""
+    common = parser.add_argument_group("Megatron: common flags")
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    for dest in COMMON_FLAGS:
+        action = by_dest[dest]
+        for g in parser._action_groups:
+            if action in g._group_actions and g is not common:
+                g._group_actions.remove(action)
+        common._group_actions.append(action)
+    groups = parser._action_groups
+    ours = [g for g in groups if (g.title or "").startswith(("megatron_ext", "planner")) or g is parser._optionals]
+    rest = [g for g in groups if g not in ours and g is not common]
+    parser._action_groups[:] = ours + [common] + rest
 
 
 def _flag_actions(parser) -> dict:
@@ -134,34 +177,75 @@ def _one_data_source(args) -> None:
                 args.config_sources[d] = "cleared by --" + winner.replace("_", "-")
 
 
+class Problems:
+    """The refusals of one stage of checks, each check on its own, so that every problem of the
+    stage is reported at once (one line each). A stage runs only when the one before it found
+    nothing: its checks read what the earlier ones accepted (megatron's validate_args derives
+    sizes from the given values; each package's validate reads what validate_args derived)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def add(self, lines) -> None:
+        for line in ([lines] if isinstance(lines, str) else lines):
+            if line not in self.lines:
+                self.lines.append(line)
+
+    @contextlib.contextmanager
+    def check(self):
+        """A refusal is kept; a failure of another kind after a refusal of this stage is taken as
+        its consequence (a package reading what a refused one would have set) and dropped."""
+        try:
+            yield
+        except ConfigError as e:
+            self.add(str(e).splitlines())
+        except Exception:
+            if not self.lines:
+                raise
+
+    def raise_any(self) -> None:
+        if self.lines:
+            raise ConfigError("\n".join(self.lines))
+
+
 def finalize(args, parser=None) -> None:
-    """Everything megatron's validate_args and config classes check, plus ours, before any compute."""
+    """Everything megatron's validate_args and config classes check, plus ours, before any compute,
+    in stages (Problems): every problem of the first stage that finds any is reported."""
+    actions = _flag_actions(parser or build_parser())
+    given = Problems()  # the values as given: each check on its own
     launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world_size is None:
         args.world_size = launcher_world
     elif not args.dry_run and args.world_size != launcher_world:
-        raise ConfigError(
-            f"--world-size={args.world_size}: the launcher started {launcher_world} processes"
-        )
+        given.add(f"--world-size={args.world_size}: the launcher started {launcher_world} processes")
     args.rank = int(os.environ.get("RANK", "0"))
-    actions = _flag_actions(parser or build_parser())
-    _refuse_if(domains.check_domains(args, actions))
-    _fit_defaults_to_platform(args)
+    outside = domains.check_domains(args, actions)
+    given.add(list(outside.values()))
+    with given.check():
+        _fit_defaults_to_platform(args)
     _one_data_source(args)
     if not args.mock_data and not args.data_path:
-        raise ConfigError("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
-    _refuse_if(rules.check_rules(args, actions, "given"))
-    features.before_validate(args)
+        given.add("no training data: give --data-path PREFIX (see scripts/prepare_data.py) or --mock-data")
+    given.add(rules.check_not_here(args, actions, refused=outside))
+    given.add(rules.check_rules(args, actions, "given", refused=outside))
+    for before_validate in features.each("before_validate"):
+        with given.check():
+            before_validate(args)
+    given.raise_any()
     world_size_holder = args.world_size
-    given = {k: copy.copy(v) for k, v in vars(args).items()}
+    values = {k: copy.copy(v) for k, v in vars(args).items()}
     platform_target = rules.target(args)
     with contextlib.redirect_stdout(io.StringIO()), _megatron_refusals(args, actions), \
             target.device_answers(platform_target, args.launch_env):  # a --platform target's GPU answers
         validate_args(args)  # prints every argument on rank 0
     args.world_size = world_size_holder
-    _mark_megatron_changes(args, given)
-    _refuse_if(rules.check_rules(args, actions, "resolved"))
-    features.validate(args)  # training's: tokenizer (padded vocab), train_iters from --train-samples, ...
+    _mark_megatron_changes(args, values)
+    resolved = Problems()  # what reads megatron's results: each rule, each package's validate
+    resolved.add(rules.check_rules(args, actions, "resolved"))
+    for validate in features.each("validate"):  # training's: tokenizer (padded vocab), train_iters from --train-samples, ...
+        with resolved.check():
+            validate(args)
+    resolved.raise_any()
     args.config_sources.setdefault("padded_vocab_size", "derived (the tokenizer's vocabulary, padded)")
     if args.config_sources.get("padded_vocab_size") == "default":
         args.config_sources["padded_vocab_size"] = "derived (the tokenizer's vocabulary, padded)"
@@ -185,11 +269,6 @@ def build_configs(args) -> list:
         built.append(type(get_megatron_ddp_config(args)).__name__)
         built.append(type(get_megatron_optimizer_config(args)[0]).__name__)
     return built
-
-
-def _refuse_if(line: str | None) -> None:
-    if line:
-        raise ConfigError(line)
 
 
 _LAST: dict = {}

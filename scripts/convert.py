@@ -78,4 +78,5 @@ def _explain(exc: BaseException) -> str | None:
 if __name__ == "__main__":
     from megatron_ext import errors
 
+    errors.quiet()  # third-party warnings that tell the user nothing (MEGATRON_EXT_VERBOSE=1 shows them)
     errors.run(main, explain=_explain)

@@ -21,7 +21,7 @@ import io
 import json
 
 
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import errors, platform  # noqa: E402
 
 GIB = 2**30
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     opts = parser.parse_args(argv)
+    errors.quiet()  # third-party warnings that tell the user nothing (MEGATRON_EXT_VERBOSE=1 shows them)
     platform.setup()  # before megatron-core is imported (arguments)
     rows = [estimate(r) for r in opts.recipes]
     if opts.json:

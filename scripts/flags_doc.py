@@ -9,6 +9,7 @@ import functools
 import sys
 
 
+from megatron_ext.config import ledger  # noqa: E402
 from megatron_ext.config.domains import FAMILIES  # noqa: E402
 from megatron_ext.config.megatron_checks import FIELD_FLAGS, SITES  # noqa: E402
 from megatron_ext.config.naming import flag_of  # noqa: E402
@@ -57,7 +58,44 @@ def markdown(parser) -> str:
     out += ["", "| config field | flags |", "|---|---|"]
     for name, dests in FIELD_FLAGS.items():
         out.append(f"| `{name}` | {', '.join(f'`{flags(d)}`' for d in dests)} |")
+    out += ledger_markdown(flags, set(actions))
     return "\n".join(out) + "\n"
+
+
+def _grouped(kind, key) -> dict:
+    groups: dict = {}
+    for dest, entry in ledger.LEDGER.items():
+        if isinstance(entry, kind):
+            groups.setdefault(key(entry), []).append(dest)
+    return groups
+
+
+def ledger_markdown(flags, present: set) -> list[str]:
+    """Every flag of megatron's parser, from megatron_ext/config/ledger.py: honoured (and what reads
+    it), refused (and why), or without effect here (and why)."""
+    names = lambda dests: ", ".join(f"`{flags(d)}`" for d in sorted(dests, key=flags))  # noqa: E731
+    counts = {kind: sum(isinstance(e, kind) for d, e in ledger.LEDGER.items() if d in present)
+              for kind in (ledger.Honoured, ledger.Refused, ledger.NoEffect)}
+    out = ["", "## Every Megatron flag: what it does here", "",
+           f"The ledger (`megatron_ext/config/ledger.py`) classifies each of the {sum(counts.values())} flags of "
+           f"megatron's parser: {counts[ledger.Honoured]} honoured, {counts[ledger.Refused]} refused before any "
+           f"compute, {counts[ledger.NoEffect]} without effect here. A test fails when megatron adds a flag the "
+           "ledger does not classify, when an honoured flag is not read where it says, or when a refused one is "
+           "not refused.", "", "### Honoured, and the code that reads them", "",
+           "A megatron config class: its from-args builder copies the flag into the field of that name, and "
+           "megatron-core's modules read the config, as under Megatron-LM's pretrain_gpt.py.", "",
+           "| read by | flags |", "|---|---|"]
+    for where, dests in sorted(_grouped(ledger.Honoured, lambda e: e.where).items()):
+        out.append(f"| `{where}` | {names(dests)} |")
+    out += ["", "### Refused before any compute", "",
+            "`check_not_here`: refused whenever set to anything but the default, as "
+            "`error: --flag=value: not in this loop: why`.", "", "| refused by | why | flags |", "|---|---|---|"]
+    for (where, why), dests in _grouped(ledger.Refused, lambda e: (e.where, e.why)).items():
+        out.append(f"| `{where.rpartition('.')[2]}` | {why or 'its own line, naming the flag'} | {names(dests)} |")
+    out += ["", "### Without effect here", "", "| why | flags |", "|---|---|"]
+    for why, dests in _grouped(ledger.NoEffect, lambda e: e.why).items():
+        out.append(f"| {why} | {names(dests)} |")
+    return out
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ def main(argv=None):
         return 0
     from megatron_ext import errors, platform
 
+    errors.quiet(argv)  # third-party warnings that tell the user nothing (--verbose shows them)
     platform.setup()  # before megatron-core is imported
     from megatron_ext import arguments
 

@@ -25,12 +25,14 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import sysconfig
 import time
 
 import numpy as np
 
-from megatron_ext import platform
+from megatron_ext import errors, helptext
+from megatron_ext.errors import InputError  # not SystemExit: the worker pool's feeder hangs on anything but an Exception
 
 BYTE_EOD = 256  # megatron_ext.training.data.BYTE_EOD (not imported here: it imports megatron-core)
 JSON_SUFFIXES = (".json", ".jsonl")
@@ -74,16 +76,32 @@ def documents(files: list[str], json_keys: list[str]):
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
-                    record = json.loads(line)
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise InputError(f"{path}:{n}: not a JSON line ({e})") from None
                     for key in json_keys:
                         if key not in record:
-                            raise SystemExit(f"error: {path}:{n}: no key '{key}' (--json-keys)")
-                        text = record[key]
-                        yield key, "".join(text) if isinstance(text, list) else text, len(line)
+                            raise InputError(f"{path}:{n}: no key '{key}' (--json-keys)")
+                        yield key, _text(record[key], key, f"{path}:{n}"), len(line)
         else:
             with open(path, "rb") as f:
                 raw = f.read()
             yield json_keys[0], raw, len(raw)  # bytes: the byte-level tokenizer keeps them exactly
+
+
+def _text(value, key: str, where: str) -> str:
+    """A document's text: a string, or a list of strings (sentences) joined as preprocess_data.py does."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "".join(value)
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "role" in v for v in value):
+        raise InputError(
+            f"{where}: --json-keys {key}: a list of chat messages, not text; chat data is not "
+            "tokenized here: train.py --sft reads such JSON lines ({\"messages\": [...]}) as they are"
+        )
+    raise InputError(f"{where}: --json-keys {key}: a {type(value).__name__}, not text (a string or a list of strings)")
 
 
 class _Encoder:
@@ -124,13 +142,48 @@ def build_tokenizer(args):
 
 
 def build(args, files: list[str], progress_every: float = 2.0) -> dict:
+    """Write every key's dataset under a temporary name, renamed into place only once complete: a
+    failure (a bad line, an interrupt) leaves no partial .bin/.idx, and an earlier dataset intact."""
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    os.makedirs(os.path.dirname(args.output_prefix) or ".", exist_ok=True)
+    partial = {key: f"{p}.partial-{os.getpid()}" for key, p in prefixes.items()}
+    try:
+        result = _build(args, files, partial, progress_every)
+        for key, prefix in prefixes.items():
+            os.replace(get_bin_path(partial[key]), get_bin_path(prefix))
+            os.replace(get_idx_path(partial[key]), get_idx_path(prefix))  # last: a reader opens the .idx first
+    finally:
+        for p in partial.values():
+            for path in (get_bin_path(p), get_idx_path(p)):
+                if os.path.exists(path):
+                    os.remove(path)
+    key = args.json_keys[0]
+    return {**result, "prefix": prefixes[key], "prefixes": prefixes}
+
+
+def _build(args, files: list[str], prefixes: dict, progress_every: float) -> dict:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     tok = build_tokenizer(args)
     dtype = np.uint16 if args.tokenizer_type is None else DType.optimal_dtype(tok.vocab_size)
-    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
-    os.makedirs(os.path.dirname(args.output_prefix) or ".", exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for key, p in prefixes.items()}
+    builders = {}
+    try:
+        for key, p in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(get_bin_path(p), dtype=dtype)
+        counts = _add_documents(args, files, builders, dtype, tok, progress_every)
+    except BaseException:
+        for builder in builders.values():
+            builder.data_file.close()  # build() removes the partial files
+        raise
+    for key, builder in builders.items():
+        builder.finalize(get_idx_path(prefixes[key]))
+    key = args.json_keys[0]
+    return {"documents": counts[key][0], "tokens": counts[key][1], "vocab_size": tok.vocab_size, "eod": tok.eod}
+
+
+def _add_documents(args, files: list[str], builders: dict, dtype, tok, progress_every: float) -> dict:
     encoder = _Encoder(args)
     if args.workers > 1:
         pool = multiprocessing.get_context("fork").Pool(args.workers, initializer=encoder.initializer)
@@ -141,29 +194,27 @@ def build(args, files: list[str], progress_every: float = 2.0) -> dict:
     counts = {key: [0, 0] for key in args.json_keys}  # documents, tokens
     start = last = time.perf_counter()
     nbytes = 0
-    for i, (key, ids, size) in enumerate(encoded, 1):
-        nbytes += size
-        if not len(ids):
-            continue
-        builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-        counts[key][0] += 1
-        counts[key][1] += len(ids)
-        now = time.perf_counter()
-        if now - last >= progress_every or i % args.log_interval == 0:
-            last = now
-            rate = nbytes / max(now - start, 1e-9) / 2**20
-            print(f"  {i} documents | {nbytes / 2**20:.1f} MiB | {rate:.1f} MiB/s", flush=True)
-    if pool is not None:
-        pool.close()
-        pool.join()
-    for key, builder in builders.items():
-        builder.finalize(get_idx_path(prefixes[key]))
-    key = args.json_keys[0]
-    return {"prefix": prefixes[key], "prefixes": prefixes, "documents": counts[key][0], "tokens": counts[key][1],
-            "vocab_size": tok.vocab_size, "eod": tok.eod}
+    try:
+        for i, (key, ids, size) in enumerate(encoded, 1):
+            nbytes += size
+            if not len(ids):
+                continue
+            builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+            counts[key][0] += 1
+            counts[key][1] += len(ids)
+            now = time.perf_counter()
+            if now - last >= progress_every or i % args.log_interval == 0:
+                last = now
+                rate = nbytes / max(now - start, 1e-9) / 2**20
+                print(f"  {i} documents | {nbytes / 2**20:.1f} MiB | {rate:.1f} MiB/s", flush=True)
+    finally:
+        if pool is not None:
+            pool.terminate()  # every result is read (or the build failed): nothing left to wait for
+            pool.join()
+    return counts
 
 
-def get_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_sft_args, _add_tokenizer_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,6 +243,12 @@ def get_args(argv=None):
     group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=int, default=1, help="(only 1: one output per key)")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    group.add_argument("--verbose", action="store_true", help="show the third-party warnings filtered by default")
+    return parser
+
+
+def get_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.output_prefix is None and not args.chat_example:
         parser.error("the following arguments are required: --output-prefix")
@@ -209,7 +266,20 @@ def get_args(argv=None):
     return args
 
 
+def _render_help() -> str:
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported
+    return build_parser().format_help()
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # a cached text: neither torch nor megatron-core is imported
+        helptext.show("prepare_data", __file__, _render_help)
+    from megatron_ext import platform
+
+    errors.quiet(argv)  # third-party warnings that tell the user nothing (--verbose shows them)
     platform.setup()  # before megatron-core is imported
     args = get_args(argv)
     from megatron_ext.errors import ConfigError
@@ -234,7 +304,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: {e}") from None
     kind = "byte-level, eod=%d" % BYTE_EOD if args.tokenizer_type is None else args.tokenizer_type
     print(f"tokenizing {len(files)} files ({kind}) -> {prefix}.bin/.idx", flush=True)
-    result = build(args, files)
+    try:
+        result = build(args, files)
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"done: {result['documents']} documents, {result['tokens']} tokens", flush=True)
     return result
 

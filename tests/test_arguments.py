@@ -144,3 +144,129 @@ def test_dry_run_shows_what_was_set_and_labels_megatrons_changes(capsys):
     assert "adam_beta1" not in lines and len(lines) < 80
     hidden = len(vars(args)) - 1 - len(lines)
     assert f"... {hidden} more at their defaults or derived by megatron: --dry-run --all lists every value" in out
+
+
+def test_a_load_without_checkpoint_is_refused_unless_asked_for(tmp_path):
+    """A mistyped --load would train from fresh weights: refused in one line, before any compute,
+    unless --allow-missing-checkpoint, or --load is --save (a job's first run; not with --finetune).
+    megatron's --exit-on-missing-checkpoint refuses even that."""
+    empty, missing, run = tmp_path / "empty", tmp_path / "missing", str(tmp_path / "run")
+    empty.mkdir()
+    lines = {}
+    for name, argv in {
+        "empty": ["--load", str(empty)],
+        "finetune": ["--finetune", "--load", str(empty)],
+        "missing": ["--load", str(missing), "--save", run, "--save-interval", "5"],
+        "finetune into save": ["--finetune", "--load", run, "--save", run, "--save-interval", "5"],
+        "exit": ["--load", run, "--save", run, "--save-interval", "5", "--exit-on-missing-checkpoint"],
+    }.items():
+        with pytest.raises(ConfigError) as e:
+            parse(*argv)
+        lines[name] = str(e.value)
+    assert lines["empty"] == (f"--load={empty}: no checkpoint there (no iter_N directory); name a checkpoint "
+                              "directory, or pass --allow-missing-checkpoint to start from fresh weights")
+    assert lines["finetune"].startswith(f"--finetune --load={empty}: no checkpoint there")
+    assert lines["missing"].startswith(f"--load={missing}: no such directory;")
+    assert lines["finetune into save"].startswith(f"--finetune --load={run}: no such directory;")
+    assert lines["exit"] == f"--load={run}: no checkpoint there (--exit-on-missing-checkpoint)"
+    assert parse("--load", str(empty), "--allow-missing-checkpoint").allow_missing_checkpoint
+    assert parse("--finetune", "--load", str(empty), "--allow-missing-checkpoint").finetune
+    assert parse("--load", run, "--save", run, "--save-interval", "5").load == run
+
+
+def test_every_problem_of_a_stage_at_once_from_the_command_line(tmp_path):
+    """`python train.py --dry-run --world-size 8` without a launcher: every problem in the values
+    as given, one `error:` line each, exit 1, nothing else printed (no warning, no traceback); the
+    same command fixed prints its configuration and nothing on stderr. One interpreter runs both."""
+    import subprocess
+    import sys
+
+    bad = ["--recipe", TINY, "--dry-run", "--world-size", "8", "--save", str(tmp_path / "run"),
+           "--data-path", str(tmp_path / "nothing"), "--num-layers", "0", "--tensor-model-parallel-size", "3"]
+    good = ["--recipe", TINY, "--mock-data", "--dry-run", "--world-size", "8", "--tensor-model-parallel-size", "2"]
+    script = ("import runpy, sys\n"
+              f"for argv in ({bad!r}, {good!r}):\n"
+              "    sys.argv = ['train.py', *argv]\n"
+              "    try:\n"
+              "        runpy.run_path('train.py', run_name='__main__')\n"
+              "    except SystemExit as e:\n"
+              "        print(f'exit {e.code}', file=sys.stderr, flush=True)\n"
+              "        print('---', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MEGATRON_EXT_VERBOSE")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.stderr.splitlines() == [
+        "error: --num-layers=0: must be an integer >= 1 (model size)",
+        "error: --world-size=8, --tensor-model-parallel-size=3, --pipeline-model-parallel-size=1, "
+        "--context-parallel-size=1: the world size must be a multiple of TP x PP x CP (world size (8) is not "
+        "divisible by 3)",
+        "error: --world-size=8, --expert-tensor-parallel-size=None, --expert-model-parallel-size=1, "
+        "--pipeline-model-parallel-size=1: the world size must be a multiple of expert-TP x EP x PP (expert-TP "
+        "defaults to TP)",
+        "error: --num-attention-heads=4, --tensor-model-parallel-size=3: TP must divide the number of attention heads",
+        f"error: --save={tmp_path / 'run'}, --save-interval=None: --save needs --save-interval",
+        f"error: --data-path={tmp_path / 'nothing'}: each dataset prefix needs PREFIX.bin and PREFIX.idx "
+        f"(scripts/prepare_data.py writes them) (not found: {tmp_path / 'nothing'})",
+        "exit 1",
+        "exit 0",
+    ], out.stderr
+    refused_out, config_out = out.stdout.split("---\n")[:2]
+    assert refused_out == "" and config_out.startswith("resolved configuration")
+    assert "tensor_model_parallel_size" in config_out and "data_parallel_size                  4" in config_out
+
+
+def test_help_lists_ours_and_the_common_flags_first_and_reads_a_cached_text(tmp_path, monkeypatch):
+    """--help: usage on one line, this project's groups, then the common Megatron flags, then
+    megatron's groups. Once rendered, `train.py --help` prints the cached text without importing
+    torch or megatron-core; a changed source file is another cache key."""
+    import subprocess
+    import sys
+
+    from megatron_ext import helptext
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")
+    rendered = arguments.build_parser().format_help()
+    titles = [line[:-1] for line in rendered.splitlines() if line and not line[0].isspace() and line.endswith(":")]
+    assert rendered.splitlines()[0] == "usage: " + arguments.USAGE
+    common = titles.index("Megatron: common flags")
+    assert all(t.startswith("megatron_ext") or t == "options" for t in titles[:common]) and len(titles[:common]) > 3
+    assert "network size" in titles[common + 1:] and "--num-layers" in rendered.split("Megatron: common flags:")[1][:400]
+    entry = os.path.join(ROOT, "train.py")
+    assert helptext.text("train", entry, lambda: rendered) == rendered  # rendered once, kept
+    probe = ("import runpy, sys\nsys.argv = ['train.py', '--help']\n"
+             "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('imported:', sorted(m for m in ('torch', 'megatron') if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "100"})
+    assert out.stdout == rendered and out.stderr == "imported: []\n"
+    before = helptext.key(entry)
+    (tmp_path / "entry.py").write_text("")
+    assert helptext.key(str(tmp_path / "entry.py")) != before
+
+
+def test_quiet_drops_the_listed_third_party_noise_only(monkeypatch, caplog):
+    import logging
+    import warnings
+
+    from megatron_ext import errors
+
+    monkeypatch.delenv(errors.VERBOSE_ENV, raising=False)
+    gpt = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    filters, level = list(gpt.filters), logging.getLogger("megatron").level
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert errors.quiet(["--recipe", "r.yaml"]) is True
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", UserWarning)  # another kind
+            warnings.warn("a real problem", FutureWarning)
+            with caplog.at_level(logging.WARNING):
+                gpt.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
+                gpt.warning("a real problem in the model")
+        assert [str(w.message) for w in seen] == ["`torch.distributed.all_gather_into_tensor` is deprecated.",
+                                                  "a real problem"]
+        assert [r.getMessage() for r in caplog.records] == ["a real problem in the model"]
+        assert errors.quiet(["--verbose"]) is False
+    finally:
+        gpt.filters[:] = filters
+        logging.getLogger("megatron").setLevel(level)

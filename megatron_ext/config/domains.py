@@ -116,7 +116,7 @@ FAMILIES = (
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms_preprocessing fine_grained_offloading_max_inflight_offloads
         retriever_report_topk_accuracies straggler_minmax_count inprocess_max_iterations
-        moe_routing_trace_max_training_iters hysteresis save_keep_last warmup plan_top
+        moe_routing_trace_max_training_iters hysteresis save_keep_last warmup plan_top plan_gpus_per_node
     """),
     _family("interval", Domain(int, 1), "every N iterations (or minutes)", """
         log_interval save_interval save_params_interval save_activations_interval
@@ -241,12 +241,13 @@ def _values(value):
         yield value
 
 
-def check_domains(args, actions: dict) -> str | None:
-    """The first flag whose value is outside its domain, as a refusal line."""
+def check_domains(args, actions: dict) -> dict[str, str]:
+    """Every flag whose value is outside its domain: dest -> its refusal line."""
+    refused = {}
     for dest, fam in DOMAINS.items():
         value = getattr(args, dest, None)
         if value is None or isinstance(value, str):
             continue
         if fam.domain.refuses(value):
-            return f"{flag_of(actions, dest)}={show(value)}: must be {fam.domain} ({fam.name})"
-    return None
+            refused[dest] = f"{flag_of(actions, dest)}={show(value)}: must be {fam.domain} ({fam.name})"
+    return refused

@@ -89,21 +89,27 @@ def load(path: str, parser) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe={path}: a recipe is a mapping of flag names to values")
     actions, options = parser_actions(parser), _option_names(parser)
-    resolved = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name in ("recipe", "dry_run", "all", *target.CLI_ONLY) or (name not in actions and name not in options):
-            close = difflib.get_close_matches(name, [*actions, *options], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{path}: unknown key '{key}'{hint}")
-        if name in actions:
-            dest, action = name, actions[name]
-            resolved[dest] = _coerce(key, value, action, path)
-        else:  # the flag's own spelling: `disable_bias_linear: true` means the flag is given
-            action = options[name]
-            given = _coerce(key, value, action, path)
-            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-                resolved[action.dest] = action.const if given else action.default
-            else:
-                resolved[action.dest] = given
+    resolved, problems = {}, []
+    for key, value in raw.items():  # every key on its own: all the recipe's problems are reported at once
+        try:
+            resolved.update(_resolve(key, value, actions, options, path))
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
     return resolved
+
+
+def _resolve(key, value, actions: dict, options: dict, path: str) -> dict:
+    name = str(key).replace("-", "_")
+    if name in ("recipe", "dry_run", "all", *target.CLI_ONLY) or (name not in actions and name not in options):
+        close = difflib.get_close_matches(name, [*actions, *options], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{path}: unknown key '{key}'{hint}")
+    if name in actions:
+        return {name: _coerce(key, value, actions[name], path)}
+    action = options[name]  # the flag's own spelling: `disable_bias_linear: true` means the flag is given
+    given = _coerce(key, value, action, path)
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return {action.dest: action.const if given else action.default}
+    return {action.dest: given}

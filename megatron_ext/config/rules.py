@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megatron_ext.config.ledger import not_here
 from megatron_ext.config.naming import describe, name_of
 
 
@@ -316,6 +317,22 @@ RULES = (
            "must be a directory this user can create or write (it is written before the first step)",
            when=lambda a, d=dest: getattr(a, d, None))
       for dest in ("tensorboard_dir", "data_cache_path", "wandb_save_dir")),
+    # --- what megatron's parser accepts that this loop does not do (the rest: ledger.py, check_not_here) --
+    Rule("not here", ("distributed_backend",),
+         lambda a: a.distributed_backend == ("nccl" if target(a).cuda else "gloo"),
+         "the backend follows the device here: nccl with CUDA, gloo without (megatron_ext/platform)",
+         when=lambda a: a.config_sources.get("distributed_backend") in ("cli", "recipe")),
+    Rule("not here", ("rerun_mode",), lambda a: a.rerun_mode != "report_stats",
+         "megatron's rerun state machine is driven by its own training loop; a non-finite loss stops the "
+         "run here (--check-for-nan-in-loss-and-grad), and nothing is re-run"),
+    Rule("not here", ("transformer_impl",), lambda a: a.transformer_impl != "inference_optimized",
+         "the inference-optimized layer spec is for megatron's inference engine; train with local or "
+         "transformer_engine"),
+    Rule("not here", ("attention_backend", "transformer_impl"),
+         lambda a: str(getattr(a.attention_backend, "name", a.attention_backend)) != "local",
+         "megatron's GPT builder swaps transformer-engine's core attention for its local one under "
+         "--attention-backend local; this loop does not: use --transformer-impl local",
+         when=lambda a: a.transformer_impl == "transformer_engine"),
     Rule("files", ("yaml_cfg",), lambda a: a.yaml_cfg is None,
          "megatron's --yaml-cfg replaces the whole command line; give a --recipe (its keys merge under "
          "the command line's flags)"),
@@ -326,25 +343,41 @@ RULES = (
          "--save must be a directory this user can create or write", when=lambda a: a.save),
     Rule("files", ("load",), lambda a: _readable_dir(a.load) or not _exists(a.load),
          "--load must be a readable directory", when=lambda a: a.load),
-    Rule("files", ("load", "save"), lambda a: _exists(a.load) or (a.save and os.path.abspath(a.load) == os.path.abspath(a.save)),
-         "--load does not exist (it may be missing only when it is also --save: a first run that "
-         "resumes later)", when=lambda a: a.load and not a.exit_on_missing_checkpoint),
     Rule("files", ("pretrained_checkpoint",), lambda a: _readable_dir(a.pretrained_checkpoint),
          "--pretrained-checkpoint must be a readable directory", when=lambda a: getattr(a, "pretrained_checkpoint", None)),
 )
 
 
-def check_rules(args, actions: dict, stage: str) -> str | None:
-    """The first cross-field rule the arguments break, as a refusal line."""
+def check_not_here(args, actions: dict, refused=()) -> list[str]:
+    """A refusal line for each flag the ledger refuses whenever set (megatron_ext/config/ledger.py):
+    set, here, means a value other than the parser's default. Not for a flag already ``refused``."""
+    lines = []
+    for dest, why in not_here().items():
+        action = actions.get(dest)
+        if action is not None and dest not in refused and getattr(args, dest, action.default) != action.default:
+            lines.append(f"{describe(args, (dest,), functools.partial(name_of, actions))}: not in this loop: {why}")
+    return lines
+
+
+def check_rules(args, actions: dict, stage: str, refused=()) -> list[str]:
+    """Every cross-field rule the arguments break, as refusal lines. A rule reading a flag already
+    refused (``refused``: dests outside their domain) is not checked: its value is going to change."""
+    lines = []
     for rule in RULES:
-        if rule.stage != stage or not rule.when(args):
+        if rule.stage != stage or {*rule.flags, *rule.context} & set(refused):
             continue
-        if not rule.ok(args):
+        try:
+            broken = rule.when(args) and not rule.ok(args)
+        except ArithmeticError:  # a size already refused (0) that the rule divides by
+            if refused:
+                continue
+            raise
+        if broken:
             allowed = rule.allowed + (f" ({rule.detail(args)})" if rule.detail else "")
             set_context = [d for d in rule.context if getattr(args, d, None) != actions[d].default]
             if rule.family == "platform" and "transformer-engine" in rule.allowed and not target(args).declared:
                 from megatron_ext.platform.target import CLUSTER_HINT
 
                 allowed += "; " + CLUSTER_HINT.format(hint="--assume-te")
-            return f"{describe(args, (*rule.flags, *set_context), functools.partial(name_of, actions))}: {allowed}"
-    return None
+            lines.append(f"{describe(args, (*rule.flags, *set_context), functools.partial(name_of, actions))}: {allowed}")
+    return lines

@@ -57,6 +57,14 @@ def add_arguments(group) -> None:
         help="When the checkpoint to resume from is damaged (a file missing, truncated or failing "
         "its checksum), stop with one line naming it instead of loading the newest intact older one.",
     )
+    group.add_argument(
+        "--allow-missing-checkpoint",
+        action="store_true",
+        help="Start from fresh weights at iteration 0 when --load holds no checkpoint. Without it such a "
+        "--load is refused (a mistyped path would otherwise train from scratch), except when it is also "
+        "--save without --finetune: the first run of a job that resumes later. megatron's "
+        "--exit-on-missing-checkpoint refuses that case too.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

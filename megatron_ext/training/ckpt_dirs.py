@@ -128,6 +128,26 @@ def remove_interrupted(root: str) -> list[str]:
     return names
 
 
+def _refuse_without_checkpoint(args) -> None:
+    """--load naming no checkpoint (an empty or missing directory, a mistyped path) starts training
+    from fresh weights in megatron unless --exit-on-missing-checkpoint; here it is refused unless
+    asked for: --allow-missing-checkpoint, or --load equal to --save (a job's first run)."""
+    root = args.load
+    if not root:
+        return
+    first_run = bool(args.save) and os.path.abspath(root) == os.path.abspath(args.save) and not args.finetune
+    if args.exit_on_missing_checkpoint:
+        if args.allow_missing_checkpoint:
+            raise ConfigError("--exit-on-missing-checkpoint, --allow-missing-checkpoint: choose one")
+        raise ConfigError(f"--load={root}: no checkpoint there (--exit-on-missing-checkpoint)")
+    if args.allow_missing_checkpoint or first_run:
+        return
+    what = "--finetune --load" if args.finetune else "--load"
+    where = "no such directory" if not os.path.exists(root) else "no checkpoint there (no iter_N directory)"
+    raise ConfigError(f"{what}={root}: {where}; name a checkpoint directory, or pass "
+                      "--allow-missing-checkpoint to start from fresh weights")
+
+
 def check_loadable(args) -> None:
     """The cheap look at --load: when it holds committed checkpoints and a look at structure and
     metadata (ckpt_integrity.structure_problems: metadata.json and its own CRC, every file present
@@ -138,6 +158,7 @@ def check_loadable(args) -> None:
     root = getattr(args, "load", None)
     iterations = committed_iterations(root)
     if not iterations:
+        _refuse_without_checkpoint(args)
         return
     found = {}
     for iteration in iterations:

@@ -40,6 +40,12 @@ def _hooks(name):
             yield fn
 
 
+def each(name: str) -> list:
+    """Every package's hook of this name, in the order above: for calling them one by one (parsing
+    collects each package's refusal instead of stopping at the first)."""
+    return list(_hooks(name))
+
+
 def add_arguments(parser):
     for fn in _hooks("add_arguments"):
         fn(parser)

@@ -37,8 +37,10 @@ def before_validate(args) -> None:
     model_before_validate(args)
     refuse_batch_size_schedules(args)
     from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
+    from megatron_ext.training.ckpt_dirs import check_loadable
 
     checkpointing_before_validate(args)
+    check_loadable(args)  # no checkpoint, or every one damaged (a cheap look): refused here, at --dry-run too
 
 
 def validate(args) -> None:
@@ -54,10 +56,8 @@ def validate(args) -> None:
     data.validate(args)
     training_logging.validate(args)
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
-    from megatron_ext.training.ckpt_dirs import check_loadable
 
     validate_checkpointing(args)
-    check_loadable(args)  # every checkpoint under --load damaged (a cheap look): refused here, at --dry-run too
     from megatron_ext.training.observability import validate as validate_observability
 
     validate_observability(args)
@@ -77,6 +77,13 @@ def validate(args) -> None:
             "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
             "Megatron-FSDP shards them, and a meta-device model has none until it does"
         )
+
+
+def before_wrap(args, chunks) -> None:
+    if args.freeze_all_layers:
+        from megatron_ext.training.model import freeze_all_layers
+
+        freeze_all_layers(chunks)
 
 
 def teardown() -> None:

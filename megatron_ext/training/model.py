@@ -161,6 +161,16 @@ def built(chunks: list) -> list:
     return chunks
 
 
+def freeze_all_layers(chunks) -> None:
+    """--freeze-all-layers, as megatron's get_model (training/training.py:1778): no parameter
+    takes a gradient, and no router updates its expert bias either."""
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        for module in chunk.modules():
+            if hasattr(module, "frozen_expert_bias"):
+                module.frozen_expert_bias = True
+
+
 def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):
     return GPTModel(
         config=config,
@@ -175,6 +185,8 @@ def _gpt_model(args, config: TransformerConfig, decoder_spec, stage):
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         mtp_block_spec=mtp_spec(args, config, decoder_spec, stage),
         vp_stage=stage,
     )

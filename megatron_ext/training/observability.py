@@ -185,9 +185,9 @@ class ZeroGradAfterResume:
         self.interval = args.log_interval
         self.first = None
         self.all_zero = True
-        self.done = False
         self.rank = torch.distributed.get_rank()
         self.warned = False
+        self.done = args.freeze_all_layers  # nothing trains, by request: a zero grad norm is expected
 
     def after_step(self, iteration: int, result) -> None:
         if self.done:

@@ -19,6 +19,13 @@ from megatron_ext.errors import ConfigError
 
 def build_optimizer(args, model: list):
     config, overrides = get_megatron_optimizer_config(args)
+    if args.use_mup:  # megatron's setup_model_and_optimizer (training.py:2119): muP's per-parameter LR and eps
+        from megatron.core.optimizer import get_mup_config_overrides
+        from megatron.core.utils import get_model_config
+
+        width_mult = get_model_config(model[0]).mup_width_mult
+        overrides = {**(overrides or {}), **get_mup_config_overrides(config=config, mup_width_mult=width_mult,
+                                                                     optimizer_type=config.optimizer)}
     optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
     return optimizer, build_scheduler(args, optimizer)
 
@@ -34,6 +41,15 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
         view.train_iters = None
     with megatron_training_globals(view):
         return get_optimizer_param_scheduler(optimizer)
+
+
+def logged_learning_rate(optimizer) -> float:
+    """The learning rate of the log line: a parameter group that holds parameters, as megatron's
+    train_step reads it (training.py); 0 when none does (--freeze-all-layers), as its training_log."""
+    for group in optimizer.param_groups:
+        if group["params"] and not group.get("is_decoupled_lr", False):
+            return group["lr"]
+    return 0.0
 
 
 class _NoOptimizer:

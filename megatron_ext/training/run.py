@@ -203,6 +203,7 @@ class Run:
     def train(self) -> list[dict]:
         """The loop, as megatron.training.train runs it; returns the logged history."""
         from megatron_ext.training import evaluation, exits, features, model as models, observability
+        from megatron_ext.training import optimizer as optim
         from megatron_ext.training.log_line import TrainingLogger
 
         args = self.args
@@ -221,7 +222,7 @@ class Run:
                     observer.before_step(iteration)
                     result = self.step(iteration)
                     models.register_fsdp_buffers(args, self.model, iteration - start)  # --use-nccl-ub, after the first
-                    logger.log(iteration, result, lr=self.optimizer.param_groups[0]["lr"])
+                    logger.log(iteration, result, lr=optim.logged_learning_rate(self.optimizer))
                     observer.after_step(iteration, result)
                     if evaluation.due(args, iteration, iterators):
                         evaluation.run(args, f"iteration {iteration}", iterators.valid, self.model, self.config,

@@ -98,10 +98,19 @@ def train_step(args, model, optimizer, scheduler, data_iterators, forward_backwa
     optimizer.zero_grad()
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     losses = run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches)
+    _empty_unused_memory(args, 1)
     update_successful, grad_norm, num_zeros = optimizer.step()
+    _empty_unused_memory(args, 2)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     return StepResult(_average_loss(losses), grad_norm, num_zeros, update_successful)
+
+
+def _empty_unused_memory(args, level: int) -> None:
+    """--empty-unused-memory-level, as megatron's train_step: the caching allocator's unused blocks
+    are released after the schedule (level >= 1) and after the optimizer step (level >= 2)."""
+    if args.empty_unused_memory_level >= level and platform.current().is_cuda:
+        torch.cuda.empty_cache()
 
 
 def run_schedule(args, forward_backward_func, model, data_iterators, num_microbatches: int,
