@@ -57,21 +57,27 @@ def _run(argv: list[str]) -> dict:
     }
 
 
+def variants(argv: list[str], flags: dict) -> dict:
+    """{name: run of argv + flags[name]} in the order given: one job, one model layout, so a
+    comparison of wrappers (DDP against each sharding strategy) and of features under a wrapper
+    shares its runs (each run's history, parameter shards and feature counts, as `_run`)."""
+    from megatron_ext import seams
+
+    out = {}
+    for name, extra in flags.items():
+        seams.reset_moe_aux_loss_scale()
+        try:
+            out[name] = _run(list(argv) + list(extra))
+        finally:
+            seams.reset_moe_aux_loss_scale()
+    return out
+
+
 def compose(argv: list[str], features: dict, ddp: dict | None = None, wrapper: list | None = None) -> dict:
     """{'off': run, name: run, ...}: the Megatron-FSDP run of `argv` (or that of `wrapper`'s flags),
     then the same run with each feature's flags added; and {'ddp ' + name: run} for each of `ddp`'s
     flags under megatron-core DDP + the distributed optimizer instead."""
-    from megatron_ext import seams
-
     wrapper = FSDP if wrapper is None else list(wrapper)
-    runs = {name: argv + wrapper + list(extra) for name, extra in {"off": [], **features}.items()}
-    runs.update({f"ddp {name}": argv + ["--use-distributed-optimizer"] + list(extra)
-                 for name, extra in (ddp or {}).items()})
-    out = {}
-    for name, run_argv in runs.items():
-        seams.reset_moe_aux_loss_scale()
-        try:
-            out[name] = _run(run_argv)
-        finally:
-            seams.reset_moe_aux_loss_scale()
-    return out
+    flags = {name: wrapper + list(extra) for name, extra in {"off": [], **features}.items()}
+    flags.update({f"ddp {name}": ["--use-distributed-optimizer"] + list(extra) for name, extra in (ddp or {}).items()})
+    return variants(argv, flags)
