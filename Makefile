@@ -13,18 +13,35 @@ STAMP       := $(VENV)/.installed
 DATA        := data/pystdlib_text_document.idx
 
 SOAK_ARGS   ?= --repeats 2
+PINS        := constraints.txt
+PINS_VENV   ?= .venv-pins
 
-.PHONY: install data train test soak clean
+.PHONY: install data train test soak constraints clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt Makefile pyproject.toml
+# Every package at the version constraints.txt pins (the versions the suite passed with); the check
+# at the end stops the install naming any package that differs.
+$(STAMP): requirements.txt $(PINS) Makefile pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(PINS) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c $(PINS) -r requirements.txt
 	$(PY) -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) scripts/pins.py --check $(PINS)
 	touch $(STAMP)
+
+# Refresh the pins: a fresh environment with the newest versions requirements.txt allows (torch and
+# megatron-core as above), its versions written to constraints.txt. Then `make clean test` proves
+# them (README, Tests).
+constraints:
+	rm -rf $(PINS_VENV)
+	$(PYTHON) -m venv $(PINS_VENV)
+	$(PINS_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(PINS_VENV)/bin/python -m pip install -q -r requirements.txt
+	$(PINS_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"
+	$(PINS_VENV)/bin/python scripts/pins.py --write $(PINS)
+	rm -rf $(PINS_VENV)
 
 data: $(DATA)
 

@@ -46,7 +46,20 @@ COMMON_FLAGS = """
 """.split()
 
 
+_BUILT: list = []  # the parser as first built in this process; build_parser hands out copies
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """A parser of its own for the caller (parse sets the recipe's values as its defaults). Built
+    once per process and copied after: megatron's add_megatron_arguments reads its config classes'
+    source for their help texts, ~0.07 s a time, and a process that parses many times (the test
+    workers, a refusal's explanation) paid it each time; a copy costs ~6 ms."""
+    if not _BUILT:
+        _BUILT.append(_new_parser())
+    return copy.deepcopy(_BUILT[0])
+
+
+def _new_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="train.py", usage=USAGE, description="megatron_ext: Megatron-Core training. Below: this "
                      "project's flags, then the common Megatron flags, then every other Megatron flag by "
                      "megatron's groups (docs/flags.md: what each does here).", allow_abbrev=False)

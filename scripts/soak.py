@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,16 +68,25 @@ CASES = {  # name -> (world size, train.py arguments)
 FAULTS = {"step": 5, "save": 4, "term": 3}  # fault -> iteration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# No port is chosen ahead of the launch: torchrun's c10d rendezvous binds port 0 on this host, so the
+# OS hands its agent a free port as it binds it, and the agent keeps that store (the workers'
+# MASTER_PORT) across --max-restarts. A port found free here and passed as --master-port stays
+# free only until another process binds it: every gloo pair of every job running beside it listens
+# on such a port, and torchrun binds its own seconds later (it imports torch first), so its static
+# rendezvous could die with EADDRINUSE.
+RENDEZVOUS = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+
+
+def probe_command(world: int, records: str, kills: str, argv: list[str]) -> list[str]:
+    """The torchrun command of one job of train.py under the restart probe (also
+    tests/training/test_restart.py): `world` processes, one restart."""
+    return [TORCHRUN, "--nproc-per-node", str(world), "--max-restarts", "1", "--monitor-interval", "0.1",
+            *RENDEZVOUS, PROBE, records, kills, "--", *argv]
 
 
 def _launch(world: int, argv: list[str], records: str, kills: str, env: dict) -> subprocess.CompletedProcess:
-    cmd = [TORCHRUN, "--nproc-per-node", str(world), "--max-restarts", "1", "--monitor-interval", "0.1",
-           "--master-port", str(_free_port()), PROBE, records, kills, "--", *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(probe_command(world, records, kills, argv), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
 
 
 def _records(records: str, rank: int) -> dict[int, list]:

@@ -35,7 +35,7 @@ def test_pool_is_bounded_and_reused():
     pool = HostPool(capacity_bytes=10 * 1024 + 5, chunk_bytes=1024, debug=True)
     assert pool.num_slots == 10 and pool.capacity_bytes == 10 * 1024
     a = pool.take(3 * 1024 + 1)  # 4 chunks
-    assert len(a) == 4
+    assert len(a) == 4 and all(torch.all(pool.slots[i] == 0xFF) for i in a)  # poisoned at their first use
     b = pool.take(6 * 1024)
     assert len(b) == 6 and pool.free_slots == 0
     assert pool.take(1) is None  # exhausted: the caller keeps the tensor on the device

@@ -16,7 +16,10 @@ def argv_for(kind: str, tp: int, pp: int = 1, vpp: int | None = None, extra=()) 
         "--recipe", RECIPES[kind],
         "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp),
-        "--num-layers", "4",
+        # under a pipeline, four layers (a layer per model chunk with two virtual stages; the share of
+        # hand-offs with compute between, checked below, is of a stage's layers); without one, two:
+        # the hand-offs are per collective, one layer after another is what a step needs
+        "--num-layers", "4" if pp > 1 else "2",
         "--seq-length", "32", "--max-position-embeddings", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8",
         # dropout on: proves the forward's RNG stream is untouched by the interleaving

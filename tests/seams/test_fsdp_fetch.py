@@ -75,10 +75,11 @@ def test_json_shape(results):
                          ids=["plain", "full_recompute", "ep2"])
 def test_train_py_runs_bitwise_with_the_seams(extra):
     """What a --use-megatron-fsdp run installs: the same losses and grad norms, bit for bit, as
-    megatron-core's own code (MoE, 8 experts, DP2, optim_grads_params); with full recompute the
-    units' hooks run inside the recomputed forward and its backward; with EP2 the expert gradients
-    are not sharded (expert data-parallel size 1) and are accumulated in place."""
-    argv = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
+    megatron-core's own code (MoE, 8 experts, two layers: two FSDP units, DP2, optim_grads_params);
+    with full recompute the units' hooks run inside the recomputed forward and its backward; with
+    EP2 the expert gradients are not sharded (expert data-parallel size 1) and are accumulated in
+    place."""
+    argv = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--train-iters", "3", "--lr-warmup-iters", "1",
             "--log-interval", "100", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
             "--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"] + extra
     for r in run_distributed(2, "tests.seams.jobs_fsdp:train_with_and_without", argv=argv):

@@ -1,5 +1,6 @@
-"""Megatron-FSDP jobs: the same run under DDP + distributed optimizer and under Megatron-FSDP, in one
-job, so a comparison costs one pool round trip."""
+"""Megatron-FSDP jobs: memory per rank under DDP + distributed optimizer and each strategy in one job
+(one pool round trip), resumes, teardown and storage checks, the meta-device build. The runs that
+compare the strategies' losses with DDP's: tests/training/jobs_fsdp_compose.py `variants`."""
 from __future__ import annotations
 
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
@@ -16,15 +17,6 @@ def _losses(argv: list[str], probes=()) -> list[dict]:
     with Run.from_argv(argv, probes) as run:
         history = run.train()
     return [{k: r[k] for k in keep if k in r} for r in history]
-
-
-def against_ddp(argv: list[str], strategies: list[str]) -> dict:
-    """{'ddp': history, strategy: history, ...}: the DDP + distributed-optimizer run, then one
-    Megatron-FSDP run per sharding strategy, each from the same weights and batches."""
-    out = {"ddp": _losses(argv + ["--use-distributed-optimizer"])}
-    for strategy in strategies:
-        out[strategy] = _losses(argv + FSDP + ["--data-parallel-sharding-strategy", strategy])
-    return out
 
 
 def gathers_in_flight_at_teardown(argv: list[str]) -> dict:

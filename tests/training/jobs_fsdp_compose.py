@@ -17,35 +17,31 @@ def _digest(t) -> str:
 
 
 def _run(argv: list[str]) -> dict:
-    """train.main(argv) on this rank: its losses and grad norms, a hash of this rank's parameter
+    """The training loop on this rank: its losses and grad norms, a hash of this rank's parameter
     shards after the last optimizer step (read before the run's teardown empties the wrapper), and
     what each feature says it did."""
-    import train as entry
-
     from megatron_ext import moe, offload
     from megatron_ext.schedules import overlap_1f1b
-    from megatron_ext.training import step
+    from megatron_ext.training.run import Run
 
-    finals, original = {}, step.train_step
+    finals = {}
 
-    def train_step(args, model, optimizer, *rest, **kw):
-        result = original(args, model, optimizer, *rest, **kw)
-        # The optimizer's parameters: this rank's shards of the updated weights. (The modules'
-        # unsharded views are not read: they may be a bucket freed, or being gathered, right now.)
-        finals.clear()
-        for i, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                finals[f"{i}.{j}"] = _digest(p)
-        return result
+    class Shards:  # the run's probe, after each step
+        def after_step(self, run, iteration, result):
+            # The optimizer's parameters: this rank's shards of the updated weights. (The modules'
+            # unsharded views are not read: they may be a bucket freed, or being gathered, right now.)
+            finals.clear()
+            for i, group in enumerate(run.optimizer.param_groups):
+                for j, p in enumerate(group["params"]):
+                    finals[f"{i}.{j}"] = _digest(p)
 
     installed, calls = moe.installed, overlap_1f1b.STATS["calls"]
-    step.train_step = train_step
     try:
-        history = entry.main(list(argv))
+        with Run.from_argv(list(argv), probes=[Shards()]) as run:
+            history = run.train()
         manager = offload.current()
         stats = dict(manager.stats) if manager is not None else {}
     finally:
-        step.train_step = original
         offload.detach()
     return {
         "history": [(h["lm loss"], h["grad norm"]) for h in history],
@@ -57,21 +53,27 @@ def _run(argv: list[str]) -> dict:
     }
 
 
+def variants(argv: list[str], flags: dict) -> dict:
+    """{name: run of argv + flags[name]} in the order given: one job, one model layout, so a
+    comparison of wrappers (DDP against each sharding strategy) and of features under a wrapper
+    shares its runs (each run's history, parameter shards and feature counts, as `_run`)."""
+    from megatron_ext import seams
+
+    out = {}
+    for name, extra in flags.items():
+        seams.reset_moe_aux_loss_scale()
+        try:
+            out[name] = _run(list(argv) + list(extra))
+        finally:
+            seams.reset_moe_aux_loss_scale()
+    return out
+
+
 def compose(argv: list[str], features: dict, ddp: dict | None = None, wrapper: list | None = None) -> dict:
     """{'off': run, name: run, ...}: the Megatron-FSDP run of `argv` (or that of `wrapper`'s flags),
     then the same run with each feature's flags added; and {'ddp ' + name: run} for each of `ddp`'s
     flags under megatron-core DDP + the distributed optimizer instead."""
-    from megatron_ext import seams
-
     wrapper = FSDP if wrapper is None else list(wrapper)
-    runs = {name: argv + wrapper + list(extra) for name, extra in {"off": [], **features}.items()}
-    runs.update({f"ddp {name}": argv + ["--use-distributed-optimizer"] + list(extra)
-                 for name, extra in (ddp or {}).items()})
-    out = {}
-    for name, run_argv in runs.items():
-        seams.reset_moe_aux_loss_scale()
-        try:
-            out[name] = _run(run_argv)
-        finally:
-            seams.reset_moe_aux_loss_scale()
-    return out
+    flags = {name: wrapper + list(extra) for name, extra in {"off": [], **features}.items()}
+    flags.update({f"ddp {name}": ["--use-distributed-optimizer"] + list(extra) for name, extra in (ddp or {}).items()})
+    return variants(argv, flags)

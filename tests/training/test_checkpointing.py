@@ -14,7 +14,7 @@ from megatron_ext.training.ckpt_dirs import TRACKER, complete_iterations, retain
 from tests.dist import run_distributed
 
 TOTAL, SPLIT = 4, 2  # uninterrupted: iterations 1..4; interrupted: 1..2, save, resume, 3..4
-DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--train-iters", str(TOTAL), "--log-interval", "100"]
+DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--num-layers", "2", "--train-iters", str(TOTAL), "--log-interval", "100"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", str(TOTAL), "--log-interval", "100"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 

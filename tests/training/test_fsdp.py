@@ -7,6 +7,10 @@ squares of differently sharded gradients (per-parameter shards, not DDP's bucket
 with `optim_grads` / `optim_grads_params` the gradients are reduce-scattered after every
 micro-batch, so a rank's micro-batches are summed after the data-parallel sum, not before.
 `optim` reduces once per step as DDP does: its losses are bitwise those of DDP.
+
+Each layout's comparison is one job (DDP, every strategy, and megatron_ext's features under one of
+them: tests/training/test_fsdp_compose.py says how a feature is compared), so a run that two
+comparisons need is trained once.
 """
 from __future__ import annotations
 
@@ -16,40 +20,107 @@ import pytest
 
 from tests.dist import run_distributed
 
+# Two layers: every property below holds per FSDP unit and needs more than one unit (the root and
+# two layers: a unit gathered while another is freed or prefetched), not four. The tests that count
+# collectives and bytes per unit (memory, storage, teardown) name their four layers.
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--lr-warmup-iters", "1",
-         "--layout-invariant-init", "--log-interval", "100"]
+         "--layout-invariant-init", "--log-interval", "100", "--num-layers", "2"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
-       "--layout-invariant-init", "--log-interval", "100", "--moe-router-dtype", "fp32"]
+       "--layout-invariant-init", "--log-interval", "100", "--moe-router-dtype", "fp32", "--num-layers", "2"]
+FOUR_LAYERS = ["--num-layers", "4"]
+MOE_LAYERS = 2  # every layer of tiny_moe is a MoE layer: one token dispatcher each
 STRATEGIES = ["optim", "optim_grads", "optim_grads_params"]
 RTOL = 1e-6
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+# the features composed with a wrapper: the same run with and without each, in one job
+# (tests/training/jobs_fsdp_compose.py). Offload in debug mode: released device storage poisoned and
+# the copy streams deferred, so a missing wait or an early release (e.g. of a storage the wrapper
+# frees and re-gathers) shows in the numbers.
+OFFLOAD = ["--activation-offload-min-tensor-kb", "1", "--activation-offload-debug"]
+DENSE_OFFLOAD = ["--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj", *OFFLOAD]
+MOE_OFFLOAD = ["--activation-offload-modules", "core_attn", "qkv_linear", "attn_proj", "expert_fc1", "router_fc2",
+               "moe_act", *OFFLOAD]
+SYNC_FREE = ["--moe-sync-free-dispatcher"]
+ZERO_SYNC = SYNC_FREE + ["--moe-zero-sync-dropless"]
+OVERLAP = ["--overlap-tp-comm-1f1b"]
+VARIANTS = "tests.training.jobs_fsdp_compose:variants"
 
 
-def runs(world_size: int, argv: list[str]) -> dict:
-    return run_distributed(world_size, "tests.training.jobs_fsdp:against_ddp",
-                           argv=argv + ["--world-size", str(world_size)], strategies=STRATEGIES)[-1]
+def strategy(name: str) -> list[str]:
+    return FSDP + ["--data-parallel-sharding-strategy", name]
+
+
+def runs(world_size: int, argv: list[str], **features) -> list[dict]:
+    """Every rank's runs, in one job: DDP + the distributed optimizer ('ddp'), Megatron-FSDP under
+    each strategy (named by it), and each of `features` (name -> its wrapper's flags and its own)."""
+    flags = {"ddp": ["--use-distributed-optimizer"], **{s: strategy(s) for s in STRATEGIES}, **features}
+    return run_distributed(world_size, VARIANTS, argv=argv + ["--world-size", str(world_size)], flags=flags)
 
 
 def assert_agree(runs: dict) -> None:
-    ddp = runs["ddp"]
-    assert len(ddp) == 3 and ddp[2]["lm loss"] < ddp[0]["lm loss"]  # it learns
-    for strategy in STRATEGIES:
-        got = runs[strategy]
-        for key in ("lm loss", "grad norm"):
-            a, b = [r[key] for r in ddp], [r[key] for r in got]
-            assert all(math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL) for x, y in zip(a, b)), (strategy, key, a, b)
-    assert [r["lm loss"] for r in runs["optim"]] == [r["lm loss"] for r in ddp]  # one reduction per step, as DDP
+    """Each strategy's losses and grad norms (this rank's log) within RTOL of DDP's; optim's losses
+    bitwise."""
+    ddp = runs["ddp"]["history"]
+    assert len(ddp) == 3 and ddp[2][0] < ddp[0][0]  # it learns
+    for strategy_name in STRATEGIES:
+        got = runs[strategy_name]["history"]
+        for i, key in enumerate(("lm loss", "grad norm")):
+            a, b = [r[i] for r in ddp], [r[i] for r in got]
+            assert all(math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL) for x, y in zip(a, b)), \
+                (strategy_name, key, a, b)
+    assert [r[0] for r in runs["optim"]["history"]] == [r[0] for r in ddp]  # one reduction per step, as DDP
+
+
+def assert_same_as(results: list[dict], reference: str, features) -> None:
+    """Every rank: each feature's run bit-identical to `reference` (losses, grad norms, this rank's
+    parameter shards after the last step)."""
+    for rank, runs in enumerate(results):
+        ref = runs[reference]
+        assert len(ref["history"]) == 3 and ref["history"][2][0] < ref["history"][0][0]  # it learns
+        assert ref["params"]
+        for name in features:
+            assert runs[name]["history"] == ref["history"], (rank, name)  # exact floats: loss, grad norm
+            assert runs[name]["params"] == ref["params"], (rank, name)  # this rank's shards, bit for bit
+
+
+def assert_offloaded(run: dict) -> None:
+    assert run["offloaded"] > 0 and run["reloaded"] == run["offloaded"]
 
 
 def test_dense_dp2():
-    assert_agree(runs(2, DENSE))
+    """And activation offload under ZeRO-3 (weights gathered and freed around every use): bitwise
+    the run without it, and it offloads exactly the bytes it offloads under DDP, so no parameter
+    bytes (views of the gathered buckets) are taken for activations."""
+    results = runs(2, DENSE, offload=strategy("optim_grads_params") + DENSE_OFFLOAD,
+                   ddp_offload=["--use-distributed-optimizer", *DENSE_OFFLOAD])
+    assert_agree(results[-1])
+    assert_same_as(results, "optim_grads_params", ["offload"])
+    for r in results:
+        assert_offloaded(r["offload"])
+        assert r["offload"]["offloaded"] == r["ddp_offload"]["offloaded"]
 
 
 def test_moe_ep2():
-    assert_agree(runs(2, MOE + ["--expert-model-parallel-size", "2"]))
+    """And under ZeRO-3 (expert weights unsharded, dense ones sharded over DP2): activation
+    offload, the sync-free dispatcher, zero-sync dropless, each bitwise the run without it."""
+    ogp = strategy("optim_grads_params")
+    features = {"offload": ogp + MOE_OFFLOAD, "sync-free": ogp + SYNC_FREE, "zero-sync": ogp + ZERO_SYNC}
+    results = runs(2, MOE + ["--expert-model-parallel-size", "2"], **features)
+    assert_agree(results[-1])
+    assert_same_as(results, "optim_grads_params", features)
+    for r in results:
+        assert [r[n]["dispatchers"] for n in features] == [0, MOE_LAYERS, MOE_LAYERS]  # every MoE layer's
+        assert_offloaded(r["offload"])
 
 
 def test_dense_dp2_tp2():
-    assert_agree(runs(4, DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]))
+    """And --overlap-tp-comm-1f1b under optim (one gradient reduce-scatter per step, as DDP; no
+    pipeline: consecutive micro-batches paired): bitwise, the paired schedule ran every iteration."""
+    results = runs(4, DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   overlap=strategy("optim") + OVERLAP)
+    assert_agree(results[-1])
+    assert_same_as(results, "optim", ["overlap"])
+    assert [(r["optim"]["overlap_calls"], r["overlap"]["overlap_calls"]) for r in results] == [(0, 3)] * 4
 
 
 def _parse(argv: list[str]):
@@ -69,10 +140,8 @@ def _parse(argv: list[str]):
 def test_no_gather_in_flight_when_the_process_groups_are_destroyed():
     """--overlap-param-gather prefetches the next forward's buckets after every step; at the end of
     the run they are waited for before the groups go (destroyed under them, gloo crashed)."""
-    from tests.training.jobs_fsdp import FSDP
-
-    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather",
-                           "--overlap-grad-reduce", "--world-size", "2"]
+    argv = DENSE + FOUR_LAYERS + strategy("optim_grads_params") + ["--overlap-param-gather", "--overlap-grad-reduce",
+                                                                   "--world-size", "2"]
     for out in run_distributed(2, "tests.training.jobs_fsdp:gathers_in_flight_at_teardown", argv=argv):
         assert out == {"pipelines": 1, "in flight": [0]}
 
@@ -82,10 +151,8 @@ def test_no_storage_is_freed_under_a_collective_in_flight():
     no bucket storage is resized to 0 or reallocated between an asynchronous collective on it and
     its wait(). On gloo that would be a write into freed memory (heap corruption); on NCCL, a block
     the stream-ordered allocator hands to the next allocation while the collective still uses it."""
-    from tests.training.jobs_fsdp import FSDP
-
-    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather",
-                           "--overlap-grad-reduce", "--world-size", "2"]
+    argv = DENSE + FOUR_LAYERS + strategy("optim_grads_params") + ["--overlap-param-gather", "--overlap-grad-reduce",
+                                                                   "--world-size", "2"]
     for out in run_distributed(2, "tests.training.jobs_fsdp:storage_kept_while_in_flight", argv=argv):
         assert out["async"] > 20 and out["resizes"] > 20, out  # the gathers and the bucket frees were seen
         assert out["violations"] == [] and out["unwaited"] == 0 and out["error"] is None, (out["error"],
@@ -124,10 +191,7 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     """MoE EP2 under optim_grads_params (SwiGLU, experts, two optimizers: every preprocessing step of
     the fsdp_dtensor format): saved at 2 and 3, resumed, bitwise the uninterrupted run; a flipped
     tensor byte in the newest checkpoint is named, and the run falls back to iteration 2 exactly."""
-    from tests.training.jobs_fsdp import FSDP
-
-    argv = MOE + FSDP + ["--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params",
-                         "--world-size", "2"]
+    argv = MOE + strategy("optim_grads_params") + ["--expert-model-parallel-size", "2", "--world-size", "2"]
     out = run_distributed(2, "tests.training.jobs_fsdp:resume", argv=_without_iters(argv),
                           save_dir=str(tmp_path / "ckpt"))[-1]
     straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
@@ -145,9 +209,7 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
 def test_async_save_resumes_exactly_and_is_verified(tmp_path):
     """--async-save: the fsdp_dtensor files are written by megatron-core's forked writer, summed as
     written, committed when every rank is done; the resume is bitwise and a damaged byte is named."""
-    from tests.training.jobs_fsdp import FSDP
-
-    argv = DENSE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"]
+    argv = DENSE + strategy("optim_grads_params") + ["--world-size", "2"]
     out = run_distributed(2, "tests.training.jobs_fsdp:resume", argv=_without_iters(argv),
                           save_dir=str(tmp_path / "ckpt"), save_flags=("--async-save",), fallback=False)[-1]
     straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
@@ -168,7 +230,7 @@ def _without_iters(argv: list[str]) -> list[str]:
 # reduce-scatter queue (S) sized to the tiny model's units (65,664 elements per transformer layer);
 # megatron's default S is at least 1e9 elements, which would gather this whole model at once.
 UNIT = 2 * 65664
-MEMORY_ARGV = DENSE + ["--overlap-grad-reduce", "--overlap-param-gather", "--suggested-communication-unit-size",
+MEMORY_ARGV = DENSE + FOUR_LAYERS + ["--overlap-grad-reduce", "--overlap-param-gather", "--suggested-communication-unit-size",
                        str(UNIT), "--train-iters", "2", "--log-interval", "1", "--log-params-norm",
                        "--log-num-zeros-in-grad"]
 

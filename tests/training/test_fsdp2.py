@@ -16,22 +16,33 @@ from __future__ import annotations
 import math
 
 from tests.dist import run_distributed
-from tests.training.test_fsdp import DENSE, MOE, _parse, _without_iters
+from tests.training.test_fsdp import (
+    DENSE, MOE, MOE_LAYERS, MOE_OFFLOAD, SYNC_FREE, VARIANTS, ZERO_SYNC, _parse, _without_iters, assert_offloaded,
+    assert_same_as,
+)
 
 RTOL = 1e-6
+FSDP2 = ["--use-torch-fsdp2"]
 
 
-def runs(world_size: int, argv: list[str], **features) -> dict:
+def runs(world_size: int, argv: list[str]) -> dict:
     return run_distributed(world_size, "tests.training.jobs_fsdp2:against_ddp",
-                           argv=argv + ["--world-size", str(world_size)], features=features)[-1]
+                           argv=argv + ["--world-size", str(world_size)])[-1]
+
+
+def _pairs(run) -> list[tuple]:
+    """(loss, grad norm) per iteration, from a log history (jobs_fsdp2) or a variant's run (jobs_fsdp_compose)."""
+    if isinstance(run, dict):
+        return [tuple(r) for r in run["history"]]
+    return [(r["lm loss"], r["grad norm"]) for r in run]
 
 
 def assert_agree(runs: dict) -> None:
-    ddp, got = runs["ddp"], runs["fsdp2"]
-    assert len(ddp) == len(got) == 3 and ddp[2]["lm loss"] < ddp[0]["lm loss"]  # it learns
-    a, b = [r["grad norm"] for r in ddp], [r["grad norm"] for r in got]
+    ddp, got = _pairs(runs["ddp"]), _pairs(runs["fsdp2"])
+    assert len(ddp) == len(got) == 3 and ddp[2][0] < ddp[0][0]  # it learns
+    a, b = [r[1] for r in ddp], [r[1] for r in got]
     assert all(math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL) for x, y in zip(a, b)), (a, b)
-    assert [r["lm loss"] for r in got] == [r["lm loss"] for r in ddp]  # observed bitwise over these 3 steps
+    assert [r[0] for r in got] == [r[0] for r in ddp]  # observed bitwise over these 3 steps
 
 
 def test_dense_dp2():
@@ -45,8 +56,24 @@ def test_dense_dp2():
     assert math.isclose(got["optim bytes"], ddp["optim bytes"], rel_tol=0.01)
 
 
-def test_moe_dp2():  # megatron_ext's features on it: tests/training/test_fsdp_compose.py
-    assert_agree(runs(2, MOE))
+def test_moe_dp2():
+    """And megatron_ext's features under FSDP2 (experts replicated over EP1 and sharded by FSDP2,
+    which gathers and frees every layer's weights around each use; compared as in
+    tests/training/test_fsdp_compose.py): offload, the sync-free dispatcher, zero-sync dropless with
+    offload, each bitwise the FSDP2 run without it; the offload moves exactly the bytes it moves
+    under DDP."""
+    ddp = ["--use-distributed-optimizer"]
+    features = {"offload": FSDP2 + MOE_OFFLOAD, "sync-free": FSDP2 + SYNC_FREE,
+                "zero-sync + offload": FSDP2 + ZERO_SYNC + MOE_OFFLOAD}
+    results = run_distributed(2, VARIANTS, argv=MOE + ["--world-size", "2"], flags={
+        "ddp": ddp, "fsdp2": FSDP2, **features, "ddp offload": ddp + MOE_OFFLOAD})
+    assert_agree(results[-1])
+    assert_same_as(results, "fsdp2", features)
+    for r in results:
+        assert [r[n]["dispatchers"] for n in features] == [0, MOE_LAYERS, MOE_LAYERS]
+        for name in ("offload", "zero-sync + offload"):
+            assert_offloaded(r[name])
+        assert r["offload"]["offloaded"] == r["ddp offload"]["offloaded"]
 
 
 def test_dense_dp2_tp2():

@@ -19,6 +19,9 @@ DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", 
 MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
        "--layout-invariant-init", "--log-interval", "100", "--moe-router-dtype", "fp32"]
 RTOL = 1e-5
+# two layers, a layer per pipeline stage; four where two virtual stages per rank need one layer each
+# (each layout is compared with the single process of its own depth)
+TWO, FOUR = ["--num-layers", "2"], ["--num-layers", "4"]
 
 
 def losses(world_size: int, argv: list[str]) -> list[float]:
@@ -33,11 +36,20 @@ def assert_close(a: list[float], b: list[float]) -> None:
         assert math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL), (a, b)
 
 
-@pytest.fixture(scope="module")
-def dense_reference():
-    ref = losses(1, DENSE)
-    assert ref[2] < ref[0]  # it learns
-    return ref
+_REFERENCES: dict = {}
+
+
+def reference(argv: list[str]) -> list[float]:
+    """The single process's losses for `argv` (the recipe and the depth), once per module."""
+    key = tuple(argv)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = losses(1, argv)
+        assert _REFERENCES[key][2] < _REFERENCES[key][0]  # it learns
+    return _REFERENCES[key]
+
+
+def depth(layout: list[str]) -> list[str]:
+    return FOUR if "--num-layers-per-virtual-pipeline-stage" in layout else TWO
 
 
 @pytest.mark.parametrize(
@@ -58,13 +70,8 @@ def dense_reference():
     ids=["dp2", "dp2-distopt-overlap", "tp2", "tp2-sp", "pp2", "tp2-pp2", "tp2-pp2-vpp2", "pp2-dp2-distopt",
          "recompute-full", "tp2-recompute-selective"],
 )
-def test_dense_layouts_match_single_process(dense_reference, world_size, layout):
-    assert_close(losses(world_size, DENSE + layout), dense_reference)
-
-
-@pytest.fixture(scope="module")
-def moe_reference():
-    return losses(1, MOE)
+def test_dense_layouts_match_single_process(world_size, layout):
+    assert_close(losses(world_size, DENSE + depth(layout) + layout), reference(DENSE + depth(layout)))
 
 
 @pytest.mark.parametrize(
@@ -80,11 +87,11 @@ def moe_reference():
     ],
     ids=["ep2-alltoall", "ep2-allgather", "tp2-ep2-sp", "pp2-ep2-distopt", "tp2-pp2-vpp2"],
 )
-def test_moe_layouts_match_single_process(moe_reference, world_size, layout):
-    assert_close(losses(world_size, MOE + layout), moe_reference)
+def test_moe_layouts_match_single_process(world_size, layout):
+    assert_close(losses(world_size, MOE + depth(layout) + layout), reference(MOE + depth(layout)))
 
 
-def test_different_weights_are_detected(dense_reference):
+def test_different_weights_are_detected():
     """The comparison can fail: another seed gives other losses."""
-    other = losses(2, DENSE + ["--seed", "7"])
-    assert not math.isclose(other[2], dense_reference[2], rel_tol=RTOL)
+    other = losses(2, DENSE + TWO + ["--seed", "7"])
+    assert not math.isclose(other[2], reference(DENSE + TWO)[2], rel_tol=RTOL)

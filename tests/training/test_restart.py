@@ -13,24 +13,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 
 from tests.dist import run_distributed
+from tests.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ARGV = ["--recipe", "recipes/tiny_dense.yaml", "--train-iters", "6", "--log-interval", "100",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--use-distributed-optimizer", "--async-save"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+soak = load_script("soak")  # the probed job's torchrun command, as scripts/soak.py launches it
 
 
 def records(directory: str, attempt: int, rank: int) -> list[tuple]:
@@ -49,10 +42,7 @@ def test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exact
     # on a loaded machine: the kill at 5 finds the save of 4, and only it, in flight
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RESTART_PROBE_ONE_SAVE_IN_FLIGHT="1")
     done = subprocess.run(
-        [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-         "--master-port", str(_free_port()),
-         "tests/training/restart_probe.py", out, "0:1:5:step", "--",
-         *ARGV, "--save", save, "--load", save, "--save-interval", "2"],
+        soak.probe_command(2, out, "0:1:5:step", [*ARGV, "--save", save, "--load", save, "--save-interval", "2"]),
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
@@ -79,3 +69,14 @@ def test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exact
         got = records(out, attempt, 1)
         assert [r[0] for r in got] == iterations, (attempt, got)
         assert got == [reference[i] for i in iterations], attempt  # bitwise: floats from JSON repr
+
+
+def test_a_probed_job_binds_its_own_rendezvous_port():
+    """No port is found free beforehand and handed to torchrun: another process (any gloo pair of
+    a job beside it) can bind it first, and torchrun's static rendezvous died of EADDRINUSE. The
+    c10d rendezvous binds port 0 itself and keeps that store for the restarted workers (the test
+    above restarts one)."""
+    cmd = soak.probe_command(2, "records", "", ["--recipe", "recipes/tiny_dense.yaml"])
+    assert not any(a.startswith(("--master-port", "--master_port")) for a in cmd), cmd
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1] == "0"

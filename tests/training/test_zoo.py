@@ -92,17 +92,30 @@ def test_the_comparison_sees_a_one_ulp_change():
         _assert_bitwise(_plain("llama3"), _run(other), [])
 
 
+_PP: dict = {}
+
+
+def _pp(case):
+    """A PP case's plain and featured runs (every rank's digests), both in one pool job, once per
+    module: the negative control below compares against the same plain run."""
+    if case not in _PP:
+        argvs = {"plain": zoo.pp_argv(case, False), "features": zoo.pp_argv(case, True)}
+        results = run_distributed(4, "tests.training.jobs_zoo:train_digests", argvs=argvs)
+        _PP[case] = [r["plain"] for r in results], [r["features"] for r in results]
+    return _PP[case]
+
+
 def test_per_pass_state_swap_is_needed():
     """Negative control for the test below: with the overlap's per-pass swap of the stateful
     modules' attributes turned off, Qwen3-235B-A22B's case (MoE-layer recompute, the zero-sync
     dispatcher) no longer trains as the plain run does: the forward recomputed inside a paired
     backward finds the state the other pass left."""
-    argvs = {"plain": zoo.pp_argv("qwen3_235b", False), "features": zoo.pp_argv("qwen3_235b", True)}
-    results = run_distributed(4, "tests.training.jobs_zoo:train_digests_without_state_swap", argvs=argvs)
-    assert all("error" not in r["plain"] for r in results)  # no pair in the plain run: nothing to swap
+    plain, _ = _pp("qwen3_235b")  # no pair in the plain run: nothing to swap
+    results = run_distributed(4, "tests.training.jobs_zoo:train_digests_without_state_swap",
+                              argvs={"features": zoo.pp_argv("qwen3_235b", True)})
     broken = [r["features"] for r in results]
     assert any("index_select" in b.get("error", "") or "error" not in b and (
-        b["params"] != r["plain"]["params"] or b["grads"] != r["plain"]["grads"]) for b, r in zip(broken, results)), broken
+        b["params"] != p["params"] or b["grads"] != p["grads"]) for b, p in zip(broken, plain)), broken
 
 
 @pytest.mark.parametrize("case", list(zoo.PP_CASES))
@@ -115,17 +128,13 @@ def test_moe_recipes_under_pp_vpp_train_bitwise_with_every_feature_on(case):
     the MoE-layer recompute re-enters the forward inside the paired backward: the shared-expert
     overlap state machine and the dispatchers' saved indices are kept per lane. Both runs of a case
     in one pool job."""
-    argvs = {case + "/plain": zoo.pp_argv(case, False), case + "/features": zoo.pp_argv(case, True)}
-    results = run_distributed(4, "tests.training.jobs_zoo:train_digests", argvs=argvs)
-    for case in [case]:
-        plain = [r[case + "/plain"] for r in results]
-        featured = [r[case + "/features"] for r in results]
-        losses = [h["lm loss"] for h in plain[-1]["history"]]
-        assert len(losses) == 1 and all(math.isfinite(x) for x in losses), case
-        for rank, (a, b) in enumerate(zip(plain, featured)):
-            assert [repr((h["lm loss"], h["grad norm"])) for h in a["history"]] == \
-                [repr((h["lm loss"], h["grad norm"])) for h in b["history"]], (case, rank)  # NaN off the last stage
-            assert a["params"] == b["params"] and a["grads"] == b["grads"], (case, rank)
-            hooked = b["offloaded"]
-            assert {key.split("/")[0] for key in hooked} <= set(zoo.pp_offload_modules(case)), (case, rank)
-            assert sum(v["offloaded"] for v in hooked.values()) > 0, (case, rank)
+    plain, featured = _pp(case)
+    losses = [h["lm loss"] for h in plain[-1]["history"]]
+    assert len(losses) == 1 and all(math.isfinite(x) for x in losses), case
+    for rank, (a, b) in enumerate(zip(plain, featured)):
+        assert [repr((h["lm loss"], h["grad norm"])) for h in a["history"]] == \
+            [repr((h["lm loss"], h["grad norm"])) for h in b["history"]], (case, rank)  # NaN off the last stage
+        assert a["params"] == b["params"] and a["grads"] == b["grads"], (case, rank)
+        hooked = b["offloaded"]
+        assert {key.split("/")[0] for key in hooked} <= set(zoo.pp_offload_modules(case)), (case, rank)
+        assert sum(v["offloaded"] for v in hooked.values()) > 0, (case, rank)
