@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -54,7 +55,7 @@ TARGETS = {
     "dist_ckpt_optimizer": dist_ckpt_optimizer, "SequentialMLP": SequentialMLP,
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
     "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
-    "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils,
+    "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils, "gpt_layer_specs": gpt_layer_specs,
 }
 
 

@@ -9,9 +9,12 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        buffers; the plain schedule's passes labelled (benchmark only) or replaced
                        by stand-ins (recording its pipeline messages, tests only)
     offload.py         the modules activation offload hooks (nothing replaced)
-    moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation
+    moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation;
+                       one-rank reductions that let biased experts add their bias in place
     planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,
                        megatron's global buffer requests recorded
+    te_spec.py         transformer-engine's layer spec built without transformer-engine (stand-ins
+                       with megatron-core's own sharded_state_dict), for the dry-run's key check
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path
@@ -39,7 +42,7 @@ from typing import Dict, List
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
     architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, moe, offload, planner, schedules, sharded_params,
-    training,
+    te_spec, training,
 )
 from megatron_ext.seams.checkpointing import (
     checksummed_writes, ensure_optimizer_state, restore_fsdp2_optimizer_step, restore_optimizer_step,
@@ -54,7 +57,7 @@ from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatr
 
 _CAPABILITIES = (
     training, architectures, schedules, offload, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
-    planner,
+    planner, te_spec,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them
