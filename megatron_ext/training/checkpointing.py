@@ -119,11 +119,14 @@ def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loa
 def onto_checkpoint_names(args, template: dict, chunks: int, path: str, with_optimizer: bool) -> None:
     """The model's keys of a load template placed on the names the checkpoint has: the other layer
     spec's where they differ (a local-spec import into the transformer-engine spec and back,
-    training/te_names.py), one line naming a key that has no place."""
+    training/te_names.py), one line naming a key that has no place, the same on every rank
+    (collective)."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     models = {key: template[key] for key in map(_model_key, range(chunks))}
-    placement = te_names.onto_checkpoint(models, load_sharded_metadata(path))
+    parts = [None] * torch.distributed.get_world_size()  # every rank places its own part of the model
+    torch.distributed.all_gather_object(parts, te_names.onto_checkpoint(models, load_sharded_metadata(path)))
+    placement = te_names.Placement.over_ranks(parts)
     line = placement.refusal(args.load, te_names.spec_name(args), args.dist_ckpt_strictness)
     if line is None and placement.renamed and with_optimizer:
         line = (f"--load={args.load}: {path} was saved by the other layer spec than this run's "

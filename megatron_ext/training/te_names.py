@@ -36,6 +36,7 @@ stand-ins where it is not installed here) and checks every key the same way, bef
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # (local spec's name, transformer-engine spec's name) of the same tensor, as the tail of a storage key
@@ -52,8 +53,9 @@ EXTRA_STATE = "_extra_state"
 # model has no place for, is an error
 STRICT_ABOUT_MODEL_KEYS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
 STRICT_ABOUT_CHECKPOINT_KEYS = ("assume_ok_unexpected", "raise_all")
-# checkpoint keys that are not model weights (optimizer state, RNG, the common state)
-_NOT_MODEL = ("optimizer.", "rng_state", "common_state")
+# checkpoint keys that are not model weights: the optimizer's (`optimizer.`, `chained_<i>.optimizer.` of a
+# chained one), the RNG states, the common state
+_NOT_MODEL = re.compile(r"^(?:chained_\d+\.)?optimizer\.|^rng_state$|^common_state$")
 
 
 def _more(keys: list) -> str:
@@ -85,6 +87,17 @@ class Placement:
     shapes: list = field(default_factory=list)  # (key, model's global shape, checkpoint's)
     unplaced: list = field(default_factory=list)  # checkpoint weights the model has no place for
     matched: int = 0  # checkpoint weights placed
+
+    @staticmethod
+    def over_ranks(parts: list) -> "Placement":
+        """Every rank's placement of its part of the model as one: what any rank misses or places
+        wrong, what no rank places (each pipeline stage holds its own layers)."""
+        unplaced = set.intersection(*(set(p.unplaced) for p in parts))
+        return Placement(
+            renamed={k: v for p in parts for k, v in p.renamed.items()},
+            kept=sorted({k for p in parts for k in p.kept}), missing=sorted({k for p in parts for k in p.missing}),
+            shapes=sorted({s for p in parts for s in p.shapes}), unplaced=sorted(unplaced),
+            matched=parts[0].matched + len(parts[0].unplaced) - len(unplaced))
 
     def refusal(self, load: str, spec: str, strictness: str = "assume_ok_unexpected") -> str | None:
         """The one line refusing this placement, or None. --dist-ckpt-strictness as megatron reads it
@@ -175,10 +188,10 @@ def onto_checkpoint(model_state: dict, metadata: dict) -> Placement:
         mine, theirs = _global_shape(entry), getattr(stored[key], "global_shape", None)
         if mine is not None and theirs is not None and tuple(theirs) != mine:
             out.shapes.append((key, mine, tuple(theirs)))
-    weights = {k for k in stored if not k.startswith(_NOT_MODEL) and not k.endswith(EXTRA_STATE)}
+    weights = {k for k in stored if not _NOT_MODEL.match(k) and not k.endswith(EXTRA_STATE)}
     out.unplaced = sorted(weights - placed)
     out.matched = len(weights & placed)
-    out.missing.sort()
+    out.missing, out.kept = sorted(set(out.missing)), sorted(set(out.kept))  # one entry per key, not per shard
     return out
 
 
