@@ -4,7 +4,7 @@ mapped at load through megatron-core's own sharded state dict.
 A torch_dist checkpoint is keyed by the storage keys of megatron-core's sharded state dicts, which both
 specs mostly share: the local spec writes its input norm and a dense layer's pre-MLP norm under the
 names of transformer-engine's fused norm + linear (its ``sharded_state_dict_keys_map``,
-models/gpt/gpt_layer_specs.py:459), and SequentialMLP (transformer/moe/experts.py:1377) and TEGroupedMLP
+models/gpt/gpt_layer_specs.py:459-462), and SequentialMLP (transformer/moe/experts.py:1377) and TEGroupedMLP
 (:912, TEGroupedLinear's ``weight{i}`` under --moe-grouped-gemm, extensions/transformer_engine.py:2508)
 both write ``experts.experts.linear_fc{1,2}.weight`` with a global expert axis. What differs, found by
 building both specs (the transformer-engine one with megatron_ext/seams/te_spec.py's stand-ins where it is
@@ -12,10 +12,10 @@ not installed) and comparing every key (tests/hf/test_te_names.py, every family 
 
   a MoE layer's pre-MLP norm     local  mlp.linear_fc1.layer_norm_{weight,bias} (the key map above
                                         applies to every layer)
-                                 TE     pre_mlp_layernorm.{weight,bias} (its own norm, :311)
+                                 TE     pre_mlp_layernorm.{weight,bias} (its own norm, :313, :336)
   multi-latent attention's norms local  self_attention.q_layernorm / kv_layernorm.{weight,bias}
                                  TE     self_attention.linear_q_up_proj / linear_kv_up_proj
-                                        .layer_norm_{weight,bias} (fused, :284-293)
+                                        .layer_norm_{weight,bias} (fused, :246-255)
   its dense layers' pre-MLP norm local  pre_mlp_layernorm.{weight,bias} (no key map in MLA's local spec)
                                  TE     mlp.linear_fc1.layer_norm_{weight,bias}
   FP8 metadata                   ``_extra_state`` objects: transformer-engine's modules and the local
@@ -39,7 +39,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# (local spec's name, transformer-engine spec's name) of the same tensor, as the tail of a storage key
+# the two names one tensor has in the two specs' checkpoints, as the tail of a storage key: which is whose
+# depends on the layer (a MoE layer's pre-MLP norm is the first on transformer-engine and the second on the
+# local spec, a dense layer's of a multi-latent attention model the other way round)
 PAIRS = (
     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
     ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
@@ -198,7 +200,7 @@ def onto_checkpoint(model_state: dict, metadata: dict) -> Placement:
 def with_own_extra_states(module, state: dict) -> dict:
     """``state`` (a loaded state dict of ``module``) with the module's own ``_extra_state`` where the
     load brought none: megatron-core's sharded state dicts leave some out (TEDotProductAttention's
-    without a learnable softmax offset, extensions/transformer_engine.py:2092-2095; those a checkpoint of
+    without a learnable softmax offset, extensions/transformer_engine.py:2090-2093; those a checkpoint of
     the other spec lacks), and torch's strict load would refuse the module's own as missing (megatron's
     loader retries without strict, megatron/training/checkpointing.py:2524)."""
     own = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.endswith(EXTRA_STATE) and k not in state}

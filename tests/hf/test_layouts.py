@@ -7,7 +7,6 @@ without EP (one process; TP2 with sequence parallelism and expert-TP 1) failed i
 bias add (megatron_ext/seams/moe.py), and so did the planner's trace of its published layout."""
 from __future__ import annotations
 
-import glob
 import math
 import os
 
@@ -15,6 +14,7 @@ import pytest
 
 from tests.dist import run_distributed
 from tests.hf import models, te_jobs
+from tests.hf.test_hf import _tensors
 
 # the families of docs/hf.md; Kimi-K2 is DeepSeek-V3's model (its own routing constants), DeepSeek-V2-Lite
 # stands for DeepSeek-V2 here (multi-latent attention without query LoRA: its own seam)
@@ -38,15 +38,6 @@ def imported(workdir, family: str) -> tuple[str, str]:
         ckpt = run_distributed(1, "tests.hf.te_jobs:imports", hf_dirs={family: hf_dir}, root=str(workdir))[0][family]
         _IMPORTED[family] = hf_dir, ckpt
     return _IMPORTED[family]
-
-
-def _tensors(d):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 def _finite(losses) -> bool:
