@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer import torch_norm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core import utils as megatron_utils
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
@@ -56,6 +57,7 @@ TARGETS = {
     "fine_grained_callables": fine_grained_callables, "ScheduleNode": ScheduleNode,
     "DotProductAttention": DotProductAttention, "torch.nn.RMSNorm": torch.nn.RMSNorm,
     "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils, "gpt_layer_specs": gpt_layer_specs,
+    "megatron.core.utils": megatron_utils,
 }
 
 

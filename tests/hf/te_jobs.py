@@ -33,7 +33,7 @@ def parse(recipe: str, *flags: str):
                                 *flags], exit_on_dry_run=False)
 
 
-def through(args, save: str) -> dict:
+def through(args, save: str) -> list:
     """Load --load into this run's whole model (built on CPU; transformer-engine's spec with the
     stand-ins), save it under `save`; the model's state-dict names."""
     from megatron_ext.training import checkpoint_keys, checkpointing
@@ -142,18 +142,22 @@ def refusals(hf_dirs: dict, root: str) -> dict:
     return out
 
 
-def planner_trace(recipe: str) -> dict:
-    """One rank: the planner's trace of `recipe`'s model at its base shape (scripts/plan.py's first step:
-    a tiny copy of the model on this process at the recipe's tensor parallelism, forward and backward);
-    what it traced."""
+def planner_traces(runs: list) -> list:
+    """One rank: the planner's trace of each run's model ([recipe, *flags]) at its base shape (scripts/plan.py's first
+    step: a tiny copy of the model on this process at the recipe's tensor parallelism, forward and
+    backward, planned for the GPU cluster: transformer-engine); what each traced."""
     from megatron_ext import arguments
     from megatron_ext.planner import cli, run, tiny, trace
 
-    _, args = cli.parse(["--recipe", recipe, "--gpu", "h100", "--num-workers", "0"], parse_run=arguments.parse)
-    experts = tiny.traced_experts(args)
-    base = tiny.base_shape(args, experts)
-    kinds = [k for k in dict.fromkeys(run.layer_kinds(args)) for _ in range(2)]
-    shape = (tiny.width_divisor(args), base["vocab"], base["seq"], base["mbs"], experts)
-    traced = trace.run_shapes(args, {None: shape}, kinds, None)[None]
-    return dict(kinds=kinds, experts=experts, tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
-                saved_by=sorted({entry[0] for entry in traced["saved"].values()}))
+    out = []
+    for recipe, *flags in runs:
+        _, args = cli.parse(["--recipe", recipe, "--gpu", "h100", "--num-workers", "0", "--mock-data", *flags],
+                            parse_run=arguments.parse)
+        experts = tiny.traced_experts(args)
+        base = tiny.base_shape(args, experts)
+        kinds = [k for k in dict.fromkeys(run.layer_kinds(args)) for _ in range(2)]
+        shape = (tiny.width_divisor(args), base["vocab"], base["seq"], base["mbs"], experts)
+        traced = trace.run_shapes(args, {None: shape}, kinds, None)[None]
+        out.append(dict(kinds=kinds, tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+                        rope_fusion=args.apply_rope_fusion, saved_by=sorted({e[0] for e in traced["saved"].values()})))
+    return out

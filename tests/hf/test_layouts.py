@@ -78,10 +78,20 @@ def test_gpt_oss_at_tp2_with_sequence_parallelism_and_expert_tp1(workdir):
     assert _finite(losses[0]) and losses[0] == losses[1], losses
 
 
-def test_planner_traces_the_published_gpt_oss_layout():
-    """scripts/plan.py's trace of recipes/cluster/gpt_oss_120b.yaml (TP1 PP4 EP8): its tiny copy runs
-    at TP1 without EP, forward and backward."""
-    out = run_distributed(1, "tests.hf.te_jobs:planner_trace",
-                          recipe=os.path.join(ROOT, "recipes", "cluster", "gpt_oss_120b.yaml"))[0]
-    assert (out["tp"], out["ep"], out["kinds"]) == (1, 8, ["moe", "moe"]), out
-    assert {"layer0", "layer1", "head"} <= set(out["saved_by"]), out
+def test_planner_traces_gpt_oss_at_tp1_and_llama4_on_transformer_engine(workdir):
+    """scripts/plan.py's trace (its tiny copy of the model, forward and backward at the base shape) of
+    recipes/cluster/gpt_oss_120b.yaml (TP1 PP4 EP8: traced at TP1 without EP, the in-place expert bias)
+    and of Llama-4's import planned for transformer-engine (megatron's fused RoPE with interleaved rope:
+    its config asks transformer-engine's version), also with every layer MoE (the traced copy's
+    --no-rope-freq has one entry per traced layer)."""
+    _, llama4 = imported(workdir, "llama4_text")
+    llama4 = [os.path.join(llama4, "recipe.yaml"), "--lr", "1e-4", "--micro-batch-size", "1", "--global-batch-size", "1",
+              "--train-iters", "1"]
+    runs = [[os.path.join(ROOT, "recipes", "cluster", "gpt_oss_120b.yaml")], llama4,
+            [*llama4, "--moe-layer-freq", "1"]]  # every layer MoE (Llama-4-Scout): 2 traced layers, 4 in --no-rope-freq
+    gpt_oss, llama4, scout = run_distributed(1, "tests.hf.te_jobs:planner_traces", runs=runs)[0]
+    assert (gpt_oss["tp"], gpt_oss["ep"], gpt_oss["kinds"]) == (1, 8, ["moe", "moe"]), gpt_oss
+    assert llama4["rope_fusion"] and llama4["kinds"] == ["dense", "dense", "moe", "moe"], llama4
+    assert scout["kinds"] == ["moe", "moe"], scout
+    for traced in (gpt_oss, llama4, scout):
+        assert {"layer0", "layer1", "head"} <= set(traced["saved_by"]), traced
