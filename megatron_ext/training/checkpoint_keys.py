@@ -72,28 +72,50 @@ def model_state_dict(args) -> dict:
         return chunk.sharded_state_dict(metadata=ckpt_state.sharding_metadata(whole_model_args(args)))
 
 
-def newest_checkpoint(load: str) -> str | None:
-    from megatron_ext.training import ckpt_dirs
+def checkpoint_to_load(args):
+    """(directory, dist_checkpointing's metadata of it) of the checkpoint the run would load: --ckpt-step's,
+    else the newest whose structure and metadata read (the load falls back past damaged ones and names
+    them; ckpt_dirs.check_loadable refuses a directory of damaged ones); None when there is none, or it is
+    not torch_dist."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    iterations = ckpt_dirs.committed_iterations(load) if os.path.isdir(load) else []
-    return ckpt_dirs.checkpoint_dir(load, iterations[-1]) if iterations else None
+    from megatron_ext.training import ckpt_dirs, ckpt_integrity
+
+    iterations = ckpt_dirs.committed_iterations(args.load) if os.path.isdir(args.load) else []
+    if args.ckpt_step is not None:
+        iterations = [i for i in iterations if i == args.ckpt_step]
+    for iteration in reversed(iterations):
+        path = ckpt_dirs.checkpoint_dir(args.load, iteration)
+        if ckpt_integrity.structure_problems(path):
+            continue
+        if (ckpt_integrity.read_config(path)[0] or {}).get("sharded_backend") != "torch_dist":
+            return None
+        try:
+            return path, load_sharded_metadata(path)
+        except Exception:  # noqa: BLE001 - damaged metadata: the load names it and falls back
+            continue
+    return None
+
+
+def _has_optimizer(metadata: dict) -> bool:
+    return any(te_names.is_optimizer_key(k) for k in metadata)
 
 
 def check_load(args) -> None:
-    """--dry-run with --load (torch_dist): every key of the newest checkpoint placed in this run's
-    model, by its name or the other spec's; refused by name otherwise. Records what was found on
-    args (printed with the configuration)."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
+    """--dry-run with --load: every key of the checkpoint the run loads, when it is torch_dist (an
+    import, a DDP run's; Megatron-FSDP loads one before it shards the model), placed in this run's
+    model, by its name or the other spec's; refused by name otherwise, as the load refuses. Records what
+    was found on args (printed with the configuration)."""
     from megatron_ext.errors import ConfigError
-    from megatron_ext.training import ckpt_integrity
 
-    path = newest_checkpoint(args.load)
-    if path is None or (ckpt_integrity.read_config(path)[0] or {}).get("sharded_backend") != "torch_dist":
+    found = checkpoint_to_load(args)
+    if found is None:
         return  # nothing to load (the load says so), or another format
-    placement = te_names.onto_checkpoint(model_state_dict(args), load_sharded_metadata(path))
+    path, metadata = found
+    placement = te_names.onto_checkpoint(model_state_dict(args), metadata)
     spec = te_names.spec_name(args)
-    line = placement.refusal(args.load, spec, args.dist_ckpt_strictness)
+    loads_optimizer = not (args.finetune or args.no_load_optim)  # as the load decides (and a checkpoint with one)
+    line = placement.refusal(args.load, spec, args.dist_ckpt_strictness, loads_optimizer and _has_optimizer(metadata))
     if line:
         raise ConfigError(line)
     args.checkpoint_keys = f"{os.path.basename(path)}: {placement.describe(spec)}"

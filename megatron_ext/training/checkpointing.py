@@ -127,11 +127,7 @@ def onto_checkpoint_names(args, template: dict, chunks: int, path: str, with_opt
     parts = [None] * torch.distributed.get_world_size()  # every rank places its own part of the model
     torch.distributed.all_gather_object(parts, te_names.onto_checkpoint(models, load_sharded_metadata(path)))
     placement = te_names.Placement.over_ranks(parts)
-    line = placement.refusal(args.load, te_names.spec_name(args), args.dist_ckpt_strictness)
-    if line is None and placement.renamed and with_optimizer:
-        line = (f"--load={args.load}: {path} was saved by the other layer spec than this run's "
-                f"({te_names.spec_name(args)}), whose optimizer state does not follow its parameters: "
-                "load its weights with --finetune or --no-load-optim")
+    line = placement.refusal(args.load, te_names.spec_name(args), args.dist_ckpt_strictness, with_optimizer)
     if line:
         raise ConfigError(line)
 

@@ -55,9 +55,13 @@ EXTRA_STATE = "_extra_state"
 # model has no place for, is an error
 STRICT_ABOUT_MODEL_KEYS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
 STRICT_ABOUT_CHECKPOINT_KEYS = ("assume_ok_unexpected", "raise_all")
-# checkpoint keys that are not model weights: the optimizer's (`optimizer.`, `chained_<i>.optimizer.` of a
-# chained one), the RNG states, the common state
-_NOT_MODEL = re.compile(r"^(?:chained_\d+\.)?optimizer\.|^rng_state$|^common_state$")
+# the optimizer's tensors in a checkpoint (`optimizer.`, `chained_<i>.optimizer.` of a chained one); the
+# model's weights are the other tensors (objects are extra states, RNG states, the common state)
+_OPTIMIZER = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_key(key: str) -> bool:
+    return bool(_OPTIMIZER.match(key))
 
 
 def _more(keys: list) -> str:
@@ -101,8 +105,10 @@ class Placement:
             shapes=sorted({s for p in parts for s in p.shapes}), unplaced=sorted(unplaced),
             matched=parts[0].matched + len(parts[0].unplaced) - len(unplaced))
 
-    def refusal(self, load: str, spec: str, strictness: str = "assume_ok_unexpected") -> str | None:
-        """The one line refusing this placement, or None. --dist-ckpt-strictness as megatron reads it
+    def refusal(self, load: str, spec: str, strictness: str = "assume_ok_unexpected",
+                with_optimizer: bool = False) -> str | None:
+        """The one line refusing this placement, or None (``with_optimizer``: the load takes the
+        optimizer's state too). --dist-ckpt-strictness as megatron reads it
         (dist_checkpointing/validation.py:45; its "unexpected" keys are the model's the checkpoint
         lacks, its "missing" ones the checkpoint's the model lacks): the *_UNEXPECTED group ignores
         the checkpoint's extra keys, except the default, under which a weight would be dropped without
@@ -118,6 +124,10 @@ class Placement:
         if self.unplaced and strictness in STRICT_ABOUT_CHECKPOINT_KEYS:
             return (f"{where}: the checkpoint's {self.unplaced[0]}{_more(self.unplaced)} has no place in this "
                     f"run's model ({spec} spec); --dist-ckpt-strictness log_all loads without it")
+        if self.renamed and with_optimizer:
+            return (f"{where}: the checkpoint was saved by the other layer spec than this run's ({spec}), whose "
+                    "optimizer state does not follow its parameters: load its weights with --finetune or "
+                    "--no-load-optim")
         return None
 
     def describe(self, spec: str) -> str:
@@ -167,7 +177,7 @@ def onto_checkpoint(model_state: dict, metadata: dict) -> Placement:
     """Retarget ``model_state`` (the model chunks' part of a load template, megatron-core's sharded
     state dicts) in place onto the names ``metadata`` (dist_checkpointing's load_sharded_metadata of
     the checkpoint) holds, and say how (PAIRS; module docstring)."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
     stored = {storage_key(k): v for k, v in metadata.items()}
     entries = list(_entries(model_state))
@@ -190,7 +200,7 @@ def onto_checkpoint(model_state: dict, metadata: dict) -> Placement:
         mine, theirs = _global_shape(entry), getattr(stored[key], "global_shape", None)
         if mine is not None and theirs is not None and tuple(theirs) != mine:
             out.shapes.append((key, mine, tuple(theirs)))
-    weights = {k for k in stored if not _NOT_MODEL.match(k) and not k.endswith(EXTRA_STATE)}
+    weights = {k for k, v in stored.items() if isinstance(v, ShardedTensor) and not is_optimizer_key(k)}
     out.unplaced = sorted(weights - placed)
     out.matched = len(weights & placed)
     out.missing, out.kept = sorted(set(out.missing)), sorted(set(out.kept))  # one entry per key, not per shard

@@ -92,7 +92,8 @@ def test_dry_run_refuses_a_key_it_cannot_place(tmp_path):
 def test_strictness_as_megatron_reads_it():
     """--dist-ckpt-strictness: megatron's "unexpected" keys are the model's that the checkpoint lacks,
     its "missing" ones the checkpoint's that the model lacks; only the default (which checks nothing
-    and would drop a weight without a word) and the raising values refuse the latter."""
+    and would drop a weight without a word) and the raising values refuse the latter. An optimizer's
+    state does not load across specs."""
     from megatron_ext.training import te_names
 
     unplaced, missing = te_names.Placement(unplaced=["x.weight"]), te_names.Placement(missing=["y.weight"])
@@ -103,6 +104,9 @@ def test_strictness_as_megatron_reads_it():
                        "log_all": (False, False), "raise_unexpected": (False, True), "raise_all": (True, True),
                        "return_unexpected": (False, False), "return_all": (False, False),
                        "ignore_all": (False, False)}
+    renamed = te_names.Placement(renamed={"a.pre_mlp_layernorm.weight": "a.mlp.linear_fc1.layer_norm_weight"})
+    assert renamed.refusal("C", "local") is None  # weights only: placed by the other spec's name
+    assert "load its weights with --finetune or --no-load-optim" in renamed.refusal("C", "local", with_optimizer=True)
     assert te_names.counterparts("decoder.layers.3.pre_mlp_layernorm.weight") == [
         "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"]
     assert te_names.counterparts("decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight") == [
