@@ -1,7 +1,7 @@
 """transformer-engine's layer spec built where transformer-engine is not installed: its module tree and
 its checkpoint keys, for a CPU machine that checks what a GPU cluster will load (megatron_ext/training/
-checkpoint_keys.py, `--dry-run --platform cuda --assume-te --load`). Scoped: applied only around such a
-build (``standing_in()``); nothing of it runs a forward.
+checkpoint_keys.py, `--dry-run --platform cuda --assume-te --load`, on the meta device; tests/hf/
+test_te_names.py, on CPU). Scoped: applied only around such a build (``standing_in()``); no forward runs.
 
 megatron-core 0.19.2 without transformer-engine defines its wrappers of transformer-engine's modules over a
 MagicMock (extensions/transformer_engine.py:74-85), so they cannot be built. The stand-ins below hold
@@ -141,11 +141,6 @@ class _Linear(_ExtraState):
             self.bias = _parameter(out_size, config=config)
 
 
-class _TELinear(_Linear):
-    def __init__(self, input_size, output_size, *, parallel_mode, **kwargs):
-        super().__init__(input_size, output_size, parallel_mode=parallel_mode, **kwargs)
-
-
 class _TEColumnParallelLinear(_Linear):
     def __init__(self, input_size, output_size, **kwargs):
         super().__init__(input_size, output_size, parallel_mode="column", **kwargs)
@@ -247,9 +242,9 @@ def stand_ins() -> dict:
     """{megatron's class name: the stand-in with megatron's methods}."""
     made = {}
     grouped = _megatron_methods("TEGroupedLinear", _TEGroupedLinear)
-    for name, base in (("TELinear", _TELinear), ("TELayerNormColumnParallelLinear", _TELayerNormColumnParallelLinear),
-                       ("TEColumnParallelLinear", _TEColumnParallelLinear),
-                       ("TERowParallelLinear", _TERowParallelLinear), ("TEDotProductAttention", _TEDotProductAttention)):
+    for name, base in (("TELinear", _Linear), ("TELayerNormColumnParallelLinear", _TELayerNormColumnParallelLinear),
+                       ("TEColumnParallelLinear", _TEColumnParallelLinear), ("TERowParallelLinear", _TERowParallelLinear),
+                       ("TEDotProductAttention", _TEDotProductAttention)):
         made[name] = _megatron_methods(name, base)
     for name, base in (("TEColumnParallelGroupedLinear", _TEColumnParallelGroupedLinear),
                        ("TERowParallelGroupedLinear", _TERowParallelGroupedLinear)):
@@ -267,10 +262,11 @@ def _install_te_stand_ins():
 
     classes = stand_ins()
     undo = [set_attr(provider, name, cls) for name, cls in classes.items()]
-    undo.append(set_attr(provider, "TEActivationOp", None))  # not built: megatron's activation (no --use-te-activation-func)
+    # megatron's own activation is built (TEActivationOp only with --use-te-activation-func)
+    undo.append(set_attr(provider, "TEActivationOp", None))
     undo.append(set_attr(gpt_layer_specs, "TENorm", classes["TENorm"]))
-    for module, names in ((multi_latent_attention, ("TELinear", "TEColumnParallelLinear", "TELayerNormColumnParallelLinear")),
-                          (attention, ("TELinear", "TENorm"))):
+    mla = ("TELinear", "TEColumnParallelLinear", "TELayerNormColumnParallelLinear")
+    for module, names in ((multi_latent_attention, mla), (attention, ("TELinear", "TENorm"))):
         undo += [set_attr(module, name, classes[name]) for name in names]
     undo.append(set_attr(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider))
     undo.append(set_attr(transformer_block, "LayerNormImpl", classes["TENorm"]))
@@ -294,6 +290,6 @@ SEAMS = [TE_STAND_INS]
 
 @contextlib.contextmanager
 def standing_in():
-    """The transformer-engine spec builds (on the meta device: nothing of it runs) inside the block."""
+    """The transformer-engine spec builds inside the block (its forward does not run)."""
     with TE_STAND_INS.applied():
         yield

@@ -136,8 +136,8 @@ class Placement:
         if self.renamed:
             tails: dict = {}
             for mine, theirs in self.renamed.items():
-                pair = next((a, b) for a, b in PAIRS for x, y in ((a, b), (b, a)) if mine.endswith(x) and theirs.endswith(y))
-                tail = pair if mine.endswith(pair[0]) else pair[::-1]
+                tail = next((x, y) for a, b in PAIRS for x, y in ((a, b), (b, a))
+                            if mine.endswith(x) and theirs.endswith(y))
                 tails[tail] = tails.get(tail, 0) + 1
             line += ", " + ", ".join(f"{n} {a} from {b}" for (a, b), n in sorted(tails.items()))
         if self.kept:

@@ -28,9 +28,9 @@ def parse(recipe: str, *flags: str):
     from megatron_ext import arguments
 
     with contextlib.redirect_stdout(io.StringIO()):
-        return arguments.parse(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5", "--micro-batch-size", "1",
-                                "--global-batch-size", "1", "--train-iters", "1", "--finetune", "--dry-run",
-                                *flags], exit_on_dry_run=False)
+        return arguments.parse(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5",
+                                "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                                "--finetune", "--dry-run", *flags], exit_on_dry_run=False)
 
 
 def through(args, save: str) -> list:
@@ -54,7 +54,8 @@ def _tensors(ckpt: str) -> dict:
     import torch
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
-    return {k: v.numpy() for k, v in load_plain_tensors(os.path.join(ckpt, "iter_0000000")).items() if torch.is_tensor(v)}
+    loaded = load_plain_tensors(os.path.join(ckpt, "iter_0000000"))
+    return {k: v.numpy() for k, v in loaded.items() if torch.is_tensor(v)}
 
 
 def round_trip(hf_dirs: dict, root: str) -> dict:

@@ -97,7 +97,7 @@ def test_strictness_as_megatron_reads_it():
     from megatron_ext.training import te_names
 
     unplaced, missing = te_names.Placement(unplaced=["x.weight"]), te_names.Placement(missing=["y.weight"])
-    refused = {value: (unplaced.refusal("C", "local", value) is not None, missing.refusal("C", "local", value) is not None)
+    refused = {value: tuple(p.refusal("C", "local", value) is not None for p in (unplaced, missing))
                for value in ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                              "return_unexpected", "return_all", "ignore_all")}
     assert refused == {"assume_ok_unexpected": (True, True), "log_unexpected": (False, False),
