@@ -29,6 +29,8 @@ from megatron.core.transformer import torch_norm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer import multi_latent_attention
+from megatron.core import utils as megatron_utils
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -61,6 +63,8 @@ TARGETS = {
     "multi_latent_attention": multi_latent_attention,
     "MLASelfAttention": multi_latent_attention.MLASelfAttention,
     "FusedScaleMaskSoftmax": FusedScaleMaskSoftmax,
+    "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils, "gpt_layer_specs": gpt_layer_specs,
+    "megatron.core.utils": megatron_utils,
 }
 
 

@@ -91,6 +91,9 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int) -> tuple[int, int]:
 
 def recipe_for(model_type: str, c: families.Config, ckpt: str, tokenizer_vocab: int) -> dict:
     out = families.flags(model_type, c)
+    # the layer spec is the platform's (megatron's default transformer_engine where it imports, else
+    # local: megatron_ext/platform/target.py); the checkpoint loads into either (training/te_names.py)
+    out.pop("transformer_impl", None)
     dtype = config_dtype(c)
     if dtype in DTYPE_FLAG:
         out[DTYPE_FLAG[dtype]] = True

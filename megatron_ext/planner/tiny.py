@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import math
 
-from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, local_unfused, on_transformer_engine,
-                                      recompute_of)
+from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, layer_kinds, local_unfused,
+                                      on_transformer_engine, recompute_of)
 
 _WIDTH_FIELDS = ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "kv_channels",
                  "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
@@ -16,6 +16,9 @@ _TP_SHARDED = ("ffn_hidden_size", "moe_shared_expert_intermediate_size")
 BASE = dict(vocab=64, seq=16, mbs=2)  # mbs 1 would skip copies (a transpose of one sample is contiguous)
 MIN_HEAD_DIM = 4  # smallest traced head / rope dimension
 MIN_EXPERTS = 16  # fewest routed experts a trace of a model with more keeps
+# per-layer patterns megatron's config checks against the number of layers (--no-rope-freq as a list,
+# transformer/transformer_config.py:2825) or reads per layer number
+_PER_LAYER = ("no_rope_freq", "window_attn_skip_freq")
 
 
 def width_divisor(args) -> int:
@@ -88,6 +91,9 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     if args.num_experts:
         a.moe_layer_freq = [1 if k == "moe" else 0 for k in kinds]
         a.moe_layer_freq = a.moe_layer_freq if len(set(kinds)) > 1 else 1
+    for name in _PER_LAYER:
+        if isinstance(getattr(args, name, None), list):
+            setattr(a, name, per_layer(args, getattr(args, name), kinds))
     a.mtp_num_layers = None
     a.padded_vocab_size = a.vocab_size = vocab
     a.seq_length = seq
@@ -125,6 +131,17 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         a.bias_swiglu_fusion = getattr(args, "bias_swiglu_fusion", False)
         a.apply_rope_fusion = getattr(args, "apply_rope_fusion", False) and not getattr(args, "multi_latent_attention", False)
     return a
+
+
+def per_layer(args, values: list, kinds: list) -> list:
+    """A per-layer pattern of the run (one value per layer) for the traced layers: each the value most
+    of the run's layers of its kind have (the traced layers stand for every layer of their kind)."""
+    run_kinds = layer_kinds(args)
+    out = []
+    for kind in kinds:
+        of_kind = [v for v, k in zip(values, run_kinds) if k == kind] or list(values)
+        out.append(max(sorted(set(of_kind)), key=of_kind.count))
+    return out
 
 
 def base_shape(args, experts: int, base: dict | None = None) -> dict:

@@ -12,9 +12,12 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
     lora.py            LoRA: the targeted linears' forward and checkpoint entries, the router's gating
                        (per instance); the embedding's output needing a gradient under recompute
     moe.py             the token dispatcher swapped per MoE layer; the sync audit's CUDA emulation;
+                       one-rank reductions that let biased experts add their bias in place;
                        what a pass keeps in megatron's MoE modules (the overlap swaps it per lane)
     planner.py         while the planner traces a tiny copy of the model: balanced MoE routing,
                        megatron's global buffer requests recorded
+    te_spec.py         transformer-engine's layer spec built without transformer-engine (stand-ins
+                       with megatron-core's own sharded_state_dict), for the dry-run's key check
     checkpointing.py   distributed-optimizer state around dist_checkpointing; the writer's queue;
                        checksums taken as files are written, files verified before they are read
     sharded_params.py  per-bucket, not per-parameter, host work in the DDP gather / reduce path

@@ -24,6 +24,17 @@ Wrapped only while a SyncDetector is active (CPU only, restored on exit):
     moe_utils.py:1169): on CPU it never copies; emulated as CUDA's non-blocking D2H copy
   torch.cuda.Event / torch.cuda.Stream .synchronize and torch.cuda.synchronize (the platform's
     CPU stand-ins; upstream waits at token_dispatcher.py:950): counted as explicit syncs
+Wrapped for a run with biased experts (--num-experts with megatron's default --add-bias-linear: gpt-oss),
+on every platform (EXPERT_OUTPUT_NOT_A_VIEW):
+  reduce_from_tensor_model_parallel_region / reduce_scatter_to_sequence_parallel_region, the names
+    tensor_parallel/layers.py imports (:42, :43) and RowParallelLinear.forward calls (:1480, :1476):
+    over a group of one rank they return their input itself instead of through the autograd
+    Function. megatron's Functions return the input as-is there (mappings.py:28 _reduce, :172
+    _reduce_scatter_along_first_dim), which autograd marks a view that may not be modified in place,
+    and an expert MLP adds its bias times the routing score in place into that output
+    (transformer/mlp.py:354) whenever its linear_fc2 communicates itself (explicit_expert_comm
+    False, layers.py:1326: expert TP and EP both 1; TP1, or TP>1 with expert TP 1 and EP 1).
+    Forward and backward of the Function are the identity at one rank: nothing else changes.
 Process-global state reset between jobs of a persistent worker:
   MoEAuxLossAutoScaler.main_loss_backward_scale (moe_utils.py:287; created lazily as a 0-d tensor
     by a bare MoELayer backward at :316, copied into by the schedule's set_loss_scale at :334 with
@@ -114,7 +125,42 @@ EMULATED_DTOH = Patch(
     "sync audit on CPU only: megatron's host transfers counted as they happen on CUDA",
     _install_emulated_dtoh,
 )
-SEAMS = [EMULATED_DTOH]
+def _install_expert_output_not_a_view():
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    def at_one_rank_the_input(original):
+        def reduction(input_, group=None, *args, **kwargs):
+            resolved = get_tensor_model_parallel_group_if_none(group)
+            if resolved is not None and resolved.size() == 1:
+                return input_
+            return original(input_, group, *args, **kwargs)
+
+        return reduction
+
+    return undo_all([
+        set_attr(layers, name, at_one_rank_the_input(getattr(layers, name)))
+        for name in ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+    ])
+
+
+EXPERT_OUTPUT_NOT_A_VIEW = Patch(
+    "moe.expert_output_not_a_view",
+    ["megatron/core/transformer/mlp.py:354", "megatron/core/tensor_parallel/layers.py:1476",
+     "megatron/core/tensor_parallel/layers.py:1480", "megatron/core/tensor_parallel/mappings.py:28",
+     "megatron/core/tensor_parallel/mappings.py:172"],
+    "an expert MLP with biases adds its bias in place into linear_fc2's output, which at one expert "
+    "TP rank without EP is the input a one-rank reduction returned as-is (a view autograd forbids "
+    "modifying in place); the identity reductions return the tensor itself",
+    _install_expert_output_not_a_view,
+)
+SEAMS = [EMULATED_DTOH, EXPERT_OUTPUT_NOT_A_VIEW]
+
+
+def for_run(args) -> list:
+    """Biased experts (gpt-oss) reach the in-place add of transformer/mlp.py:354."""
+    biased_experts = getattr(args, "num_experts", None) and getattr(args, "add_bias_linear", False)
+    return [EXPERT_OUTPUT_NOT_A_VIEW] if biased_experts else []
 
 
 @contextlib.contextmanager

@@ -31,6 +31,10 @@ Wrapped while the planner traces the tiny copy of a run on transformer-engine (`
       (TENorm -> te.pytorch RMSNorm / LayerNorm, ``_LayerNorm`` / ``_RMSNorm`` forward:
       ``save_for_backward(inputmat, weight, [mu,] rsigma)``): the input in its dtype and fp32
       statistics per row.
+  utils._te_version   utils.py:71 (read by is_te_min_version, :326): the transformer-engine version the
+      cluster is assumed to have (seams/te_spec.py ASSUMED_TE_VERSION) instead of this machine's none, for
+      megatron's config checks of the fused kernels the trace stands in for (rotary_interleaved with
+      apply_rope_fusion: transformer/transformer_config.py:2173).
 """
 from __future__ import annotations
 
@@ -252,7 +256,24 @@ FUSED_ROPE = Patch(
     "RoPE (absent here) keeps what it keeps (no activation)",
     _install_fused_rope,
 )
-SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS, FUSED_ROPE]
+def _install_te_version():
+    from megatron.core import utils
+    from packaging.version import Version
+
+    from megatron_ext.seams.te_spec import ASSUMED_TE_VERSION
+
+    return set_attr(utils, "_te_version", Version(ASSUMED_TE_VERSION))
+
+
+TE_VERSION = Patch(
+    "planner.te_version",
+    ["megatron/core/utils.py:71", "megatron/core/transformer/transformer_config.py:2173"],
+    "planner trace of a transformer-engine run only: megatron's config checks (rotary_interleaved with "
+    "apply_rope_fusion needs TE >= 2.3) ask the installed transformer-engine's version; answered for the "
+    "cluster's (seams/te_spec.py ASSUMED_TE_VERSION), as FUSED_ROPE stands in for its kernel",
+    _install_te_version,
+)
+SEAMS = [BALANCED_ROUTING, BUFFER_REQUESTS, FUSED_ATTENTION, TE_NORMS, FUSED_ROPE, TE_VERSION]
 
 
 @contextlib.contextmanager
@@ -263,8 +284,9 @@ def balanced_routing():
 
 @contextlib.contextmanager
 def transformer_engine_saves():
-    """Core attention, norms and fused RoPE keep for backward what transformer-engine's keep."""
-    with FUSED_ATTENTION.applied(), TE_NORMS.applied(), FUSED_ROPE.applied():
+    """Core attention, norms and fused RoPE keep for backward what transformer-engine's keep; megatron's
+    checks of its version answer for the cluster's."""
+    with FUSED_ATTENTION.applied(), TE_NORMS.applied(), FUSED_ROPE.applied(), TE_VERSION.applied():
         yield
 
 

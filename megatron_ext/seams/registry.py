@@ -9,12 +9,12 @@ from typing import Dict, List
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
     architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, moe, planner, schedules, sft, sharded_params,
-    training,
+    te_spec, training,
 )
 
 _CAPABILITIES = (
     training, architectures, schedules, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch, planner, sft,
-    lora,
+    lora, te_spec,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them

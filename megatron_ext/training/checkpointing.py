@@ -40,7 +40,7 @@ from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import ckpt_dirs, ckpt_lora, ckpt_state, fsdp_checkpoint
+from megatron_ext.training import ckpt_dirs, ckpt_lora, ckpt_state, fsdp_checkpoint, te_names
 from megatron_ext.training import ckpt_integrity as integrity
 
 
@@ -138,6 +138,22 @@ def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loa
             "rng_state", ckpt_state.rng_state() if not loading else None, (world,), (rank,), replica_id=0
         )
     return state
+
+
+def onto_checkpoint_names(args, template: dict, chunks: int, path: str, with_optimizer: bool) -> None:
+    """The model's keys of a load template placed on the names the checkpoint has: the other layer
+    spec's where they differ (a local-spec import into the transformer-engine spec and back,
+    training/te_names.py), one line naming a key that has no place, the same on every rank
+    (collective)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    models = {key: template[key] for key in map(_model_key, range(chunks))}
+    parts = [None] * torch.distributed.get_world_size()  # every rank places its own part of the model
+    torch.distributed.all_gather_object(parts, te_names.onto_checkpoint(models, load_sharded_metadata(path)))
+    placement = te_names.Placement.over_ranks(parts)
+    line = placement.refusal(args.load, te_names.spec_name(args), args.dist_ckpt_strictness, with_optimizer)
+    if line:
+        raise ConfigError(line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,6 +353,7 @@ class Checkpointer:
             args, self.model, self.optimizer, self.scheduler, iteration,
             loading=True, with_optimizer=with_optimizer, with_rng=with_rng, part=part,
         )
+        onto_checkpoint_names(args, template, len(self.model), path, with_optimizer)
         strategy = get_default_load_sharded_strategy(path)
         if args.ckpt_fully_parallel_load:
             strategy = FullyParallelLoadStrategyWrapper(
@@ -347,7 +364,8 @@ class Checkpointer:
             # torch FSDP2: the load wrote the DTensors' local shards in place; megatron skips both
             # load_state_dicts (training.py:2204, skip_load_to_model_and_opt)
             for i, chunk in enumerate(self.model if not args.use_torch_fsdp2 else []):
-                _load_model_state(_unwrap(chunk), state[_model_key(i)], part)
+                module = _unwrap(chunk)
+                _load_model_state(module, te_names.with_own_extra_states(module, state[_model_key(i)]), part)
             if args.check_for_nan_in_loss_and_grad:  # the non-finite check, before the first step
                 bad = _non_finite_parameters(self.model)
                 if bad:
