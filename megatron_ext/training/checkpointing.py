@@ -40,7 +40,7 @@ from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import ckpt_dirs, ckpt_state, fsdp_checkpoint
+from megatron_ext.training import ckpt_dirs, ckpt_recipe, ckpt_state, fsdp_checkpoint
 from megatron_ext.training import ckpt_integrity as integrity
 
 
@@ -322,7 +322,7 @@ class Checkpointer:
             )
         torch.distributed.barrier()
         self.last_saved = iteration if os.path.abspath(args.load) == os.path.abspath(args.save or "") else None
-        self.loaded = {"load_s": time.perf_counter() - t0, "verify_s": verifier.seconds,
+        self.loaded = {"iteration": iteration, "load_s": time.perf_counter() - t0, "verify_s": verifier.seconds,
                        "agree_s": verifier.agree_seconds, "verified_files": len(verifier.verified),
                        "verified_bytes": verifier.bytes_read}
         verified = (f"; verified {len(verifier.verified)} files in {verifier.seconds:.2f} s"
@@ -406,6 +406,8 @@ class Checkpointer:
         final = ckpt_dirs.checkpoint_dir(args.save, iteration)
         partial = final + ckpt_dirs.PARTIAL
         note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
+        if self.rank == 0:  # the model it holds, beside it and checksummed with it (ckpt_recipe.py)
+            ckpt_recipe.record(args, partial, final)
         if self.checksums:
             c0 = time.perf_counter()
             sums, write_s, writer_s = integrity.take_sums(partial, self.rank, from_sidecar=args.async_save)
