@@ -405,9 +405,10 @@ def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = F
                 write_recipe(recipe, dict(flags), model_type)
             _agreed(lambda: _fill(pieces, rows, c, hf_dir, inventory))
             del pieces
-            from megatron_ext.training import checkpointing
+            from megatron_ext.training import checkpointing, ckpt_state
 
-            ckpt = checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly())
+            saved = [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=True) for c in model]
+            ckpt = checkpointing.Checkpointer(args, saved, None, checkpointing.WeightsOnly())
             ckpt.checksums = True
             ckpt.save(0)
     return recipe
@@ -541,11 +542,20 @@ def load_model(load: str, recipe: str | None, extra: list[str]):
     args = parse_args(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
                                "--exit-on-missing-checkpoint", *extra])
     model = build(args)
-    from megatron_ext.training import checkpointing
+    from megatron_ext.training import checkpointing, ckpt_state
 
-    ckpt = checkpointing.Checkpointer(args, model, None, checkpointing.WeightsOnly())
-    with contextlib.redirect_stdout(io.StringIO()):
-        ckpt.load()
+    loaded = [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=False) for c in model]
+    ckpt = checkpointing.Checkpointer(args, loaded, None, checkpointing.WeightsOnly())
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            ckpt.load()
+    except ConfigError as e:  # the damage each checkpoint showed, in the one line
+        found = [line.removeprefix("[checkpoint] ") for line in printed.getvalue().splitlines() if "damaged" in line]
+        raise ConfigError("; ".join([str(e), *found])) from None
+    for line in printed.getvalue().splitlines():  # what was loaded instead of a damaged newer checkpoint
+        if "damaged" in line or "warning" in line:
+            print(line, file=sys.stderr, flush=True)
     return args, model, ckpt.loaded["iteration"]
 
 

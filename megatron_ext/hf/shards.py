@@ -91,6 +91,43 @@ def pieces(chunks, metadata: dict) -> list[Piece]:
     return out
 
 
+class Prebuilt:
+    """A model chunk as the Checkpointer saves or loads it, with megatron-core's sharded-tensor
+    factories built beforehand. A GLU fc1 is one parameter that the swiglu factory splits into its
+    gate and up halves, two views: megatron-core's writer clones every view before it writes
+    (filesystem_async.py, _clone_or_dequantize_if_needed), all at once, and a load concatenates
+    the halves into new tensors (the factory's merge) before they are copied into the model. Either
+    way every fc1 is held twice at the peak: about half the weights of a dense model more.
+
+    own_storage (a save that is the model's last use, an import's): each half is moved into a
+    tensor of its own and the parameter's memory freed, one fc1 at a time. Otherwise (a load) the
+    halves stay views into the parameters, which dist_checkpointing reads into in place, and there
+    is nothing left to copy: load_state_dict does nothing."""
+
+    def __init__(self, chunk, metadata: dict, own_storage: bool):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        self._chunk = _unwrap(chunk)
+        self._state = self._chunk.sharded_state_dict(metadata=metadata)
+        for key, entry in self._state.items():
+            if isinstance(entry, ShardedTensorFactory):
+                built = list(sharded_tensors({key: entry}))
+                if own_storage:
+                    for sh in built:
+                        sh.data = sh.data.clone()
+                    entry.data.untyped_storage().resize_(0)
+                self._state[key] = built
+
+    def sharded_state_dict(self, metadata=None) -> dict:
+        return self._state
+
+    def load_state_dict(self, state, strict=True) -> None:
+        """Nothing to copy: the load wrote into the parameters (views of them)."""
+
+    def named_parameters(self):
+        return self._chunk.named_parameters()
+
+
 # ---------------------------------------------------------------------------------------------
 # a row's megatron tensor as row ranges of its HF tensors
 # ---------------------------------------------------------------------------------------------
