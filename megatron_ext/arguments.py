@@ -102,7 +102,8 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> arg
         print_config(args)
         if exit_on_dry_run:
             raise SystemExit(0)
-    args.recorded_recipe = ckpt_recipe.describe(args, parser)  # what each checkpoint saved records
+    else:  # what each checkpoint the run saves records of it
+        args.recorded_recipe = ckpt_recipe.describe(args, parser)
     return args
 
 

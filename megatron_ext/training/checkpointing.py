@@ -88,7 +88,10 @@ def _non_finite_parameters(model) -> list[str]:
     flags, names = [], []
     for i, chunk in enumerate(model):
         for name, p in _unwrap(chunk).named_parameters():
-            flags.append(torch.isfinite(to_local_if_dtensor(p)).all())  # a DTensor (FSDP2): this rank's shard
+            local = to_local_if_dtensor(p).reshape(-1)  # a DTensor (FSDP2): this rank's shard
+            # a boolean copy of 2**20 elements at a time, not of the whole parameter: host allocators
+            # kept what one per parameter left (measured: +92 MiB of an export's 175 MiB of weights)
+            flags.append(torch.stack([torch.isfinite(part).all() for part in local.split(1 << 20)]).all())
             names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
     bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
     return integrity.union_over_ranks(bad)
