@@ -129,8 +129,6 @@ def write_recipe(path: str, flags: dict, model_type: str) -> None:
         yaml.safe_dump(flags, f, sort_keys=False)
 
 
-
-
 class _Progress:
     """Tensors done / total and the bytes per second, on stderr of rank 0, on a terminal (or with
     MEGATRON_EXT_PROGRESS=1): a 70B conversion takes minutes."""
@@ -183,9 +181,10 @@ def build(args) -> list:
 
 
 def teardown() -> None:
+    # nothing brought up (a refusal before the build): importing megatron-core now, perhaps before
+    # the platform's CPU shims, fails on its unguarded triton import and hides the refusal
     if "megatron.core.parallel_state" not in sys.modules:
-        return  # nothing was brought up (a refusal before the build): importing megatron-core now,
-        # without the platform set up, would fail on its unguarded triton import
+        return
     from megatron_ext.training import parallel
 
     parallel.destroy()
@@ -223,6 +222,8 @@ def _agreed(step):
         out = step()
     except ConfigError as e:
         error = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreadable file on one rank must not leave the others waiting
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     errors = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(errors, error)
     first = next((e for e in errors if e is not None), None)
