@@ -26,14 +26,17 @@ TOKENIZER = "tokenizer"
 # files of a Hugging Face model directory that are its weights, not its tokenizer
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json")
 
-# Parser groups whose every flag describes the run, not the model: not recorded.
+# Parser groups whose every flag describes the run, not the model: not recorded. A flag in no list is
+# recorded: a run flag recorded is at worst refused by name where the checkpoint is loaded, a model flag
+# left out would load the weights into another model. A capability whose flags describe the run adds
+# its group here.
 RUN_GROUPS = {
     "profiling", "rl", "RNG and initialization", "learning rate and weight decay", "checkpointing",
     "mixed precision", "distributed init", "validation", "autoresume", "biencoder", "vision", "logging",
     "Logits Distillation", "straggler", "workload inspector", "inference", "one logger", "In-process restart",
-    "ft_package", "rerun engine", "msc", "fault injector", "regularization", "experimental",
-    "Transformer-Engine", "megatron_ext", "megatron_ext: planner", "megatron_ext: activation offload",
-    "megatron_ext: backward-forward TP-communication overlap", "megatron_ext: MoE token dispatch",
+    "ft_package", "rerun engine", "msc", "fault injector", "regularization", "Transformer-Engine", "megatron_ext",
+    "megatron_ext: planner", "megatron_ext: activation offload", "megatron_ext: backward-forward TP-communication overlap",
+    "megatron_ext: MoE token dispatch",
 }
 # Flags of the other groups that describe the run: the layout, batches and lengths of training, data,
 # recomputation, communication overlap, offload, CUDA graphs, how weights are initialised.
@@ -62,6 +65,11 @@ RUN_FLAGS = {
     "enable_cuda_graph", "cuda_graph_warmup_steps", "external_cuda_graph", "cuda_graph_impl", "inference_cuda_graph_scope",
     "moe_paged_stash", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu",
+    # the optimizer's and Megatron-FSDP's precision and buffers
+    "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+    "megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype",
+    "megatron_fsdp_enable_fine_grained_param_gather", "megatron_fsdp_max_pool_double_buffer",
+    "fsdp_db_use_persist_buf_on_alloc_fail",
     # initialisation (a checkpoint's weights are loaded, not drawn)
     "perform_initialization", "use_cpu_initialization", "init_model_with_meta_device", "layout_invariant_init",
     # batches, lengths, exits, optimizer of the training loop

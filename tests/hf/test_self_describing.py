@@ -139,3 +139,32 @@ def test_cli_failure_before_bring_up_is_one_line(tmp_path):
         f"error: --load={tmp_path}: no recipe.yaml there, in its checkpoints or beside them (a checkpoint train.py "
         "saves records one, an import writes one): pass --recipe"), p.stderr
     assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_recorded_recipe_reads_back_to_the_same_model(tmp_path):
+    """Every value a checkpoint records reads back through the parser to the value the run resolved:
+    list flags, strings a type function parses (--moe-layer-freq, --window-size, --no-rope-freq),
+    enums; a tokenizer file is copied and named by its copy."""
+    from megatron_ext import arguments
+    from megatron_ext.training import ckpt_recipe
+
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text("{}")
+    argv = ["--recipe", os.path.join(ROOT, "recipes", "tiny_moe.yaml"), "--moe-layer-freq", "[0,1,1,1]",
+            "--window-size", "3,0", "--no-rope-freq", "[0,1,0,1]", "--activation-offload-modules", "core_attention",
+            "qkv_linear", "--attention-backend", "unfused", "--tensor-model-parallel-size", "1", "--tokenizer-metadata", str(vocab)]
+    args = arguments.parse(argv)
+    ckpt_recipe.record(args, str(tmp_path), str(tmp_path))
+    recorded = str(tmp_path / "recipe.yaml")
+    with open(recorded) as f:
+        text = f.read()
+    recipe = yaml.safe_load(text)
+    assert recipe["moe_layer_freq"] == "[0,1,1,1]" and recipe["window_size"] == "3,0"
+    assert recipe["metadata_path"] == str(tmp_path / "tokenizer" / "vocab.json")
+    assert (tmp_path / "tokenizer" / "vocab.json").read_text() == "{}"
+    assert "# activation_offload_modules:" in text and "# attention_backend: unfused" in text
+    assert not {"tensor_model_parallel_size", "activation_offload_modules", "attention_backend", "lr"} & set(recipe)
+    again = arguments.parse(["--recipe", recorded, "--mock-data", "--train-iters", "1", "--lr", "0",
+                             "--micro-batch-size", "1", "--global-batch-size", "1"])
+    for dest in set(recipe) - {"metadata_path"}:
+        assert getattr(again, dest) == getattr(args, dest), dest
