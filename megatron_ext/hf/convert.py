@@ -438,7 +438,8 @@ def _rows_of_all_ranks(model_type: str, c: families.Config, pieces: list, hf_dir
     wanted = {h for row in rows for h in row[1]}
     extra = [k for k in inventory if k not in wanted]
     if extra:
-        raise ConfigError(f"{inventory[extra[0]][0]}: tensor {extra[0]} is not part of a {model_type} model with this config")
+        raise ConfigError(f"{inventory[extra[0]][0]}: tensor {extra[0]} is not part of a {model_type} model with this "
+                          "config")
     missing = [h for h in (h for row in rows for h in row[1]) if h not in inventory]
     if missing:
         raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")

@@ -81,7 +81,8 @@ def pieces(chunks, metadata: dict) -> list[Piece]:
             storage = held[local].untyped_storage().data_ptr()
             for sh in sharded_tensors({local: entry}):
                 if sh.flattened_range is not None:  # a distributed optimizer's flat shard: never here
-                    raise ConfigError(f"{local}: a flattened checkpoint shard cannot be filled from Hugging Face tensors")
+                    raise ConfigError(f"{local}: a flattened checkpoint shard cannot be filled from Hugging Face "
+                                      "tensors")
                 if sh.data.untyped_storage().data_ptr() != storage:
                     raise ConfigError(f"{local}: its sharded state is a copy of the parameter, not a view of it")
                 n = sh.prepend_axis_num

@@ -24,6 +24,7 @@ import copy
 import os
 import shutil
 import time
+import zlib
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
@@ -409,11 +410,13 @@ class Checkpointer:
         final = ckpt_dirs.checkpoint_dir(args.save, iteration)
         partial = final + ckpt_dirs.PARTIAL
         note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
-        if self.rank == 0:  # the model it holds, beside it and checksummed with it (ckpt_recipe.py)
-            ckpt_recipe.record(args, partial, final)
+        # the model it holds, beside it and checksummed with it (ckpt_recipe.py)
+        recipe = ckpt_recipe.record(args, partial, final) if self.rank == 0 else None
         if self.checksums:
             c0 = time.perf_counter()
             sums, write_s, writer_s = integrity.take_sums(partial, self.rank, from_sidecar=args.async_save)
+            if recipe is not None:  # summed as written, as the shard files are: nothing is read back
+                sums[ckpt_recipe.RECIPE] = [len(recipe), zlib.crc32(recipe), True]
             c1 = time.perf_counter()
             gathered = [None] * torch.distributed.get_world_size() if self.rank == 0 else None
             torch.distributed.gather_object((sums, write_s), gathered, dst=0)

@@ -35,8 +35,8 @@ RUN_GROUPS = {
     "mixed precision", "distributed init", "validation", "autoresume", "biencoder", "vision", "logging",
     "Logits Distillation", "straggler", "workload inspector", "inference", "one logger", "In-process restart",
     "ft_package", "rerun engine", "msc", "fault injector", "regularization", "Transformer-Engine", "megatron_ext",
-    "megatron_ext: planner", "megatron_ext: activation offload", "megatron_ext: backward-forward TP-communication overlap",
-    "megatron_ext: MoE token dispatch",
+    "megatron_ext: planner", "megatron_ext: activation offload",
+    "megatron_ext: backward-forward TP-communication overlap", "megatron_ext: MoE token dispatch",
 }
 # Flags of the other groups that describe the run: the layout, batches and lengths of training, data,
 # recomputation, communication overlap, offload, CUDA graphs, how weights are initialised.
@@ -45,8 +45,8 @@ RUN_FLAGS = {
     "tensor_model_parallel_size", "tensor_parallel_num_weight_shards", "pipeline_model_parallel_comm_backend",
     "pipeline_model_parallel_size", "sequence_parallel", "context_parallel_size", "hierarchical_context_parallel_sizes",
     "max_seqlen_per_dp_cp_rank", "hybrid_context_parallel", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "expert_tensor_parallel_num_weight_shards", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split", "microbatch_group_size_per_vp_stage",
+    "expert_tensor_parallel_size", "expert_tensor_parallel_num_weight_shards",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "microbatch_group_size_per_vp_stage",
     # communication overlap and kernels chosen for speed
     "tp_comm_overlap", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
     "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs", "tp_comm_bootstrap_backend",
@@ -61,8 +61,9 @@ RUN_FLAGS = {
     "recompute_modules", "recompute_activations", "checkpoint_activations", "moe_layer_recompute",
     "cpu_offloading_num_layers", "cpu_offloading_retain_pinned_cpu_buffers", "fine_grained_activation_offloading",
     "offload_modules", "min_offloaded_tensor_size", "delay_offload_until_cuda_graph",
-    "delta_offload_bytes_across_pp_ranks", "activation_offload_fraction", "fine_grained_offloading_max_inflight_offloads",
-    "enable_cuda_graph", "cuda_graph_warmup_steps", "external_cuda_graph", "cuda_graph_impl", "inference_cuda_graph_scope",
+    "delta_offload_bytes_across_pp_ranks", "activation_offload_fraction",
+    "fine_grained_offloading_max_inflight_offloads", "enable_cuda_graph", "cuda_graph_warmup_steps",
+    "external_cuda_graph", "cuda_graph_impl", "inference_cuda_graph_scope",
     "moe_paged_stash", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu",
     # the optimizer's and Megatron-FSDP's precision and buffers
@@ -158,16 +159,16 @@ def describe(args, parser) -> dict:
             "tokenizer": sorted(tokenizer & set(recipe))}
 
 
-def record(args, directory: str, final: str) -> bool:
+def record(args, directory: str, final: str) -> bytes | None:
     """Write `directory`/recipe.yaml and copy the tokenizer's files into `directory`/tokenizer (one
     rank, before the checkpoint is committed); their paths in the recipe name `final`, where
-    `directory` is renamed to at commit. False when the run was not parsed by arguments.parse (its
-    recipe is unknown: nothing is written)."""
+    `directory` is renamed to at commit. Returns the recipe's bytes; None when the run was not parsed
+    by arguments.parse (its recipe is unknown: nothing is written)."""
     import yaml
 
     described = getattr(args, "recorded_recipe", None)
     if described is None:
-        return False
+        return None
     recipe = dict(described["recipe"])
     tokenizer_dir = os.path.join(directory, TOKENIZER)
     for dest in described["tokenizer"]:
@@ -192,8 +193,9 @@ def record(args, directory: str, final: str) -> bool:
         tail += ["# " + line for line in yaml.safe_dump(described["run"], sort_keys=True).splitlines()]
     if described["unwritable"]:
         tail.append(f"# not recorded (no recipe value expresses them): {', '.join(described['unwritable'])}")
-    ckpt_dirs.write_atomic(os.path.join(directory, RECIPE), "\n".join(text) + "\n" + body + "\n".join(tail) + "\n")
-    return True
+    content = "\n".join(text) + "\n" + body + "\n".join(tail) + "\n"
+    ckpt_dirs.write_atomic(os.path.join(directory, RECIPE), content)
+    return content.encode()
 
 
 def recorded(load: str | None, step: int | None = None) -> str | None:

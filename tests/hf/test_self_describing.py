@@ -123,7 +123,8 @@ def test_convert_failures_are_one_line_each(runs, tmp_path):
         "no recipe": f"--load={tmp_path / 'foreign'}: no recipe.yaml there, in its checkpoints or beside them",
     }
     for name, start in expected.items():
-        assert lines[name] is not None and lines[name].startswith(start) and "\n" not in lines[name], (name, lines[name])
+        line = lines[name]
+        assert line is not None and line.startswith(start) and "\n" not in line, (name, line)
     assert not os.path.exists(out) and not os.path.exists(out + ".partial")
     assert sorted(os.listdir(full)) == ["model.safetensors"]
 
@@ -152,7 +153,8 @@ def test_recorded_recipe_reads_back_to_the_same_model(tmp_path):
     vocab.write_text("{}")
     argv = ["--recipe", os.path.join(ROOT, "recipes", "tiny_moe.yaml"), "--moe-layer-freq", "[0,1,1,1]",
             "--window-size", "3,0", "--no-rope-freq", "[0,1,0,1]", "--activation-offload-modules", "core_attention",
-            "qkv_linear", "--attention-backend", "unfused", "--tensor-model-parallel-size", "1", "--tokenizer-metadata", str(vocab)]
+            "qkv_linear", "--attention-backend", "unfused", "--tensor-model-parallel-size", "1",
+            "--tokenizer-metadata", str(vocab)]
     args = arguments.parse(argv)
     ckpt_recipe.record(args, str(tmp_path), str(tmp_path))
     recorded = str(tmp_path / "recipe.yaml")
