@@ -22,7 +22,7 @@ from megatron_ext.planner import options as planner_options
 from megatron_ext.config import domains, megatron_checks, recipes, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
-from megatron_ext.training import features
+from megatron_ext.training import ckpt_recipe, features
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, raised like every other refusal (not usage + exit 2 per rank)
@@ -106,6 +106,7 @@ def _ours_and_common_first(parser) -> None:
         for g in parser._action_groups:
             if action in g._group_actions and g is not common:
                 g._group_actions.remove(action)
+                action.megatron_group = g.title  # what reads megatron's groups still finds it there
         common._group_actions.append(action)
     groups = parser._action_groups
     ours = [g for g in groups if (g.title or "").startswith(("megatron_ext", "planner")) or g is parser._optionals]
@@ -137,20 +138,29 @@ def _explicit_cli_dests(parser, argv) -> set:
 def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    recipe_path = parser.parse_known_args(argv)[0].recipe
+    known = parser.parse_known_args(argv)[0]
+    recipe_path, recorded = known.recipe, None
+    if recipe_path is None and known.load:  # the recipe the checkpoint records (training/ckpt_recipe.py)
+        recipe_path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
     recipe = recipes.load(recipe_path, parser) if recipe_path else {}
+    if recorded:
+        recipe = ckpt_recipe.relocate(recipe, recorded)
     cli = _explicit_cli_dests(parser, argv)
     parser.set_defaults(**recipe)
     args = parser.parse_args(argv)
     args.config_sources = {
         dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
     }
+    if recorded:
+        args.recipe, args.config_sources["recipe"] = recorded, "recorded by the --load checkpoint"
     finalize(args, parser)
     _LAST["args"] = args  # explain() names these values for refusals raised after parsing
     if args.dry_run:
         print_config(args)
         if exit_on_dry_run:
             raise SystemExit(0)
+    else:  # what each checkpoint the run saves records of it
+        args.recorded_recipe = ckpt_recipe.describe(args, parser)
     return args
 
 

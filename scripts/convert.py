@@ -1,16 +1,29 @@
 """Hugging Face in and out.
 
-    python scripts/convert.py import --hf HF_DIR --save CKPT
-    python scripts/convert.py export --load CKPT --hf OUT_DIR [--recipe CKPT/recipe.yaml] [--max-shard-size 5GB]
+    [torchrun --nproc-per-node N] scripts/convert.py import --hf HF_DIR --save CKPT [--overwrite] [layout flags]
+    [torchrun --nproc-per-node N] scripts/convert.py export --load CKPT --hf OUT_DIR [--overwrite]
+                                                     [--recipe RECIPE] [--max-shard-size 5GB]
     torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,... --out FILE.pt [layout flags]
 
-then: torchrun ... train.py --recipe CKPT/recipe.yaml --load CKPT --finetune [layout, data, features]
-(docs/hf.md). A refusal is one line, `error: ...`, exit status 1.
+then: torchrun ... train.py --load CKPT --finetune [layout, data, features] (docs/hf.md). A checkpoint
+records its recipe: --recipe only overrides it. Under torchrun, import reads on every rank only the
+slices of its shard (layout flags: --tensor-model-parallel-size, --pipeline-model-parallel-size,
+--expert-model-parallel-size, ...), export gives every rank a pipeline stage and its shard files.
+import and export write a fresh directory (--overwrite replaces an existing one as a whole); a failure
+leaves nothing behind. A failure is one line, `error: ...`, exit status 1.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
+
+from megatron_ext.errors import TRACEBACK_ENV, ConfigError  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other refusal (not usage + exit status 2)
+        raise ConfigError(message)
 
 
 def _size(text: str) -> int:
@@ -21,62 +34,114 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the subcommands: each adds its arguments and runs (`rest`: the megatron flags it passes on)
+# ---------------------------------------------------------------------------------------------
+def _import_arguments(p) -> None:
+    p.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, safetensors)")
+    p.add_argument("--save", required=True, help="the checkpoint directory to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace --save if it holds anything")
+
+
+def _import(args, rest: list[str]) -> None:
+    from megatron_ext import hf
+
+    recipe = hf.import_hf(args.hf, args.save, extra=rest, overwrite=args.overwrite)
+    if _rank0():
+        print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
+
+
+def _export_arguments(p) -> None:
+    p.add_argument("--load", required=True, help="a checkpoint directory (its newest intact checkpoint is exported)")
+    p.add_argument("--hf", required=True, help="the Hugging Face directory to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --hf as a whole if it holds anything (written aside, then swapped in)")
+    p.add_argument("--recipe", default=None, help="default: the recipe the checkpoint records")
+    p.add_argument("--max-shard-size", default="5GB", type=_size)
+
+
+def _export(args, rest: list[str]) -> None:
+    from megatron_ext import hf
+
+    if rest:
+        raise ConfigError(f"export: unknown arguments {' '.join(rest)}")
+    replacing = args.overwrite and os.path.isdir(args.hf) and bool(os.listdir(args.hf))
+    names, iteration = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size,
+                                    overwrite=args.overwrite)
+    if _rank0():
+        shards = f"{len(names)} shard{'s' if len(names) != 1 else ''}"
+        print(f"exported {args.load} (iteration {iteration}) -> {args.hf} ({shards}"
+              + ("; its previous contents replaced)" if replacing else ")"))
+
+
+def _logits_arguments(p) -> None:
+    p.add_argument("--load", required=True)
+    p.add_argument("--input-ids", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--recipe", default=None, help="default: the recipe the checkpoint records")
+
+
+def _logits(args, rest: list[str]) -> None:
+    from megatron_ext import hf
+
+    try:
+        ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--input-ids={args.input_ids}: comma-separated token ids") from None
+    out = hf.logits(args.load, ids, recipe=args.recipe, extra=rest)
+    if out is not None:
+        hf.save_logits(out, args.out)
+
+
+COMMANDS = {  # name: (help, its arguments, what it runs)
+    "import": ("HF directory -> megatron checkpoint + recipe.yaml (layout flags follow)", _import_arguments, _import),
+    "export": ("megatron checkpoint (any layout) -> HF directory", _export_arguments, _export),
+    "logits": ("fp32 logits [seq, vocab] of the forward on --input-ids (layout flags follow)", _logits_arguments,
+               _logits),
+}
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="HF directory -> megatron checkpoint + recipe.yaml")
-    imp.add_argument("--hf", required=True)
-    imp.add_argument("--save", required=True)
-    exp = sub.add_parser("export", help="megatron checkpoint (any layout) -> HF directory")
-    exp.add_argument("--load", required=True)
-    exp.add_argument("--hf", required=True)
-    exp.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
-    exp.add_argument("--max-shard-size", default="5GB", type=_size)
-    lg = sub.add_parser("logits", help="fp32 logits [seq, vocab] of the forward on --input-ids (layout flags follow)")
-    lg.add_argument("--load", required=True)
-    lg.add_argument("--input-ids", required=True)
-    lg.add_argument("--out", required=True)
-    lg.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
+    for name, (help_text, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text))
     return p
 
 
 def main(argv: list[str] | None = None):
     args, rest = parser().parse_known_args(argv)
-    from megatron_ext.errors import ConfigError
-    from megatron_ext import hf
-
-    if args.command != "logits" and rest:
-        raise ConfigError(f"{args.command}: unknown arguments {' '.join(rest)}")
-    if args.command == "import":
-        recipe = hf.import_hf(args.hf, args.save)
-        print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
-    elif args.command == "export":
-        names = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size)
-        print(f"exported {args.load} -> {args.hf} ({len(names)} shard{'s' if len(names) != 1 else ''})")
-    else:
-        import torch
-
-        try:
-            ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--input-ids={args.input_ids}: comma-separated token ids") from None
-        out = hf.logits(args.load, ids, recipe=args.recipe, extra=rest)
-        if out is not None:
-            torch.save(out, args.out)
+    try:
+        COMMANDS[args.command][2](args, rest)
+    except (ConfigError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        raise ConfigError(_explain_unexpected(args.command, e)) from e
 
 
-def _explain(exc: BaseException) -> str | None:
-    from megatron_ext.errors import ConfigError
+def _explain_unexpected(command: str, exc: BaseException) -> str:
+    """One line for anything else a subcommand raised: megatron's refusal of a flag where it names
+    one (the layout flags), else what was raised."""
+    from megatron_ext import platform
 
-    if isinstance(exc, ConfigError):
-        return str(exc)
-    from megatron_ext import arguments  # megatron's own refusals of a flag (logits' layout flags)
+    platform.setup()  # before megatron-core is imported (its unguarded triton import)
+    from megatron_ext import arguments
 
-    return arguments.explain(exc)
+    line = arguments.explain(exc) if isinstance(exc, (AssertionError, ValueError, RuntimeError)) else None
+    if line:
+        return line
+    text = str(exc).strip().splitlines()
+    return f"{command}: {type(exc).__name__}: {text[0] if text else ''} ({TRACEBACK_ENV}=1 shows the traceback)"
 
 
 if __name__ == "__main__":
     from megatron_ext import errors
 
     errors.quiet()  # third-party warnings that tell the user nothing (MEGATRON_EXT_VERBOSE=1 shows them)
-    errors.run(main, explain=_explain)
+    errors.run(main, explain=lambda e: str(e) if isinstance(e, ConfigError) else None)

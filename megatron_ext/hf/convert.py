@@ -2,14 +2,22 @@
 
 import: HF directory -> CKPT/recipe.yaml (every architecture flag the config implies), CKPT/tokenizer/
         (the HF directory without its weights: tokenizer files, config.json, generation_config.json),
-        CKPT/iter_0000000 (the project's torch_dist checkpoint, model weights only; dist_checkpointing
-        reshards it into any layout). The model is built once in this process (one rank) and the HF
-        shards stream into it one file at a time, one tensor at a time: peak host memory is the model
-        plus the largest tensor group of one row (a layer's q/k/v, an expert's gate/up, a layer's stacked
-        experts).
-export: CKPT (any layout it was trained on, resharded to one rank on load) -> config.json, safetensors
-        shards (and their index above one shard), tokenizer files; written one shard at a time.
+        CKPT/iter_0000000 (the project's torch_dist checkpoint, model weights only, with the recipe it
+        records; dist_checkpointing reshards it into any layout). On one process or under torchrun in
+        any layout: each rank builds its shard of the model (megatron-core's partitioning) and reads
+        only the slices of the HF tensors that shard holds (shards.py), one HF tensor at a time, so
+        its peak host memory is its shard plus one tensor's slice; dist_checkpointing writes the
+        checkpoint a one-process import writes.
+export: CKPT (any layout it was trained on) -> config.json, safetensors shards (and their index above
+        one shard), tokenizer files. Under torchrun each rank is one pipeline stage: it loads the
+        layers it owns, whole, and writes their HF tensors into its own shard files; no rank holds
+        more than its stage. Written into a fresh directory (or, with overwrite, a staging directory
+        swapped in for the old one): nothing stale is left beside the new shards.
 logits: the fp32 logits [seq, vocab] of the model's forward on given ids, on any layout (torchrun).
+
+A checkpoint saved by train.py records its recipe (training/ckpt_recipe.py): export and logits read
+it when no recipe is given. Nothing is left behind by a failure: an import removes what it wrote (and
+puts back the directory --overwrite moved aside), an export its staging directory, logits its file.
 """
 from __future__ import annotations
 
@@ -19,11 +27,13 @@ import json
 import os
 import shutil
 import sys
+import tempfile
+import time
 
 import torch
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.hf import families
+from megatron_ext.hf import families, shards
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
@@ -32,6 +42,9 @@ TOKENIZER = "tokenizer"
 SIDE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", WEIGHTS_INDEX)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_FLAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+STAGING = ".partial"  # OUT.partial: an export being written
+REPLACED = ".replaced"  # PATH.replaced: what --overwrite moved aside until the new one is complete
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,40 +134,80 @@ def write_recipe(path: str, flags: dict, model_type: str) -> None:
         yaml.safe_dump(flags, f, sort_keys=False)
 
 
-def _progress(total: int, desc: str):
-    """A progress bar over one shard file's tensors, on a terminal (or with MEGATRON_EXT_PROGRESS=1)."""
-    if not (sys.stderr.isatty() or os.environ.get("MEGATRON_EXT_PROGRESS")):
-        return contextlib.nullcontext(None)
-    from tqdm import tqdm
+class _Progress:
+    """Tensors done / total and the bytes per second, on stderr of rank 0, on a terminal (or with
+    MEGATRON_EXT_PROGRESS=1): a 70B conversion takes minutes."""
 
-    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+    def __init__(self, total: int, desc: str):
+        self.bar, self.bytes, self.t0 = None, 0, time.perf_counter()
+        if int(os.environ.get("RANK", "0")) == 0 and (sys.stderr.isatty() or os.environ.get("MEGATRON_EXT_PROGRESS")):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bytes += nbytes
+            rate = self.bytes / max(time.perf_counter() - self.t0, 1e-9) / 2**20
+            self.bar.set_postfix_str(f"{self.bytes / 2**20:.0f} MiB, {rate:.0f} MiB/s", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------------
-# the megatron model of a recipe, on one rank (import, export) or under torchrun (logits)
+# the megatron model of a recipe, on one process or under torchrun
 # ---------------------------------------------------------------------------------------------
-def open_run(recipe: str, extra: list[str]):
-    """The run of the recipe's model (megatron_ext/training/run.py), one micro-batch of mock data:
-    what import, export and logits build and load through."""
+def open_run(recipe: str | None, extra: list[str]):
+    """The run of the recipe's model (None: the recipe the --load checkpoint in `extra` records), one
+    micro-batch of mock data (megatron_ext/training/run.py): what import, export and logits build and
+    load through. Entering it brings the process groups up; leaving it tears them down, and a
+    teardown that fails after the conversion's own error does not replace it."""
     from megatron_ext.training.run import Run
 
-    argv = ["--recipe", recipe, "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--num-workers", "0", *extra]
+    argv = [*(["--recipe", recipe] if recipe else []), "--mock-data", "--micro-batch-size", "1", "--train-iters", "1",
+            "--lr", "0", "--num-workers", "0", *extra]
     if "--global-batch-size" not in extra:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         argv += ["--global-batch-size", "1"] if world == 1 else []
     return Run.from_argv(argv)
 
 
-def unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+def _setup() -> None:
+    """The platform, before anything imports megatron-core (its CPU shims)."""
+    from megatron_ext import platform
+
+    platform.setup()
 
 
-def model_tensors(chunk) -> dict[str, torch.Tensor]:
-    """Parameter and persistent-buffer tensors of one model chunk by state-dict name."""
-    return {k: v for k, v in unwrap(chunk).state_dict(keep_vars=True).items()
-            if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _agreed(step):
+    """step() on every rank; a refusal on any rank is raised on every rank (the lowest rank's line),
+    so no rank waits in a collective its peers never reach."""
+    error, out = None, None
+    try:
+        out = step()
+    except ConfigError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreadable file on one rank must not leave the others waiting
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    return out
+
+
+def _pieces(args, model) -> list:
+    from megatron_ext.training import ckpt_state
+
+    return shards.pieces(model, ckpt_state.sharding_metadata(args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,15 +247,8 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
     """One row's HF tensors -> its megatron tensors (one per megatron name)."""
-    if kind == "copy":
-        return [parts[0]]
-    if kind == "glu":
-        return [torch.cat(parts, 0)]
-    if kind == "qkv":
-        q, k, v = parts
-        groups = k.shape[0] // _head_dim(c)
-        return [torch.cat([q.reshape(groups, -1, *q.shape[1:]), k.reshape(groups, -1, *k.shape[1:]),
-                           v.reshape(groups, -1, *v.shape[1:])], 1).reshape(-1, *q.shape[1:])]
+    if not kind.startswith("stacked"):
+        return [shards.join(kind, parts, _head_dim(c))]
     (t,) = parts
     if kind == "stacked_glu_t":  # [E, h, 2f] -> [2f, h] each
         return [torch.cat(_interleaved(e), -1).t() for e in t]
@@ -214,18 +260,10 @@ def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> lis
     return list(t)
 
 
-def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
-    """One row's megatron tensors -> its HF tensors (the inverse of to_megatron)."""
-    if kind == "copy":
-        return [ts[0]]
-    if kind == "glu":
-        return [p.clone() for p in ts[0].chunk(2, 0)]
-    if kind == "qkv":
-        t, d = ts[0], _head_dim(c)
-        heads, groups = c.raw["num_attention_heads"], c.raw.get("num_key_value_heads") or c.raw["num_attention_heads"]
-        g = t.reshape(groups, (heads // groups + 2) * d, *t.shape[1:])
-        q, k, v = g.split([heads // groups * d, d, d], 1)
-        return [x.reshape(-1, *t.shape[1:]).clone() for x in (q, k, v)]
+def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config, hf_shapes: list) -> list[torch.Tensor]:
+    """One row's megatron tensors -> its HF tensors of `hf_shapes` (the inverse of to_megatron)."""
+    if not kind.startswith("stacked"):
+        return shards.split(kind, ts[0], hf_shapes, _head_dim(c))
     if kind == "stacked_glu_t":
         return [torch.stack([_interleave(*t.t().chunk(2, -1)) for t in ts])]
     if kind == "stacked_glu":
@@ -236,81 +274,206 @@ def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config) -> list[torch.T
     return [torch.stack(ts)]
 
 
+def hf_shapes(kind: str, mg_shapes: list, c: families.Config) -> list[tuple]:
+    """The HF tensors' shapes of a row whose megatron tensors have `mg_shapes`."""
+    d = _head_dim(c)
+    if kind == "copy":
+        return [tuple(mg_shapes[0])]
+    if kind == "glu":
+        return [(mg_shapes[0][0] // 2, *mg_shapes[0][1:])] * 2
+    if kind == "qkv":
+        heads, groups = c.raw["num_attention_heads"], c.raw.get("num_key_value_heads") or c.raw["num_attention_heads"]
+        return [(heads * d, *mg_shapes[0][1:]), (groups * d, *mg_shapes[0][1:]), (groups * d, *mg_shapes[0][1:])]
+    meta = to_hf(kind, [torch.empty(s, device="meta") for s in mg_shapes], c, [])
+    return [tuple(t.shape) for t in meta]
+
+
 def _head_dim(c: families.Config) -> int:
     return c.raw.get("head_dim") or c.raw["hidden_size"] // c.raw["num_attention_heads"]
 
 
 # ---------------------------------------------------------------------------------------------
+# output directories: fresh, or replaced as a whole; nothing left behind by a failure
+# ---------------------------------------------------------------------------------------------
+def _check_fresh(flag: str, path: str, overwrite: bool, what: str) -> None:
+    """Before any work: `path` must be new or empty, unless --overwrite (every rank, the same answer)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}={path}: not a directory")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ConfigError(f"{flag}={path}: not empty ({what} writes a fresh directory; --overwrite replaces it "
+                          "as a whole)")
+
+
+@contextlib.contextmanager
+def _fresh_directory(path: str, staged: bool):
+    """Yield where to write `path` (collective; rank 0 moves directories). Staged: into PATH.partial,
+    swapped in for `path` once complete. Not staged (an import: the checkpoint's recorded paths
+    name `path`): into `path` itself, an old one moved aside to PATH.replaced first. On success
+    what was moved aside is removed; on failure what was written is removed and the old one put back."""
+    target = path + STAGING if staged else path
+    old = path + REPLACED
+    main = _rank() == 0
+    if main:
+        for leftover in (target, old) if staged else (old,):  # of a killed earlier run
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover)
+        if not staged and os.path.isdir(path):
+            os.replace(path, old)
+        os.makedirs(target, exist_ok=True)
+    torch.distributed.barrier()
+    try:
+        yield target
+        torch.distributed.barrier()  # every rank's files are written
+        if main:
+            if staged:
+                if os.path.isdir(path):
+                    os.replace(path, old)
+                os.replace(target, path)
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if main:
+            shutil.rmtree(target, ignore_errors=True)
+            if os.path.isdir(old) and not os.path.exists(path):
+                os.replace(old, path)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
 # import
 # ---------------------------------------------------------------------------------------------
-def import_hf(hf_dir: str, save: str) -> str:
-    """HF directory -> megatron checkpoint under `save`; returns the recipe's path."""
-    from safetensors import safe_open
-
+def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = False) -> str:
+    """HF directory -> megatron checkpoint under `save` (a fresh directory, or with `overwrite` a
+    replaced one), on this process's layout (`extra`: its flags; under torchrun every rank reads only
+    its shard's slices); returns the recipe's path."""
+    _setup()
     model_type, c = read_hf_config(hf_dir)
     files = shard_files(hf_dir)
-    os.makedirs(save, exist_ok=True)
-    tok_dir = os.path.join(save, TOKENIZER)
-    if os.path.isdir(tok_dir):
-        shutil.rmtree(tok_dir)
-    shutil.copytree(hf_dir, tok_dir, ignore=lambda d, names: [n for n in names if n.endswith(SIDE_FILES_SKIPPED)])
-    tokenizer_vocab = _tokenizer_vocab(tok_dir)
+    _check_fresh("--save", save, overwrite, "an import")
+    inventory = _inventory(hf_dir, files)
+    tokenizer_vocab = _tokenizer_vocab(hf_dir)
     flags = recipe_for(model_type, c, save, tokenizer_vocab)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # parsed with the tokenizer where it is now; the recipe written names the copy under `save`
+    handle, parsed = tempfile.mkstemp(suffix=".yaml", prefix="import-recipe-")
+    os.close(handle)
+    try:
+        write_recipe(parsed, dict(flags, tokenizer_model=os.path.abspath(hf_dir)), model_type)
+        run = open_run(parsed, ["--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng",
+                                "--world-size", str(world), "--global-batch-size", str(parallel_dp(world, extra)),
+                                *extra])
+    finally:
+        os.remove(parsed)
     recipe = os.path.join(save, RECIPE)
-    write_recipe(recipe, flags, model_type)
-
-    run = open_run(recipe, ["--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--world-size", "1"])
+    args = run.args
     with run:
-        args, model = run.args, run.build(wrap=False)
+        model = run.build(wrap=False)
         if args.padded_vocab_size != c["vocab_size"]:
             raise ConfigError(f"config.json: vocab_size={c['vocab_size']}: megatron pads the tokenizer's "
                               f"{tokenizer_vocab} ids to {args.padded_vocab_size}")
-        tensors = model_tensors(model[0])
-        rows = expand(model_type, c, tensors)
-        wanted = {h: row for row in rows for h in row[1]}
-        pending: dict[str, dict] = {}
-        filled = set()
-        for name in files:
-            path = os.path.join(hf_dir, name)
-            with safe_open(path, "pt") as f, _progress(len(f.keys()), name) as bar, torch.no_grad():
-                for key in f.keys():
-                    if key not in wanted:
-                        raise ConfigError(f"{path}: tensor {key} is not part of a {model_type} model with this config")
-                    mgs, hf_names, kind = wanted[key]
-                    parts = pending.setdefault(mgs, {})
-                    parts[key] = f.get_tensor(key)
-                    if len(parts) == len(hf_names):
-                        _check_stack(parts, hf_names, mgs, kind, path)
-                        for mg, value in zip(mgs, to_megatron(kind, [parts[h] for h in hf_names], c)):
-                            _fill(tensors[mg], value, mg, hf_names, path)
-                        del pending[mgs]
-                        filled.add(mgs)
-                    if bar is not None:
-                        bar.update(1)
-        missing = [h for mgs, hf_names, _ in rows if mgs not in filled for h in hf_names
-                   if h not in pending.get(mgs, {})]
-        if missing:
-            raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
-        run.save(0, weights_only=True)
+        pieces = _pieces(args, model)
+        rows = _agreed(lambda: _rows_of_all_ranks(model_type, c, pieces, hf_dir, inventory))
+        with _fresh_directory(save, staged=False):
+            if _rank() == 0:
+                shutil.copytree(hf_dir, os.path.join(save, TOKENIZER),
+                                ignore=lambda d, names: [n for n in names if n.endswith(SIDE_FILES_SKIPPED)])
+                write_recipe(recipe, dict(flags), model_type)
+            _agreed(lambda: _fill(pieces, rows, c, hf_dir, inventory))
+            del pieces
+            from megatron_ext.training import ckpt_state
+
+            saved = [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=True) for c in model]
+            run.save(0, weights_only=True, chunks=saved)
     return recipe
 
 
-def _check_stack(parts: dict, hf_names: list[str], mgs: tuple, kind: str, path: str) -> None:
-    """A stacked HF tensor holds one entry per expert on its first dimension."""
-    t = parts[hf_names[0]]
-    if kind.startswith("stacked") and (t.dim() < 1 or t.shape[0] != len(mgs)):
-        raise ConfigError(f"{path}: {hf_names[0]}: shape {tuple(t.shape)} does not match the config's "
+def _inventory(hf_dir: str, files: list[str]) -> dict[str, tuple[str, tuple, str]]:
+    """Every HF tensor: (its file, shape, safetensors dtype), from the files' headers."""
+    from safetensors import safe_open
+
+    found = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                found[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+    return found
+
+
+def _rows_of_all_ranks(model_type: str, c: families.Config, pieces: list, hf_dir: str, inventory: dict) -> list:
+    """The table rows of the whole model (every rank's tensors), checked against the HF tensors:
+    none missing, none the model does not have."""
+    names = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, sorted({p.name for p in pieces}))
+    rows = expand(model_type, c, {n for ns in names for n in ns})
+    wanted = {h for row in rows for h in row[1]}
+    extra = [k for k in inventory if k not in wanted]
+    if extra:
+        raise ConfigError(f"{inventory[extra[0]][0]}: tensor {extra[0]} is not part of a {model_type} model with this "
+                          "config")
+    missing = [h for h in (h for row in rows for h in row[1]) if h not in inventory]
+    if missing:
+        raise ConfigError(f"--hf={hf_dir}: tensor {missing[0]} is missing from the shards")
+    return rows
+
+
+def _fill(pieces: list, rows: list, c: families.Config, hf_dir: str, inventory: dict) -> None:
+    """Every piece from the slices of the HF tensors it covers, one HF tensor at a time (its file
+    opened for that tensor alone: the mapped pages of what was read go with it)."""
+    from safetensors import safe_open
+
+    row_of = {m: row for row in rows for m in row[0]}
+    by_tensor: dict[str, list] = {}  # HF name -> [(its slices, the piece, the piece's slices, the row)]
+    for piece in pieces:
+        mgs, hf_names, kind = row_of[piece.name]
+        path = inventory[hf_names[0]][0]
+        shapes = [inventory[h][1] for h in hf_names]
+        _check_row(piece, mgs, hf_names, kind, shapes, c, path)
+        if kind.startswith("stacked"):  # this expert's entry, transformed whole, then the piece's part
+            expert = mgs.index(piece.name)
+            by_tensor.setdefault(hf_names[0], []).append(((slice(expert, expert + 1),), piece, None, kind))
+        else:
+            for i, hf_slices, dest_slices in shards.reads(kind, shapes, _head_dim(c), piece):
+                by_tensor.setdefault(hf_names[i], []).append((hf_slices, piece, dest_slices, kind))
+    progress = _Progress(len(by_tensor), "import")
+    with torch.no_grad():
+        for name in sorted(by_tensor, key=lambda n: (inventory[n][0], n)):
+            path, _, dtype = inventory[name]
+            with safe_open(path, "pt") as f:
+                tensor = f.get_slice(name)
+                nbytes = 0
+                for hf_slices, piece, dest_slices, kind in by_tensor[name]:
+                    if SAFETENSORS_DTYPES.get(dtype) != piece.dest.dtype:
+                        raise ConfigError(f"{path}: {name}: dtype {_dtype_name(SAFETENSORS_DTYPES.get(dtype, dtype))} "
+                                          f"does not match the config's {_dtype_name(piece.dest.dtype)}")
+                    value = tensor[hf_slices]
+                    nbytes += value.numel() * value.element_size()
+                    if dest_slices is None:
+                        piece.dest.copy_(to_megatron(kind, [value], c)[0][piece.slices])
+                    else:
+                        piece.dest[dest_slices].copy_(value)
+                    del value
+            progress.update(nbytes)
+    progress.close()
+
+
+def _check_row(piece, mgs: tuple, hf_names: list, kind: str, shapes: list, c: families.Config, path: str) -> None:
+    """The HF tensors' shapes make the megatron tensor the config describes."""
+    if kind.startswith("stacked") and (len(shapes[0]) < 1 or shapes[0][0] != len(mgs)):
+        raise ConfigError(f"{path}: {hf_names[0]}: shape {shapes[0]} does not match the config's "
                           f"{len(mgs)} experts")
+    try:
+        meta = to_megatron(kind, [torch.empty(s, device="meta") for s in shapes], c)[0]
+        shape = tuple(meta.shape)
+    except RuntimeError:  # parts that do not concatenate
+        shape = tuple(tuple(s) for s in shapes)
+    if shape != piece.shape:
+        raise ConfigError(f"{path}: {', '.join(hf_names)}: shape {shape} does not match the config's "
+                          f"{piece.shape} ({piece.name})")
 
 
-def _fill(param: torch.Tensor, value: torch.Tensor, mg: str, hf_names: list[str], path: str) -> None:
-    if value.shape != param.shape:
-        raise ConfigError(f"{path}: {', '.join(hf_names)}: shape {tuple(value.shape)} does not match the config's "
-                          f"{tuple(param.shape)} ({mg})")
-    if value.dtype != param.dtype:
-        raise ConfigError(f"{path}: {hf_names[0]}: dtype {str(value.dtype).replace('torch.', '')} does not match "
-                          f"the config's {str(param.dtype).replace('torch.', '')}")
-    param.data.copy_(value)
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _tokenizer_vocab(tok_dir: str) -> int:
@@ -327,81 +490,174 @@ def _tokenizer_vocab(tok_dir: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
-def load_model(load: str, recipe: str | None, extra: list[str]):
-    """The run of `recipe` (default LOAD/recipe.yaml) with the newest checkpoint under `load`,
-    weights only, as --finetune loads them; the caller enters it (`with load_model(...) as run`)."""
-    recipe = recipe or os.path.join(load, RECIPE)
-    if not os.path.isfile(recipe):
-        raise ConfigError(f"--load={load}: no {RECIPE} there (pass --recipe, the imported checkpoint's recipe)")
-    return _Loaded(open_run(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
-                                     "--exit-on-missing-checkpoint", *extra]))
+def recipe_of(load: str, recipe: str | None) -> str:
+    """The recipe a load reads: `recipe`, else the one the checkpoint records (or an import's beside
+    it); a one-line refusal when there is none."""
+    if recipe:
+        if not os.path.isfile(recipe):
+            raise ConfigError(f"--recipe={recipe}: no such file")
+        return recipe
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load={load}: no such directory")
+    from megatron_ext.training import ckpt_recipe
+
+    found = ckpt_recipe.recorded(load)
+    if found is None:
+        raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
+                          "train.py saves records one, an import writes one): pass --recipe")
+    return found
 
 
-class _Loaded:
-    """A run whose weights are loaded as it is entered (the loader's lines kept off stdout)."""
+@contextlib.contextmanager
+def loaded_model(load: str, recipe: str | None, extra: list[str]):
+    """(args, model, iteration) inside the run of `recipe` (default: the one the checkpoint records)
+    with the newest intact checkpoint under `load`, weights only, as --finetune loads them."""
+    recipe_of(load, recipe)  # refused at once when there is none; the parser reads (and relocates) it
+    with open_run(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
+                           "--exit-on-missing-checkpoint", *extra]) as run:
+        args, model = run.args, run.build(wrap=False)
+        from megatron_ext.training import ckpt_state
 
-    def __init__(self, run):
-        self.run = run
-
-    def __enter__(self):
-        self.run.__enter__()
+        loaded = [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=False) for c in model]
+        printed = io.StringIO()
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                self.run.load(weights_only=True)
-        except BaseException:
-            self.run.teardown()
-            raise
-        return self.run
+            with contextlib.redirect_stdout(printed):
+                run.load(weights_only=True, chunks=loaded)
+        except ConfigError as e:  # the damage each checkpoint showed, in the one line
+            found = [line.removeprefix("[checkpoint] ") for line in printed.getvalue().splitlines() if "damaged" in line]
+            raise ConfigError("; ".join([str(e), *found])) from None
+        for line in printed.getvalue().splitlines():  # what was loaded instead of a damaged newer checkpoint
+            if "damaged" in line or "warning" in line:
+                print(line, file=sys.stderr, flush=True)
+        yield args, model, run.checkpointer.loaded["iteration"]
 
-    def __exit__(self, *exc):
-        return self.run.__exit__(*exc)
+
+def stage_flags(num_layers: int, world: int) -> list[str]:
+    """One pipeline stage per process, the layers as even as megatron's split allows (an uneven
+    first and last stage around even middle ones)."""
+    if world == 1:
+        return []
+    if num_layers < world:
+        raise ConfigError(f"an export under {world} processes gives each a pipeline stage of whole layers, and "
+                          f"the model has {num_layers}: run at most {num_layers} processes")
+    flags = ["--pipeline-model-parallel-size", str(world)]
+    if num_layers % world == 0:
+        return flags
+    if world == 2:
+        first = -(-num_layers // 2)
+        return flags + ["--decoder-first-pipeline-num-layers", str(first),
+                        "--decoder-last-pipeline-num-layers", str(num_layers - first)]
+    for middle in range(-(-num_layers // world), 0, -1):
+        ends = num_layers - middle * (world - 2)
+        if ends >= 2:
+            first = -(-ends // 2)
+            return flags + ["--decoder-first-pipeline-num-layers", str(first),
+                            "--decoder-last-pipeline-num-layers", str(ends - first)]
+    raise AssertionError((num_layers, world))
 
 
-def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Megatron checkpoint -> HF directory `out`; returns the shard file names."""
-    from safetensors.torch import save_file
+def _recipe_layers(recipe: str) -> int:
+    import yaml
 
-    recipe = recipe or os.path.join(load, RECIPE)
-    with load_model(load, recipe, ["--world-size", "1"]) as run:
-        args, model = run.args, run.model
+    with open(recipe) as f:
+        raw = yaml.safe_load(f) or {}
+    layers = raw.get("num_layers", raw.get("num-layers"))
+    if not isinstance(layers, int):
+        raise ConfigError(f"--recipe={recipe}: no num_layers")
+    return layers
+
+
+def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30,
+              overwrite: bool = False) -> tuple[list[str], int]:
+    """Megatron checkpoint -> HF directory `out` (fresh, or with `overwrite` replaced as a whole);
+    returns (the shard file names, the iteration exported). Under torchrun each rank is a pipeline
+    stage and writes the shards of its layers."""
+    _setup()
+    _check_fresh("--hf", out, overwrite, "an export")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = stage_flags(_recipe_layers(recipe_of(load, recipe)), world)
+    with loaded_model(load, recipe, [
+            "--world-size", str(world), "--global-batch-size", "1", "--tensor-model-parallel-size", "1",
+            "--expert-model-parallel-size", "1", "--context-parallel-size", "1", *layout]) as (args, model, iteration):
         tok_dir = args.tokenizer_model
         model_type, c = read_hf_config(tok_dir)
-        tensors = model_tensors(model[0])
+        tensors = {}
+        for piece in _pieces(args, model):
+            if piece.main:  # a tied output layer on the last stage is the first stage's embedding
+                assert tuple(piece.whole.shape) == piece.shape, (piece.name, piece.whole.shape, piece.shape)
+                tensors[piece.name] = piece.whole
+        del model
         rows = expand(model_type, c, tensors)
-        # shards: consecutive rows until the next would pass max_shard_bytes
-        shards, size = [[]], 0
-        for row in rows:
-            nbytes = sum(tensors[m].numel() * tensors[m].element_size() for m in row[0])
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(row)
-            size += nbytes
-        os.makedirs(out, exist_ok=True)
-        for name in os.listdir(tok_dir):
-            if os.path.isfile(os.path.join(tok_dir, name)):
-                shutil.copy2(os.path.join(tok_dir, name), os.path.join(out, name))
-        names = [WEIGHTS] if len(shards) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map, total = {}, 0
-        for name, shard in zip(names, shards):
-            with _progress(len(shard), name) as bar, torch.no_grad():
-                out_tensors = {}
-                for mgs, hf_names, kind in shard:
-                    for h, t in zip(hf_names, to_hf(kind, [tensors[m].detach() for m in mgs], c)):
-                        out_tensors[h] = t.contiguous()
-                        weight_map[h] = name
-                        total += t.numel() * t.element_size()
-                    if bar is not None:
-                        bar.update(1)
-                save_file(out_tensors, os.path.join(out, name), metadata={"format": "pt"})
-                del out_tensors
-        if len(names) > 1:
-            with open(os.path.join(out, WEIGHTS_INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        elif os.path.exists(os.path.join(out, WEIGHTS_INDEX)):
-            os.remove(os.path.join(out, WEIGHTS_INDEX))
-        return names
+        mine = _shard_rows(rows, tensors, max_shard_bytes)
+        counts = [None] * world
+        torch.distributed.all_gather_object(counts, len(mine))
+        total, first = sum(counts), sum(counts[:_rank()])
+        names = [WEIGHTS] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+        with _fresh_directory(out, staged=True) as target:
+            weight_map, nbytes = _write_shards(mine, names[first:first + len(mine)], tensors, c, target)
+            maps = [None] * world
+            torch.distributed.all_gather_object(maps, (weight_map, nbytes))
+            if _rank() == 0:
+                for name in os.listdir(tok_dir):
+                    if os.path.isfile(os.path.join(tok_dir, name)):
+                        shutil.copy2(os.path.join(tok_dir, name), os.path.join(target, name))
+                if total > 1:
+                    merged = {k: v for m, _ in maps for k, v in m.items()}
+                    with open(os.path.join(target, WEIGHTS_INDEX), "w") as f:
+                        json.dump({"metadata": {"total_size": sum(n for _, n in maps)},
+                                   "weight_map": dict(sorted(merged.items()))}, f, indent=2)
+        return names, iteration
+
+
+def _shard_rows(rows: list, tensors: dict, max_shard_bytes: int) -> list[list]:
+    """This rank's rows in shard files: consecutive rows until the next would pass max_shard_bytes."""
+    files, size = [], 0
+    for row in rows:
+        nbytes = sum(tensors[m].numel() * tensors[m].element_size() for m in row[0])
+        if not files or (files[-1] and size + nbytes > max_shard_bytes):
+            files.append([])
+            size = 0
+        files[-1].append(row)
+        size += nbytes
+    return files
+
+
+def _write_shards(files: list, names: list, tensors: dict, c: families.Config, target: str) -> tuple[dict, int]:
+    """Each file's HF tensors, converted row by row; a megatron tensor is freed once converted (or,
+    when the HF tensor is the same storage, once its file is written): the rank's stage, plus one row."""
+    from safetensors.torch import save_file
+
+    weight_map, total = {}, 0
+    progress = _Progress(sum(len(f) for f in files), "export")
+    for name, rows in zip(names, files):
+        out_tensors, written = {}, []
+        with torch.no_grad():
+            for mgs, hf_names, kind in rows:
+                ts = [tensors.pop(m).detach() for m in mgs]
+                hf = to_hf(kind, ts, c, hf_shapes(kind, [t.shape for t in ts], c))
+                kept = {h.untyped_storage().data_ptr() for h in hf}
+                for h_name, t in zip(hf_names, hf):
+                    out_tensors[h_name] = t.contiguous()
+                    weight_map[h_name] = name
+                    total += t.numel() * t.element_size()
+                for t in ts:
+                    if t.untyped_storage().data_ptr() in kept:
+                        written.append(t)  # the HF tensor is this storage: freed once its file is written
+                    else:
+                        _release(t)
+                progress.update(sum(t.numel() * t.element_size() for t in hf))
+                del ts, hf
+        save_file(out_tensors, os.path.join(target, name), metadata={"format": "pt"})
+        del out_tensors
+        for t in written:
+            _release(t)
+    progress.close()
+    return weight_map, total
+
+
+def _release(t: torch.Tensor) -> None:
+    """Free a converted tensor's memory (its storage emptied in place: the model still refers to it)."""
+    t.untyped_storage().resize_(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,18 +666,15 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
 def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
     """The model's fp32 logits [seq, vocab] on `ids` under this process's layout (every rank calls;
     rank 0 returns them, the others None)."""
-    from megatron_ext import platform
-
-    platform.setup()  # before megatron-core is imported
+    _setup()  # before megatron-core is imported
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     seq = len(ids)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with load_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
-                                   "--global-batch-size", str(parallel_dp(world, extra)), *extra]) as run:
-        args, model = run.args, run.model
+    with loaded_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
+                                     "--global-batch-size", str(parallel_dp(world, extra)), *extra]) as (args, model, _):
         vocab = read_hf_config(args.tokenizer_model)[1]["vocab_size"]
         tokens = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(seq).unsqueeze(0)
@@ -458,6 +711,17 @@ def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str
         return result if torch.distributed.get_rank() == 0 else None
 
 
+def save_logits(tensor: torch.Tensor, path: str) -> None:
+    """torch.save into a temporary file renamed into place: a failed write leaves no partial file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(tensor, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def parallel_dp(world: int, extra: list[str]) -> int:
     """The data-parallel size of a layout given as flags (the global batch must be a multiple)."""
     def flag(name, default=1):
@@ -467,4 +731,4 @@ def parallel_dp(world: int, extra: list[str]) -> int:
                             * flag("--context-parallel-size")))
 
 
-__all__ = ["import_hf", "export_hf", "logits"]
+__all__ = ["import_hf", "export_hf", "logits", "save_logits"]

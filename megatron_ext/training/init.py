@@ -32,7 +32,7 @@ def _local_slice(full: torch.Tensor, sh) -> torch.Tensor:
     return full[tuple(index)].reshape(sh.data.shape)
 
 
-def _sharded_tensors(state):
+def sharded_tensors(state):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for value in state.values():
@@ -40,11 +40,11 @@ def _sharded_tensors(state):
             yield value
         elif isinstance(value, ShardedTensorFactory):
             built = value.build()
-            yield from _sharded_tensors(built if isinstance(built, dict) else {i: t for i, t in enumerate(built)})
+            yield from sharded_tensors(built if isinstance(built, dict) else {i: t for i, t in enumerate(built)})
         elif isinstance(value, dict):
-            yield from _sharded_tensors(value)
+            yield from sharded_tensors(value)
         elif isinstance(value, (list, tuple)):
-            yield from _sharded_tensors(dict(enumerate(value)))
+            yield from sharded_tensors(dict(enumerate(value)))
 
 
 @torch.no_grad()
@@ -55,7 +55,7 @@ def layout_invariant_init(model_chunks: list, std: float, seed: int) -> int:
         module = chunk.module if hasattr(chunk, "module") else chunk
         while hasattr(module, "module"):
             module = module.module
-        for sh in _sharded_tensors(module.sharded_state_dict()):
+        for sh in sharded_tensors(module.sharded_state_dict()):
             if sh.data is None or not sh.data.is_floating_point() or "_extra_state" in sh.key:
                 continue
             full = _full_tensor(sh.key, sh.global_shape, std, seed)

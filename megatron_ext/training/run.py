@@ -82,8 +82,12 @@ class Run:
         self.initialize()
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.teardown()
+    def __exit__(self, kind, error, trace) -> bool:
+        if error is None:
+            self.teardown()
+        else:  # the run's own error is what the user sees: a teardown failing after it may not replace it
+            with contextlib.suppress(Exception):
+                self.teardown()
         return False
 
     def initialize(self) -> None:
@@ -136,13 +140,15 @@ class Run:
             step.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
         return self.optimizer
 
-    def load(self, weights_only: bool = False) -> int:
+    def load(self, weights_only: bool = False, chunks: list | None = None) -> int:
         """The newest intact checkpoint under --load (none: iteration 0). ``weights_only``: the
-        model's weights alone, as --finetune loads them, with no optimizer (conversion)."""
+        model's weights alone, as --finetune loads them, with no optimizer (conversion); ``chunks``:
+        what stands for the model's chunks there (the conversion's, which load into tensors of their
+        own), default the run's model."""
         from megatron_ext.training import checkpointing
 
         if weights_only:
-            model = self.build(wrap=False) if self.model is None else self.model
+            model = chunks or (self.build(wrap=False) if self.model is None else self.model)
             self.checkpointer = checkpointing.Checkpointer(self.args, model, None, checkpointing.WeightsOnly())
         else:
             self.optimize()
@@ -151,14 +157,14 @@ class Run:
         self._at("after_load")
         return self.iteration
 
-    def save(self, iteration: int, weights_only: bool = False) -> None:
+    def save(self, iteration: int, weights_only: bool = False, chunks: list | None = None) -> None:
         """A checkpoint of this iteration under --save, checksummed (``weights_only``: the model's
-        weights alone, as an import writes them)."""
+        weights alone, as an import writes them; ``chunks`` as for load)."""
         from megatron_ext.training import checkpointing
 
         if weights_only:
-            checkpointing.Checkpointer(self.args, self.build(wrap=False) if self.model is None else self.model,
-                                       None, checkpointing.WeightsOnly()).save(iteration)
+            model = chunks or (self.build(wrap=False) if self.model is None else self.model)
+            checkpointing.Checkpointer(self.args, model, None, checkpointing.WeightsOnly()).save(iteration)
         else:
             self.optimize()
             if self.checkpointer is None:

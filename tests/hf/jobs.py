@@ -9,14 +9,14 @@ def import_export(hf_dir: str, ckpt: str, out: str, max_shard_bytes: int = 40 * 
     from megatron_ext import hf
 
     hf.import_hf(hf_dir, ckpt)
-    names = hf.export_hf(ckpt, out, max_shard_bytes=max_shard_bytes)
+    names, _ = hf.export_hf(ckpt, out, max_shard_bytes=max_shard_bytes)
     return {"shards": names, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def export(load: str, out: str, recipe: str) -> list:
     from megatron_ext import hf
 
-    return hf.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10)
+    return hf.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10)[0]
 
 
 def logits(load: str, ids: list, flags: list, recipe: str | None = None):

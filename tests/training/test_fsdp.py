@@ -197,8 +197,8 @@ def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
     assert [(r["lm loss"], r["grad norm"]) for r in out["first"]] == straight[:3]
     assert [(r["lm loss"], r["grad norm"]) for r in out["resumed"]] == straight[3:]
-    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "rng_state.0.pt",
-                            "rng_state.1.pt"]
+    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "recipe.yaml",
+                            "rng_state.0.pt", "rng_state.1.pt"]
     assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
     assert [(r["lm loss"], r["grad norm"]) for r in out["fallback"]] == straight[2:3]
     # --auto-detect-ckpt-format: the resumed run read the format from the checkpoint; a DDP model asked
@@ -215,8 +215,8 @@ def test_async_save_resumes_exactly_and_is_verified(tmp_path):
     straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
     assert [(r["lm loss"], r["grad norm"]) for r in out["first"]] == straight[:3]
     assert [(r["lm loss"], r["grad norm"]) for r in out["resumed"]] == straight[3:]
-    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "rng_state.0.pt",
-                            "rng_state.1.pt"]  # no sums left beside the files: all taken at commit
+    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "recipe.yaml",
+                            "rng_state.0.pt", "rng_state.1.pt"]  # no sums left beside the files: all taken at commit
     assert "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
 
 

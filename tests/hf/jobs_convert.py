@@ -1,0 +1,165 @@
+"""Job functions of the parallel-conversion and self-describing-run tests (every rank of a gloo world,
+tests/dist.py)."""
+from __future__ import annotations
+
+import contextlib
+
+
+@contextlib.contextmanager
+def _bytes_read(counts: dict):
+    """Count the bytes of every slice read from a safetensors file (safetensors' lazy reads)."""
+    import safetensors
+
+    original = safetensors.safe_open
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self._f = original(*args, **kwargs)
+
+        def __enter__(self):
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def get_slice(self, name):
+            sl = self._f.get_slice(name)
+
+            class Slice:
+                def __getattr__(self, attr):
+                    return getattr(sl, attr)
+
+                def __getitem__(self, index):
+                    t = sl[index]
+                    counts[name] = counts.get(name, 0) + t.numel() * t.element_size()
+                    return t
+
+            return Slice()
+
+    safetensors.safe_open = Counted
+    try:
+        yield
+    finally:
+        safetensors.safe_open = original
+
+
+def import_counting_reads(imports: list) -> dict:
+    """Each (HF dir, checkpoint, layout flags) imported on this world; per import, the bytes this rank
+    read from the HF files and the bytes of the model tensors it holds."""
+    import torch
+
+    from megatron_ext.hf import convert
+
+    held = {}
+    original = convert._fill
+
+    def fill(pieces, *args):
+        held["bytes"] = sum(p.dest.numel() * p.dest.element_size() for p in pieces)
+        return original(pieces, *args)
+
+    out = []
+    convert._fill = fill
+    try:
+        for hf_dir, ckpt, flags in imports:
+            counts: dict = {}
+            with _bytes_read(counts):
+                convert.import_hf(hf_dir, ckpt, extra=flags)
+            out.append({"read": sum(counts.values()), "held": held["bytes"], "tensors": sorted(counts)})
+    finally:
+        convert._fill = original
+    torch.distributed.barrier()
+    return {"imports": out}
+
+
+def plain_tensors(paths: list) -> list:
+    """Every tensor of each checkpoint directory, whole, as bytes (dist_checkpointing's plain load:
+    the checkpoint as any layout that loads it sees it)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    out = []
+    for path in paths:
+        loaded = dist_checkpointing.load_plain_tensors(path)
+        out.append({k: (str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                    for k, v in loaded.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def export_recording_stages(load: str, out: str, recipe: str | None = None, fail_after: int | None = None,
+                            overwrite: bool = False) -> dict:
+    """Export on this world; the HF tensors this rank wrote. fail_after: raise once this rank has
+    written that many shard files (a failure part-way through)."""
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.hf import convert
+
+    written = []
+    original = convert._write_shards
+
+    def write(files, names, tensors, c, target):
+        if fail_after is not None:
+            files, names = files[:fail_after], names[:fail_after]
+        result = original(files, names, tensors, c, target)
+        written.extend(sorted(result[0]))
+        if fail_after is not None:
+            raise ConfigError("stopped part-way through the export")
+        return result
+
+    convert._write_shards = write
+    try:
+        names, iteration = convert.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, overwrite=overwrite)
+        error = None
+    except ConfigError as e:
+        names, iteration, error = None, None, str(e)
+    finally:
+        convert._write_shards = original
+    return {"names": names, "iteration": iteration, "written": written, "error": error}
+
+
+def import_refused(hf_dir: str, save: str, flags: list) -> str | None:
+    """An import on this world: the line it refuses with (None: it did not)."""
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.hf import convert
+
+    try:
+        convert.import_hf(hf_dir, save, extra=flags)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def import_overwriting(hf_dir: str, save: str) -> None:
+    from megatron_ext.hf import convert
+
+    convert.import_hf(hf_dir, save, overwrite=True)
+
+
+def convert_cli(argv: list) -> str | None:
+    """scripts/convert.py's main() in this process: None, or the one line it refuses with."""
+    import importlib.util
+    import os
+
+    from megatron_ext.errors import ConfigError
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                        "convert.py")
+    spec = importlib.util.spec_from_file_location("convert_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    try:
+        script.main(list(argv))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def train_then(argv: list | None, after: list) -> dict:
+    """train.py's main() (unless argv is None), then each (name, scripts/convert.py argv) in this
+    process: the iterations trained and what each conversion refused (None: done)."""
+    import train as entry
+
+    history = entry.main(list(argv)) if argv is not None else []
+    return {"iterations": [h["iteration"] for h in history], **{name: convert_cli(a) for name, a in after}}
