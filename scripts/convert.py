@@ -1,8 +1,10 @@
 """Hugging Face in and out.
 
-    python scripts/convert.py import --hf HF_DIR --save CKPT
-    python scripts/convert.py export --load CKPT --hf OUT_DIR [--recipe CKPT/recipe.yaml] [--max-shard-size 5GB]
-    torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,... --out FILE.pt [layout flags]
+    python scripts/convert.py import --hf HF_DIR [--peft ADAPTER_DIR] --save CKPT
+    python scripts/convert.py export --load CKPT (--hf OUT_DIR | --peft OUT_DIR) [--recipe CKPT/recipe.yaml] [--max-shard-size 5GB]
+    torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,...[;5,9,...] --out FILE.pt [layout flags]
+
+(a LoRA run exports merged with --hf, its adapters with --peft; docs/finetune.md)
 
 then: torchrun ... train.py --recipe CKPT/recipe.yaml --load CKPT --finetune [layout, data, features]
 (docs/hf.md). A refusal is one line, `error: ...`, exit status 1.
@@ -27,14 +29,18 @@ def parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="HF directory -> megatron checkpoint + recipe.yaml")
     imp.add_argument("--hf", required=True)
     imp.add_argument("--save", required=True)
+    imp.add_argument("--peft", default=None, help="a peft LoRA adapter of the --hf model: imported with it (docs/finetune.md)")
     exp = sub.add_parser("export", help="megatron checkpoint (any layout) -> HF directory")
     exp.add_argument("--load", required=True)
-    exp.add_argument("--hf", required=True)
+    out = exp.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", help="the model (a LoRA run's adapters merged into its base)")
+    out.add_argument("--peft", help="a LoRA run's adapters, in peft's format")
     exp.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
     exp.add_argument("--max-shard-size", default="5GB", type=_size)
     lg = sub.add_parser("logits", help="fp32 logits [seq, vocab] of the forward on --input-ids (layout flags follow)")
     lg.add_argument("--load", required=True)
-    lg.add_argument("--input-ids", required=True)
+    lg.add_argument("--input-ids", required=True, help="token ids; several sequences separated by ';' run packed "
+                    "in one forward, each attending only to itself")
     lg.add_argument("--out", required=True)
     lg.add_argument("--recipe", default=None, help="default: LOAD/recipe.yaml")
     return p
@@ -47,20 +53,24 @@ def main(argv: list[str] | None = None):
 
     if args.command != "logits" and rest:
         raise ConfigError(f"{args.command}: unknown arguments {' '.join(rest)}")
-    if args.command == "import":
+    if args.command == "import" and args.peft:
+        recipe = hf.import_peft(args.hf, args.peft, args.save)
+        print(f"imported {args.hf} with the adapter {args.peft} -> {args.save} (recipe {recipe})")
+    elif args.command == "import":
         recipe = hf.import_hf(args.hf, args.save)
         print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
+    elif args.command == "export" and args.peft:
+        keys = hf.export_peft(args.load, args.peft, recipe=args.recipe)
+        print(f"exported the adapters of {args.load} -> {args.peft} ({len(keys)} tensors)")
     elif args.command == "export":
         names = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size)
         print(f"exported {args.load} -> {args.hf} ({len(names)} shard{'s' if len(names) != 1 else ''})")
     else:
         import torch
 
-        try:
-            ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--input-ids={args.input_ids}: comma-separated token ids") from None
-        out = hf.logits(args.load, ids, recipe=args.recipe, extra=rest)
+        from megatron_ext.hf import packed
+
+        out = hf.logits(args.load, packed.parse_ids(args.input_ids), recipe=args.recipe, extra=rest)
         if out is not None:
             torch.save(out, args.out)
 

@@ -9,7 +9,8 @@ import: HF directory -> CKPT/recipe.yaml (every architecture flag the config imp
         experts).
 export: CKPT (any layout it was trained on, resharded to one rank on load) -> config.json, safetensors
         shards (and their index above one shard), tokenizer files; written one shard at a time.
-logits: the fp32 logits [seq, vocab] of the model's forward on given ids, on any layout (torchrun).
+(A LoRA run loads with the flags its checkpoint records and exports merged: hf/peft.py; the logits of
+packed sequences: hf/packed.py.)
 """
 from __future__ import annotations
 
@@ -327,11 +328,13 @@ def _tokenizer_vocab(tok_dir: str) -> int:
 def load_model(load: str, recipe: str | None, extra: list[str]):
     """The run of `recipe` (default LOAD/recipe.yaml) with the newest checkpoint under `load`,
     weights only, as --finetune loads them; the caller enters it (`with load_model(...) as run`)."""
+    from megatron_ext.hf import peft
+
     recipe = recipe or os.path.join(load, RECIPE)
     if not os.path.isfile(recipe):
         raise ConfigError(f"--load={load}: no {RECIPE} there (pass --recipe, the imported checkpoint's recipe)")
     return _Loaded(open_run(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
-                                     "--exit-on-missing-checkpoint", *extra]))
+                                     "--exit-on-missing-checkpoint", *peft.recorded_lora_flags(load), *extra]))
 
 
 class _Loaded:
@@ -358,9 +361,12 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
     """Megatron checkpoint -> HF directory `out`; returns the shard file names."""
     from safetensors.torch import save_file
 
+    from megatron_ext.hf import peft
+
     recipe = recipe or os.path.join(load, RECIPE)
     with load_model(load, recipe, ["--world-size", "1"]) as run:
         args, model = run.args, run.model
+        peft.merge_adapters(model)  # a LoRA run's adapters into its base weights
         tok_dir = args.tokenizer_model
         model_type, c = read_hf_config(tok_dir)
         tensors = model_tensors(model[0])
@@ -401,67 +407,4 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         return names
 
 
-# ---------------------------------------------------------------------------------------------
-# logits
-# ---------------------------------------------------------------------------------------------
-def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
-    """The model's fp32 logits [seq, vocab] on `ids` under this process's layout (every rank calls;
-    rank 0 returns them, the others None)."""
-    from megatron_ext import platform
-
-    platform.setup()  # before megatron-core is imported
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    seq = len(ids)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    with load_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
-                                   "--global-batch-size", str(parallel_dp(world, extra)), *extra]) as run:
-        args, model = run.args, run.model
-        vocab = read_hf_config(args.tokenizer_model)[1]["vocab_size"]
-        tokens = torch.tensor([ids], dtype=torch.long)
-        positions = torch.arange(seq).unsqueeze(0)
-        for chunk in model:
-            chunk.eval()
-
-        def forward_step(_iterator, chunk):
-            out = chunk(tokens, positions, None)
-
-            def keep(output, non_loss_data=False):
-                return output
-
-            return out, keep
-
-        # the interleaved schedule runs at least one micro-batch per pipeline stage: the same ids each time
-        n = parallel_state.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
-        with torch.no_grad():
-            collected = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=[iter([None] * n)] * len(model) if len(model) > 1 else iter([None]),
-                model=model if len(model) > 1 else model[0], num_microbatches=n, seq_length=seq,
-                micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
-        result = None
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            full = gather_from_tensor_model_parallel_region(collected[0].float())  # [1, seq, vocab]
-            result = full[0, :, :vocab].contiguous()
-        # the lowest rank of the last pipeline stage sends them to global rank 0
-        holder = torch.tensor([torch.distributed.get_rank() if result is not None else world])
-        torch.distributed.all_reduce(holder, op=torch.distributed.ReduceOp.MIN)
-        src = int(holder.item())
-        if src != 0:
-            box = [result]
-            torch.distributed.broadcast_object_list(box, src=src)
-            result = box[0]
-        return result if torch.distributed.get_rank() == 0 else None
-
-
-def parallel_dp(world: int, extra: list[str]) -> int:
-    """The data-parallel size of a layout given as flags (the global batch must be a multiple)."""
-    def flag(name, default=1):
-        return int(extra[extra.index(name) + 1]) if name in extra else default
-
-    return max(1, world // (flag("--tensor-model-parallel-size") * flag("--pipeline-model-parallel-size")
-                            * flag("--context-parallel-size")))
-
-
-__all__ = ["import_hf", "export_hf", "logits"]
+__all__ = ["import_hf", "export_hf"]
