@@ -109,7 +109,8 @@ class Site:
     kind: str = "copy"  # the table row's transform (2-D)
     experts: tuple = ()  # megatron module paths, expert order (stacked)
     fc: int = 0
-    aliases: tuple = ()  # other peft names of the same module (a v4 checkpoint name)
+    aliases: tuple = ()  # other peft names of the same module (the checkpoint's, where v5 renames it)
+    per_expert: bool = False  # one expert's linear by the checkpoint's name: adapters peft wrote under v4 (import only)
     hf_weight: str = ""  # the base tensor it adapts (2-D)
     hf_parts: tuple = ()  # the base tensors of one expert, or the stacked one (stacked)
     as_parameter: bool = False  # exported as target_parameters (see _PEFT_MOVES; routers; stacked)
@@ -144,7 +145,7 @@ def sites(model_type: str, c: families.Config, rows) -> list[Site]:
             if len(mgs) == 1 and kind in _PARTS:
                 for h, part in zip(hfs, _PARTS[kind]):
                     out.append(Site(peft=h[: -len(".weight")], module=modules[0], part=part, kind=kind,
-                                    hf_weight=h, aliases=("v4",)))
+                                    hf_weight=h, per_expert=True))
             continue
         for h, part in zip(hfs, _PARTS[kind]):
             name = h[: -len(".weight")]
@@ -161,10 +162,6 @@ def sites(model_type: str, c: families.Config, rows) -> list[Site]:
         order = sorted(experts, key=lambda m: int(m.split(".local_experts.")[1].split(".")[0]))
         out.append(Site(peft=name, experts=tuple(order), fc=fc, hf_parts=base[(layer, fc)], as_parameter=True))
     return out
-
-
-def _is_v4(site: Site) -> bool:
-    return site.aliases == ("v4",)
 
 
 def scale_of(alpha: float, rank: int, rslora: bool) -> float:
@@ -284,7 +281,7 @@ def _pattern_value(patterns: dict, name: str, default):
 
 @dataclass
 class Adapter:
-    """An adapter as read or to be written: tensors by peft key, the LoRA flags it implies."""
+    """A peft adapter read into our names: the LoRA flags it implies and its tensors."""
     rank: int
     alpha: float
     rslora: bool
@@ -330,7 +327,7 @@ def _keys(site: Site, stacked_targets: dict) -> list[tuple[str, str]]:
         order = stacked_targets.get(module, [param])
         nested = "base_layer." * (len(order) - 1 - order.index(param)) if param in order else ""
         return [(f"{PREFIX}{module}.{nested}lora_A.weight", f"{PREFIX}{module}.{nested}lora_B.weight")]
-    names = [site.peft] + [a for a in site.aliases if a != "v4"]
+    names = [site.peft, *site.aliases]
     return [(f"{PREFIX}{n}.lora_A.weight", f"{PREFIX}{n}.lora_B.weight") for n in names]
 
 
@@ -347,9 +344,9 @@ def _stacked_targets(cfg: dict, all_sites: list[Site]) -> dict:
     return out
 
 
-def read_adapter(peft_dir: str, model_type: str, c: families.Config, hf_dir: str) -> tuple[Adapter, list, dict]:
-    """The peft adapter in our parameter names, checked against the base's shapes; (adapter, the
-    target paths it covers, {target path: fused}), before anything is written."""
+def read_adapter(peft_dir: str, model_type: str, c: families.Config, hf_dir: str) -> tuple[Adapter, list, bool]:
+    """The peft adapter in our parameter names, checked against the base's shapes, before anything is
+    written: (adapter, the target paths it covers, whether the routed experts' fc1 adapters are fused)."""
     from safetensors import safe_open
 
     cfg = read_config(peft_dir)
@@ -477,8 +474,8 @@ def target_names(covered: list, model_paths: list) -> list:
     module of that name is covered, else each covered path's tail inside the layer."""
     out = []
     for leaf in dict.fromkeys(p.rsplit(".", 1)[-1] for p in covered):
-        mine = [p for p in covered if p.rsplit(".", 1)[-1] == leaf]
-        if sorted(mine) == sorted(p for p in model_paths if p.rsplit(".", 1)[-1] == leaf):
+        mine = sorted({p for p in covered if p.rsplit(".", 1)[-1] == leaf})
+        if mine == sorted({p for p in model_paths if p.rsplit(".", 1)[-1] == leaf}):
             out.append(leaf)
         else:
             out.extend(p.removeprefix("decoder.layers.") for p in mine)
@@ -501,8 +498,8 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
         raise ConfigError(f"--save={save}: holds checkpoints already; an adapter import writes a new directory")
     base_dir = os.path.join(save, BASE)
     base_recipe = convert.import_hf(hf_dir, base_dir)
-    paths = [targets.target_path(m[0][: -len(".weight")]) for m, _, _ in _hf_rows(model_type, c, _base_shapes(hf_dir))
-             if m[0].endswith(".weight")]
+    rows = _hf_rows(model_type, c, _base_shapes(hf_dir))
+    paths = [targets.target_path(m[0][: -len(".weight")]) for m, _, _ in rows if m[0].endswith(".weight")]
     flags = {"lora_rank": adapter.rank, "lora_alpha": adapter.alpha, "lora_rslora": adapter.rslora,
              "lora_dropout": adapter.dropout, "lora_target_modules": target_names(covered, paths)}
     if fused:
@@ -520,7 +517,7 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
         missing = sorted(n for n in adapter.tensors if n not in params)
         if missing:
             raise ConfigError(f"--peft={peft_dir}: the LoRA flags {flags} built no {missing[0]}")
-        left_out = set()
+        left_out, cast = set(), set()
         with torch.no_grad():
             for name, p in params.items():
                 if ".lora." not in name:
@@ -528,13 +525,21 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
                 value = adapter.tensors.get(name)
                 if value is None:  # a part peft does not adapt: inert, A = B = 0
                     p.zero_()
-                    left_out.add(name.split(".lora.")[1].split(".")[0])
+                    left_out.add(tuple(name.split(".lora.")[0:1] + name.split(".lora.")[1].split(".")[:1]))
                     continue
+                if value.dtype != p.dtype:
+                    cast.add((value.dtype, p.dtype))
                 p.copy_(value)
         run.save(0, weights_only=True)
+    for theirs, ours in sorted(cast, key=str):
+        print(f"note: the adapter's {str(theirs).removeprefix('torch.')} tensors are held in the model's "
+              f"{str(ours).removeprefix('torch.')} (an export writes {str(ours).removeprefix('torch.')})")
     if left_out:
-        print(f"note: {peft_dir} adapts part of a fused linear ({', '.join(sorted(left_out))} left out): those parts "
-              "hold A = B = 0 (they add nothing, their gradients are zero) and an export leaves them out")
+        named = {(s.module, s.part): s.peft for s in sites(model_type, c, rows) if s.module}
+        leaves = sorted({_suffix(named.get(key, f"{key[0]}.{key[1]}")).rsplit(".", 1)[-1] for key in left_out})
+        print(f"note: {peft_dir} has no adapter on {', '.join(leaves)} where the LoRA flags put one (a part of a fused "
+              "linear, or a layer it leaves out): those hold A = B = 0, add nothing, get zero gradients and stay "
+              "zero; an export leaves them out")
     return recipe
 
 
@@ -589,7 +594,7 @@ def export_peft(load: str, out: str, recipe: str | None = None) -> list[str]:
         rank, alpha, rslora = args.lora_rank, record["alpha"], bool(args.lora_rslora)
         tensors, module_names, parameter_names, patterns = {}, [], [], {}
         for site in sites(model_type, c, rows):
-            if _is_v4(site):
+            if site.per_expert:
                 continue
             if site.experts:
                 written = _export_stacked(site, params, rank, STACKED[model_type], c)
@@ -615,7 +620,7 @@ def export_peft(load: str, out: str, recipe: str | None = None) -> list[str]:
                 renamed[a_key], renamed[b_key] = tensors.pop(f"{PREFIX}{site.peft}.lora_A.weight"), \
                     tensors.pop(f"{PREFIX}{site.peft}.lora_B.weight")
         tensors.update(renamed)
-        all_sites = [s for s in sites(model_type, c, rows) if not _is_v4(s)]
+        all_sites = [s for s in sites(model_type, c, rows) if not s.per_expert]
         if getattr(args, "moe_router_enable_expert_bias", False) and args.moe_router_bias_update_rate:
             print("note: the routers' expert bias (--moe-router-enable-expert-bias), which megatron updates from "
                   f"token counts (--moe-router-bias-update-rate={args.moe_router_bias_update_rate:g}), is no part of "
@@ -695,6 +700,9 @@ def _config(rank, alpha, rslora, dropout, module_sites, parameter_sites, all_sit
         modules.extend([leaf] if mine == every else dict.fromkeys(_suffix(n) for n in sorted(mine)))
     parameters = list(dict.fromkeys(_suffix(s.peft) + ("" if s.experts else ".weight") for s in parameter_sites))
     rank_pattern, alpha_pattern = {}, {}
+    stacked = {s.peft for s in parameter_sites if s.experts and s.fc == 1}
+    if patterns and set(patterns) == stacked and len(set(patterns.values())) == 1:  # every layer's: one entry
+        patterns = {_suffix(next(iter(patterns))): next(iter(patterns.values()))}
     for name, site_rank in patterns.items():
         key = re.escape(name)
         rank_pattern[key] = site_rank

@@ -156,8 +156,8 @@ def test_trained_adapter_loads_in_peft_with_our_logits(workdir, family):
     with open(os.path.join(trained, "adapter_config.json")) as f:
         config = json.load(f)
     if family == "deepseek_v3":  # canonical gate / up per expert: peft's block-diagonal rank-2r form
-        assert config["rank_pattern"] == {r"model\.layers\.1\.mlp\.experts\.gate_up_proj": 8}, config
-        assert config["alpha_pattern"] == {r"model\.layers\.1\.mlp\.experts\.gate_up_proj": 16.0}, config
+        assert config["rank_pattern"] == {r"mlp\.experts\.gate_up_proj": 8}, config
+        assert config["alpha_pattern"] == {r"mlp\.experts\.gate_up_proj": 16.0}, config
         # the dense layer's and the shared expert's MLP, and the router: target_parameters, which peft's
         # MoE conversion of target_modules leaves alone
         assert {"mlp.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.gate.weight",
@@ -244,6 +244,11 @@ def test_refusals_name_what_is_not_representable(workdir):
     assert not os.path.exists(bad)  # refused before anything is written
     with pytest.raises(ConfigError, match=r"no adapter_config.json \(not a peft adapter directory\)"):
         hf.import_peft(s["hf"], s["hf"], bad)
+    from megatron_ext.hf import packed
+
+    assert packed.parse_ids("3,17; 42,7,1;") == [[3, 17], [42, 7, 1]]
+    with pytest.raises(ConfigError, match=r"--input-ids=3,x: comma-separated token ids, sequences separated by ';'"):
+        packed.parse_ids("3,x")
     assert s["no_adapters"] == (f"--load={s['root'] / 'ckpt' / 'base'}: its newest checkpoint holds no LoRA adapters (a "
                                 "full or imported model): export it with --hf"), s["no_adapters"]
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), "import", "--hf", s["hf"],
