@@ -1,9 +1,15 @@
 """Hugging Face in and out.
 
     [torchrun --nproc-per-node N] scripts/convert.py import --hf HF_DIR --save CKPT [--overwrite] [layout flags]
+    python scripts/convert.py import --hf HF_DIR --peft ADAPTER_DIR --save CKPT
     [torchrun --nproc-per-node N] scripts/convert.py export --load CKPT --hf OUT_DIR [--overwrite]
                                                      [--recipe RECIPE] [--max-shard-size 5GB]
-    torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,... --out FILE.pt [layout flags]
+    python scripts/convert.py export --load CKPT --peft OUT_DIR [--overwrite] [--recipe RECIPE]
+    torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,...[;5,9,...] --out FILE.pt
+                                                     [layout flags]
+
+A LoRA run exports merged with --hf, its adapters alone with --peft (docs/finetune.md); logits of
+several sequences (';') run packed into one forward, each attending only to itself.
 
 then: torchrun ... train.py --load CKPT --finetune [layout, data, features] (docs/hf.md). A checkpoint
 records its recipe: --recipe only overrides it. Under torchrun, import reads on every rank only the
@@ -45,11 +51,20 @@ def _import_arguments(p) -> None:
     p.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, safetensors)")
     p.add_argument("--save", required=True, help="the checkpoint directory to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace --save if it holds anything")
+    p.add_argument("--peft", default=None,
+                   help="a peft LoRA adapter of the --hf model, imported with it (one process; docs/finetune.md)")
 
 
 def _import(args, rest: list[str]) -> None:
     from megatron_ext import hf
 
+    if args.peft:
+        if rest or args.overwrite or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("import --peft: runs on one process into a new --save, without layout flags or "
+                              "--overwrite (train.py reshards the checkpoint onto any layout)")
+        recipe = hf.import_peft(args.hf, args.peft, args.save)
+        print(f"imported {args.hf} with the adapter {args.peft} -> {args.save} (recipe {recipe})")
+        return
     recipe = hf.import_hf(args.hf, args.save, extra=rest, overwrite=args.overwrite)
     if _rank0():
         print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
@@ -57,9 +72,12 @@ def _import(args, rest: list[str]) -> None:
 
 def _export_arguments(p) -> None:
     p.add_argument("--load", required=True, help="a checkpoint directory (its newest intact checkpoint is exported)")
-    p.add_argument("--hf", required=True, help="the Hugging Face directory to write (new or empty)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", help="the Hugging Face directory to write (new or empty); a LoRA run's adapters merged "
+                     "into its base")
+    out.add_argument("--peft", help="a LoRA run's adapters, in peft's format (one process)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --hf as a whole if it holds anything (written aside, then swapped in)")
+                   help="replace --hf (--peft) as a whole if it holds anything (written aside, then swapped in)")
     p.add_argument("--recipe", default=None, help="default: the recipe the checkpoint records")
     p.add_argument("--max-shard-size", default="5GB", type=_size)
 
@@ -69,6 +87,10 @@ def _export(args, rest: list[str]) -> None:
 
     if rest:
         raise ConfigError(f"export: unknown arguments {' '.join(rest)}")
+    if args.peft:
+        keys = hf.export_peft(args.load, args.peft, recipe=args.recipe, overwrite=args.overwrite)
+        print(f"exported the adapters of {args.load} -> {args.peft} ({len(keys)} tensors)")
+        return
     replacing = args.overwrite and os.path.isdir(args.hf) and bool(os.listdir(args.hf))
     names, iteration = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size,
                                     overwrite=args.overwrite)
@@ -80,26 +102,25 @@ def _export(args, rest: list[str]) -> None:
 
 def _logits_arguments(p) -> None:
     p.add_argument("--load", required=True)
-    p.add_argument("--input-ids", required=True)
+    p.add_argument("--input-ids", required=True, help="token ids; several sequences separated by ';' run packed "
+                   "in one forward, each attending only to itself")
     p.add_argument("--out", required=True)
     p.add_argument("--recipe", default=None, help="default: the recipe the checkpoint records")
 
 
 def _logits(args, rest: list[str]) -> None:
     from megatron_ext import hf
+    from megatron_ext.hf import packed
 
-    try:
-        ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--input-ids={args.input_ids}: comma-separated token ids") from None
-    out = hf.logits(args.load, ids, recipe=args.recipe, extra=rest)
+    out = hf.logits(args.load, packed.parse_ids(args.input_ids), recipe=args.recipe, extra=rest)
     if out is not None:
         hf.save_logits(out, args.out)
 
 
 COMMANDS = {  # name: (help, its arguments, what it runs)
     "import": ("HF directory -> megatron checkpoint + recipe.yaml (layout flags follow)", _import_arguments, _import),
-    "export": ("megatron checkpoint (any layout) -> HF directory", _export_arguments, _export),
+    "export": ("megatron checkpoint (any layout) -> HF directory, or a LoRA run's adapters -> peft",
+               _export_arguments, _export),
     "logits": ("fp32 logits [seq, vocab] of the forward on --input-ids (layout flags follow)", _logits_arguments,
                _logits),
 }

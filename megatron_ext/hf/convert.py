@@ -13,7 +13,9 @@ export: CKPT (any layout it was trained on) -> config.json, safetensors shards (
         layers it owns, whole, and writes their HF tensors into its own shard files; no rank holds
         more than its stage. Written into a fresh directory (or, with overwrite, a staging directory
         swapped in for the old one): nothing stale is left beside the new shards.
-logits: the fp32 logits [seq, vocab] of the model's forward on given ids, on any layout (torchrun).
+A LoRA run loads its base and adapters as its checkpoint records them and exports merged (lora.merge;
+its adapters alone go out in peft's format: peft.py); the logits of sequences packed into one
+forward, on any layout (torchrun): packed.py.
 
 A checkpoint saved by train.py records its recipe (training/ckpt_recipe.py): export and logits read
 it when no recipe is given. Nothing is left behind by a failure: an import removes what it wrote (and
@@ -173,6 +175,15 @@ def open_run(recipe: str | None, extra: list[str]):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         argv += ["--global-batch-size", "1"] if world == 1 else []
     return Run.from_argv(argv)
+
+
+unwrap = shards.unwrap
+
+
+def model_tensors(chunk) -> dict[str, torch.Tensor]:
+    """Parameter and persistent-buffer tensors of one model chunk by state-dict name."""
+    return {k: v for k, v in unwrap(chunk).state_dict(keep_vars=True).items()
+            if "_extra_state" not in k and isinstance(v, torch.Tensor)}
 
 
 def _setup() -> None:
@@ -510,15 +521,23 @@ def recipe_of(load: str, recipe: str | None) -> str:
 
 @contextlib.contextmanager
 def loaded_model(load: str, recipe: str | None, extra: list[str]):
-    """(args, model, iteration) inside the run of `recipe` (default: the one the checkpoint records)
-    with the newest intact checkpoint under `load`, weights only, as --finetune loads them."""
+    """The run of `recipe` (default: the one the checkpoint records) with the newest intact
+    checkpoint under `load` loaded, weights only, as --finetune loads them (``run.model``;
+    ``run.checkpointer.loaded["iteration"]``: the one loaded). A LoRA adapter checkpoint loads with
+    the LoRA flags it records, its base first (training/ckpt_lora.py)."""
+    from megatron_ext.hf import peft
+
     recipe_of(load, recipe)  # refused at once when there is none; the parser reads (and relocates) it
     with open_run(recipe, ["--load", load, "--finetune", "--no-load-optim", "--no-load-rng",
-                           "--exit-on-missing-checkpoint", *extra]) as run:
-        args, model = run.args, run.build(wrap=False)
+                           "--exit-on-missing-checkpoint", *peft.recorded_lora_flags(load), *extra]) as run:
+        from megatron_ext import lora
         from megatron_ext.training import ckpt_state
 
-        loaded = [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=False) for c in model]
+        model = run.build(wrap=False)
+        # the model's own tensors are loaded into in place (shards.py); a LoRA load places a part of
+        # the model's keys (the base, then the adapters) through the model itself
+        loaded = None if lora.enabled(run.args) else [
+            shards.Prebuilt(c, ckpt_state.sharding_metadata(run.args), own_storage=False) for c in model]
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
@@ -529,7 +548,7 @@ def loaded_model(load: str, recipe: str | None, extra: list[str]):
         for line in printed.getvalue().splitlines():  # what was loaded instead of a damaged newer checkpoint
             if "damaged" in line or "warning" in line:
                 print(line, file=sys.stderr, flush=True)
-        yield args, model, run.checkpointer.loaded["iteration"]
+        yield run
 
 
 def stage_flags(num_layers: int, world: int) -> list[str]:
@@ -578,7 +597,11 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
     layout = stage_flags(_recipe_layers(recipe_of(load, recipe)), world)
     with loaded_model(load, recipe, [
             "--world-size", str(world), "--global-batch-size", "1", "--tensor-model-parallel-size", "1",
-            "--expert-model-parallel-size", "1", "--context-parallel-size", "1", *layout]) as (args, model, iteration):
+            "--expert-model-parallel-size", "1", "--context-parallel-size", "1", *layout]) as run:
+        from megatron_ext import lora
+
+        args, model, iteration = run.args, run.model, run.checkpointer.loaded["iteration"]
+        lora.merge(model)  # a LoRA run's adapters into its base weights (fp32), under the base's names
         tok_dir = args.tokenizer_model
         model_type, c = read_hf_config(tok_dir)
         tensors = {}
@@ -661,56 +684,8 @@ def _release(t: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# logits
+# logits (packed.py runs the forward)
 # ---------------------------------------------------------------------------------------------
-def logits(load: str, ids: list[int], recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
-    """The model's fp32 logits [seq, vocab] on `ids` under this process's layout (every rank calls;
-    rank 0 returns them, the others None)."""
-    _setup()  # before megatron-core is imported
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    seq = len(ids)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    with loaded_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world),
-                                     "--global-batch-size", str(parallel_dp(world, extra)), *extra]) as (args, model, _):
-        vocab = read_hf_config(args.tokenizer_model)[1]["vocab_size"]
-        tokens = torch.tensor([ids], dtype=torch.long)
-        positions = torch.arange(seq).unsqueeze(0)
-        for chunk in model:
-            chunk.eval()
-
-        def forward_step(_iterator, chunk):
-            out = chunk(tokens, positions, None)
-
-            def keep(output, non_loss_data=False):
-                return output
-
-            return out, keep
-
-        # the interleaved schedule runs at least one micro-batch per pipeline stage: the same ids each time
-        n = parallel_state.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
-        with torch.no_grad():
-            collected = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=[iter([None] * n)] * len(model) if len(model) > 1 else iter([None]),
-                model=model if len(model) > 1 else model[0], num_microbatches=n, seq_length=seq,
-                micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
-        result = None
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            full = gather_from_tensor_model_parallel_region(collected[0].float())  # [1, seq, vocab]
-            result = full[0, :, :vocab].contiguous()
-        # the lowest rank of the last pipeline stage sends them to global rank 0
-        holder = torch.tensor([torch.distributed.get_rank() if result is not None else world])
-        torch.distributed.all_reduce(holder, op=torch.distributed.ReduceOp.MIN)
-        src = int(holder.item())
-        if src != 0:
-            box = [result]
-            torch.distributed.broadcast_object_list(box, src=src)
-            result = box[0]
-        return result if torch.distributed.get_rank() == 0 else None
-
-
 def save_logits(tensor: torch.Tensor, path: str) -> None:
     """torch.save into a temporary file renamed into place: a failed write leaves no partial file."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -731,4 +706,4 @@ def parallel_dp(world: int, extra: list[str]) -> int:
                             * flag("--context-parallel-size")))
 
 
-__all__ = ["import_hf", "export_hf", "logits", "save_logits"]
+__all__ = ["import_hf", "export_hf", "save_logits"]

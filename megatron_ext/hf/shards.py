@@ -41,7 +41,7 @@ class Piece:
     main: bool                # the main replica (the one copy a save writes)
 
 
-def _unwrap(chunk):
+def unwrap(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
@@ -73,7 +73,7 @@ def pieces(chunks, metadata: dict) -> list[Piece]:
     (`metadata` as the save passes it)."""
     out = []
     for chunk in chunks:
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         held = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
         for local, entry in module.sharded_state_dict(metadata=metadata).items():
             if local not in held or "_extra_state" in local:
@@ -108,7 +108,7 @@ class Prebuilt:
     def __init__(self, chunk, metadata: dict, own_storage: bool):
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-        self._chunk = _unwrap(chunk)
+        self._chunk = unwrap(chunk)
         self._state = self._chunk.sharded_state_dict(metadata=metadata)
         for key, entry in self._state.items():
             if isinstance(entry, ShardedTensorFactory):

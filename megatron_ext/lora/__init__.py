@@ -25,7 +25,7 @@ from megatron_ext.lora import targets
 
 FLAG = "--lora-rank"
 
-__all__ = ["add_arguments", "validate", "before_wrap", "teardown", "enabled", "FLAG"]
+__all__ = ["add_arguments", "validate", "before_wrap", "merge", "teardown", "enabled", "FLAG"]
 
 
 def add_arguments(parser):
@@ -231,6 +231,13 @@ def before_wrap(args, chunks: list) -> None:
     from megatron_ext.lora import attach
 
     attach.attach(args, chunks, target_list(args))
+
+
+def merge(chunks: list) -> int:
+    """The adapters of ``chunks`` merged into their base weights and removed (lora/attach.py)."""
+    from megatron_ext.lora import attach
+
+    return attach.merge(chunks)
 
 
 def teardown() -> None:

@@ -147,6 +147,11 @@ class LinearAdapter(torch.nn.Module):
                            v.reshape(*lead, groups, d)], dim=-1)
         return mixed.reshape(*lead, groups * (per_group + 2) * d)
 
+    def weight_delta(self) -> torch.Tensor:
+        """scale * B @ A in fp32, laid out as the adapted linear's local weight rows [out, in]."""
+        deltas = [(pair.lora_B.weight.float() @ pair.lora_A.weight.float()).t() for pair in self.pairs()]
+        return self._combine(deltas).t() * self.spec.scale
+
     def _dropout(self, linear, x: torch.Tensor, replicated: bool) -> torch.Tensor:
         """peft's dropout on the adapter's input. An input that is the same on every rank of the
         linear's group draws from the default generator (the same stream on every such rank); a

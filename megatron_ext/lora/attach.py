@@ -171,6 +171,26 @@ def _refuse_unmatched(hits: dict) -> None:
         raise ConfigError(f"--lora-target-modules={missing[0]}: the model built has no such linear")
 
 
+@torch.no_grad()
+def merge(chunks: list) -> int:
+    """W <- W + scale * B @ A (in fp32, cast back to W's dtype) on every adapted linear and router of
+    ``chunks``, each module then back to megatron-core's own forward and checkpoint entries with its
+    adapter removed: the merged model, under the base's names. Returns how many merged."""
+    merged = 0
+    for chunk in chunks:
+        for module in list(_unwrapped(chunk).modules()):
+            adapter = getattr(module, "lora", None)
+            if not isinstance(adapter, adapters.LinearAdapter):
+                continue
+            module.weight.copy_((module.weight.float() + adapter.weight_delta()).to(module.weight.dtype))
+            del module.lora
+            kind = "router" if "gating" in module.__dict__ else "linear"
+            (seams.lora.restore_router if kind == "router" else seams.lora.restore_linear)(module)
+            _ATTACHED[:] = [entry for entry in _ATTACHED if entry[0] is not module]
+            merged += 1
+    return merged
+
+
 def forget() -> None:
     """Back to megatron-core's own forward on every module this run adapted."""
     for handle in _HOOKS:

@@ -38,11 +38,14 @@ def _trained(key: str) -> bool:
 
 def select(entries: dict, part: str | None) -> dict:
     """A model chunk's checkpoint entries of ``part`` (ADAPTERS: the adapters and the trained
-    buffers; BASE: everything else); all of them for None."""
+    buffers; BASE: everything but the adapter factors, so a base's trained buffers, an imported
+    DeepSeek-V3's score-correction bias, are where the run starts: an adapter checkpoint loaded
+    after its base replaces them); all of them for None."""
     if part is None:
         return entries
-    keep = part == ADAPTERS
-    return {k: v for k, v in entries.items() if _trained(getattr(v, "key", k)) == keep}
+    if part == ADAPTERS:
+        return {k: v for k, v in entries.items() if _trained(getattr(v, "key", k))}
+    return {k: v for k, v in entries.items() if not is_adapter_key(getattr(v, "key", k))}
 
 
 def save_part(args) -> str | None:
