@@ -551,6 +551,16 @@ def loaded_model(load: str, recipe: str | None, extra: list[str]):
         yield run
 
 
+def loaded_hf_config(args, load: str) -> tuple[str, families.Config]:
+    """(model type, HF config) of a loaded run: its tokenizer directory's config.json, which an import
+    copies there; a model that came from no import has none to write."""
+    tok_dir = args.tokenizer_model
+    if not isinstance(tok_dir, str) or not os.path.isfile(os.path.join(tok_dir, "config.json")):
+        raise ConfigError(f"--load={load}: not a model imported from Hugging Face (its tokenizer {tok_dir} has no "
+                          "config.json, the architecture a Hugging Face model is written with)")
+    return read_hf_config(tok_dir)
+
+
 def stage_flags(num_layers: int, world: int) -> list[str]:
     """One pipeline stage per process, the layers as even as megatron's split allows (an uneven
     first and last stage around even middle ones)."""
@@ -603,7 +613,7 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         args, model, iteration = run.args, run.model, run.checkpointer.loaded["iteration"]
         lora.merge(model)  # a LoRA run's adapters into its base weights (fp32), under the base's names
         tok_dir = args.tokenizer_model
-        model_type, c = read_hf_config(tok_dir)
+        model_type, c = loaded_hf_config(args, load)
         tensors = {}
         for piece in _pieces(args, model):
             if piece.main:  # a tied output layer on the last stage is the first stage's embedding

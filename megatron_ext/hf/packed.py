@@ -67,7 +67,7 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
                                              str(convert.parallel_dp(world, extra)), *extra]) as run:
         args, model = run.args, run.model
         device = platform.current().device
-        vocab = convert.read_hf_config(args.tokenizer_model)[1]["vocab_size"]
+        vocab = convert.loaded_hf_config(args, load)[1]["vocab_size"]
         tokens, positions = tokens.to(device), positions.to(device)
         mask = None
         if cu_seqlens.shape[1] > 2 or seq > total:  # several segments: attention stays inside each

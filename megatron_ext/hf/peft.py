@@ -586,7 +586,7 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
                           "model): export it with --hf")
     with convert.loaded_model(load, recipe, ["--world-size", "1"]) as run:
         args = run.args
-        model_type, c = convert.read_hf_config(args.tokenizer_model)
+        model_type, c = convert.loaded_hf_config(args, load)
         chunk = convert.unwrap(run.model[0])
         params = {n: p.detach().cpu() for n, p in chunk.named_parameters() if ".lora." in n}
         base = {n: t for n, t in convert.model_tensors(chunk).items() if ".lora." not in n}

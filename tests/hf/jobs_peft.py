@@ -27,9 +27,10 @@ def adapter_story(hf_dir: str, peft_dir: str, root: str, sequences: list, train:
             *flags]
     with Run.from_argv(argv) as r:
         out["losses"] = [h["lm loss"] for h in r.train()]
-    out["exported"] = hf.export_peft(run, os.path.join(root, "trained"), recipe=recipe)
-    hf.export_hf(run, os.path.join(root, "merged"), recipe=recipe)
-    out["trained"] = hf.logits(run, sequences, recipe=recipe).numpy()
+    # the run's checkpoint records its recipe, LoRA flags and tokenizer: no --recipe
+    out["exported"] = hf.export_peft(run, os.path.join(root, "trained"))
+    hf.export_hf(run, os.path.join(root, "merged"))
+    out["trained"] = hf.logits(run, sequences).numpy()
     try:
         hf.export_peft(os.path.join(ckpt, "base"), os.path.join(root, "nothing"))
     except ConfigError as e:
