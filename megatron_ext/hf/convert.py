@@ -224,21 +224,23 @@ def _pieces(args, model) -> list:
 # ---------------------------------------------------------------------------------------------
 # the table, expanded for one model
 # ---------------------------------------------------------------------------------------------
-def expand(model_type: str, c: families.Config, names) -> list[tuple[tuple[str, ...], list[str], str]]:
-    """The family's table with {L} and {E} filled in, kept where the model has the megatron names:
-    rows of (megatron names, HF names, transform); a stacked row has one megatron name per expert."""
+def table_rows(model_type: str, c: families.Config):
+    """The family's table with {L} and {E} filled in for every layer and expert of the config: rows of
+    (megatron names, HF names, transform); a stacked row has one megatron name per expert."""
     layers = c["num_hidden_layers"]
     experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
-    rows = []
     for mg, hf, kind in families.TABLES[model_type]:
         stacked = kind.startswith("stacked")
         for layer in range(layers) if "{L}" in mg else [None]:
             for expert in range(experts) if "{E}" in mg and not stacked else [None]:
                 def fill(s, e=expert):
                     return s.replace("{L}", str(layer)).replace("{E}", str(e))
-                mgs = tuple(fill(mg, e) for e in range(experts)) if stacked else (fill(mg),)
-                if all(m in names for m in mgs):
-                    rows.append((mgs, [fill(h) for h in hf], kind))
+                yield (tuple(fill(mg, e) for e in range(experts)) if stacked else (fill(mg),)), [fill(h) for h in hf], kind
+
+
+def expand(model_type: str, c: families.Config, names) -> list[tuple[tuple[str, ...], list[str], str]]:
+    """The table's rows (table_rows) kept where the model has the megatron names; every name covered."""
+    rows = [row for row in table_rows(model_type, c) if all(m in names for m in row[0])]
     covered = {m for r in rows for m in r[0]}
     uncovered = sorted(n for n in names if n not in covered)
     if uncovered:

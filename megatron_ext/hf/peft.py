@@ -303,19 +303,7 @@ def _base_shapes(hf_dir: str) -> dict:
 
 def _hf_rows(model_type: str, c: families.Config, shapes: dict) -> list:
     """The family's table filled in for the layers and experts whose HF tensors the base has."""
-    layers = c.raw["num_hidden_layers"]
-    experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
-    rows = []
-    for mg, hf, kind in families.TABLES[model_type]:
-        stacked = kind.startswith("stacked")
-        for layer in range(layers) if "{L}" in mg else [None]:
-            for expert in range(experts) if "{E}" in mg and not stacked else [None]:
-                def fill(s, e=expert):
-                    return s.replace("{L}", str(layer)).replace("{E}", str(e))
-                hfs = [fill(h) for h in hf]
-                if all(h in shapes for h in hfs):
-                    rows.append((tuple(fill(mg, e) for e in range(experts)) if stacked else (fill(mg),), hfs, kind))
-    return rows
+    return [row for row in convert.table_rows(model_type, c) if all(h in shapes for h in row[1])]
 
 
 def _keys(site: Site, stacked_targets: dict) -> list[tuple[str, str]]:
