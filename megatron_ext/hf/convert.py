@@ -629,7 +629,9 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         total, first = sum(counts), sum(counts[:_rank()])
         names = [WEIGHTS] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
         with _fresh_directory(out, staged=True) as target:
-            weight_map, nbytes = _write_shards(mine, names[first:first + len(mine)], tensors, c, target)
+            # agreed: a rank that fails is known to every rank once all have stopped writing, so the
+            # staging directory is removed under no rank's open file
+            weight_map, nbytes = _agreed(lambda: _write_shards(mine, names[first:first + len(mine)], tensors, c, target))
             maps = [None] * world
             torch.distributed.all_gather_object(maps, (weight_map, nbytes))
             if _rank() == 0:

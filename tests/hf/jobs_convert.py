@@ -90,9 +90,13 @@ def plain_tensors(paths: list) -> list:
 
 
 def export_recording_stages(load: str, out: str, recipe: str | None = None, fail_after: int | None = None,
-                            overwrite: bool = False) -> dict:
+                            overwrite: bool = False, slow_rank: int | None = None) -> dict:
     """Export on this world; the HF tensors this rank wrote. fail_after: raise once this rank has
-    written that many shard files (a failure part-way through)."""
+    written that many shard files (a failure part-way through); slow_rank: that rank starts writing
+    half a second late (still writing when the others have failed)."""
+    import time
+
+    import torch
     from megatron_ext.errors import ConfigError
     from megatron_ext.hf import convert
 
@@ -102,6 +106,8 @@ def export_recording_stages(load: str, out: str, recipe: str | None = None, fail
     def write(files, names, tensors, c, target):
         if fail_after is not None:
             files, names = files[:fail_after], names[:fail_after]
+        if slow_rank == torch.distributed.get_rank():
+            time.sleep(0.5)
         result = original(files, names, tensors, c, target)
         written.extend(sorted(result[0]))
         if fail_after is not None:

@@ -102,8 +102,8 @@ def test_export_on_two_stages_is_the_original_and_each_rank_writes_its_layers(im
 
 def test_export_never_leaves_stale_or_partial_files(imports):
     """An earlier single-file export in the directory: refused (nothing touched); with overwrite the
-    directory is replaced as a whole (no old file left beside the new shards); a failure part-way
-    leaves the previous export as it was and no staging directory."""
+    directory is replaced as a whole (no old file left beside the new shards); a failure part-way on
+    one rank while another still writes leaves the previous export as it was and no staging directory."""
     from megatron_ext import hf
 
     root = imports["root"]
@@ -116,8 +116,9 @@ def test_export_never_leaves_stale_or_partial_files(imports):
         hf.export_hf(str(root / "qwen3_moe_1"), str(out))
     assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
     failed = run_distributed(2, "tests.hf.jobs_convert:export_recording_stages", load=str(root / "qwen3_moe_1"),
-                             out=str(out), fail_after=1, overwrite=True)
-    assert failed[0]["error"] == "stopped part-way through the export" and failed[0]["written"], failed
+                             out=str(out), fail_after=1, overwrite=True, slow_rank=1)
+    # rank 1 was still writing when rank 0 failed: the staging directory went once both had stopped
+    assert [r["error"] for r in failed] == ["stopped part-way through the export"] * 2 and failed[1]["written"], failed
     assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
     assert not os.path.exists(str(out) + ".partial") and not os.path.exists(str(out) + ".replaced")
     done = run_distributed(1, "tests.hf.jobs_convert:export_recording_stages", load=str(root / "qwen3_moe_1"),
