@@ -52,17 +52,26 @@ REPLACED = ".replaced"  # PATH.replaced: what --overwrite moved aside until the 
 # ---------------------------------------------------------------------------------------------
 # the HF directory
 # ---------------------------------------------------------------------------------------------
-def read_hf_config(hf_dir: str) -> tuple[str, families.Config]:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isdir(hf_dir):
-        raise ConfigError(f"--hf={hf_dir}: no such directory")
+def read_json(flag: str, directory: str, name: str, what: str, required: tuple = ()) -> dict:
+    """DIRECTORY/NAME parsed; a one-line refusal naming `flag` when the directory is missing, NAME is
+    (then it is not `what`), a (file, why) of `required` is, or NAME is not JSON."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{flag}: no such directory")
+    path = os.path.join(directory, name)
     if not os.path.isfile(path):
-        raise ConfigError(f"--hf={hf_dir}: no config.json (not a Hugging Face model directory)")
+        raise ConfigError(f"{flag}: no {name} (not {what})")
+    for other, why in required:
+        if not os.path.isfile(os.path.join(directory, other)):
+            raise ConfigError(f"{flag}: no {other} ({why})")
     try:
         with open(path) as f:
-            raw = json.load(f)
+            return json.load(f)
     except ValueError as e:
-        raise ConfigError(f"--hf={hf_dir}: config.json is not JSON ({e})") from None
+        raise ConfigError(f"{flag}: {name} is not JSON ({e})") from None
+
+
+def read_hf_config(hf_dir: str) -> tuple[str, families.Config]:
+    raw = read_json(f"--hf={hf_dir}", hf_dir, "config.json", "a Hugging Face model directory")
     model_type = raw.get("model_type")
     if model_type not in families.SUPPORTED:
         arch = (raw.get("architectures") or [model_type])[0]
@@ -177,12 +186,11 @@ def open_run(recipe: str | None, extra: list[str]):
     return Run.from_argv(argv)
 
 
-unwrap = shards.unwrap
-
-
 def model_tensors(chunk) -> dict[str, torch.Tensor]:
     """Parameter and persistent-buffer tensors of one model chunk by state-dict name."""
-    return {k: v for k, v in unwrap(chunk).state_dict(keep_vars=True).items()
+    from megatron_ext.seams import unwrapped
+
+    return {k: v for k, v in unwrapped(chunk).state_dict(keep_vars=True).items()
             if "_extra_state" not in k and isinstance(v, torch.Tensor)}
 
 
@@ -711,13 +719,16 @@ def save_logits(tensor: torch.Tensor, path: str) -> None:
             os.remove(tmp)
 
 
+def layout_flag(extra: list[str], name: str, default: int = 1) -> int:
+    """A parallel size among layout flags given as a list (``--tensor-model-parallel-size 2``)."""
+    return int(extra[extra.index(name) + 1]) if name in extra else default
+
+
 def parallel_dp(world: int, extra: list[str]) -> int:
     """The data-parallel size of a layout given as flags (the global batch must be a multiple)."""
-    def flag(name, default=1):
-        return int(extra[extra.index(name) + 1]) if name in extra else default
-
-    return max(1, world // (flag("--tensor-model-parallel-size") * flag("--pipeline-model-parallel-size")
-                            * flag("--context-parallel-size")))
+    return max(1, world // (layout_flag(extra, "--tensor-model-parallel-size")
+                            * layout_flag(extra, "--pipeline-model-parallel-size")
+                            * layout_flag(extra, "--context-parallel-size")))
 
 
 __all__ = ["import_hf", "export_hf", "save_logits"]

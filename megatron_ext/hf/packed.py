@@ -18,10 +18,6 @@ import torch
 from megatron_ext.errors import ConfigError
 
 
-def _flag(extra: list[str], name: str, default: int = 1) -> int:
-    return int(extra[extra.index(name) + 1]) if name in extra else default
-
-
 def row(sequences: list[list[int]], multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [1, S], positions [1, S], cu_seqlens [1, n + 2]) of the sequences packed into one row
     padded to a multiple of ``multiple`` (the padding a segment of its own; empty when none)."""
@@ -58,9 +54,9 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
     sequences = [list(ids)] if ids and not isinstance(ids[0], (list, tuple)) else [list(s) for s in ids]
     if not sequences or any(not s for s in sequences):
         raise ConfigError("--input-ids: every sequence needs a token (sequences are separated by ';')")
-    if _flag(extra, "--context-parallel-size") > 1:
+    if convert.layout_flag(extra, "--context-parallel-size") > 1:
         raise ConfigError("--context-parallel-size: logits runs the packed row on one context-parallel rank")
-    tokens, positions, cu_seqlens = row(sequences, _flag(extra, "--tensor-model-parallel-size"))
+    tokens, positions, cu_seqlens = row(sequences, convert.layout_flag(extra, "--tensor-model-parallel-size"))
     total, seq = sum(len(s) for s in sequences), tokens.shape[1]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with convert.loaded_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world), "--global-batch-size",

@@ -231,18 +231,8 @@ _PLAIN_INITS = (True, False, "gaussian")
 def read_config(peft_dir: str) -> dict:
     """adapter_config.json, every field either understood or off; refusals name the field."""
     flag = f"--peft={peft_dir}"
-    if not os.path.isdir(peft_dir):
-        raise ConfigError(f"{flag}: no such directory")
-    path = os.path.join(peft_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag}: no {CONFIG_FILE} (not a peft adapter directory)")
-    if not os.path.isfile(os.path.join(peft_dir, WEIGHTS_FILE)):
-        raise ConfigError(f"{flag}: no {WEIGHTS_FILE} (only safetensors adapters are read)")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except ValueError as e:
-        raise ConfigError(f"{flag}: {CONFIG_FILE} is not JSON ({e})") from None
+    cfg = convert.read_json(flag, peft_dir, CONFIG_FILE, "a peft adapter directory",
+                            required=((WEIGHTS_FILE, "only safetensors adapters are read"),))
 
     def refuse(key, why):
         return ConfigError(f"{flag}: {CONFIG_FILE}: {key}={cfg.get(key)!r}: {why}")
@@ -499,7 +489,9 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
         yaml.safe_dump(flags, f, sort_keys=False)
     with convert.loaded_model(base_dir, recipe, ["--save", save, "--save-interval", "1", "--no-save-optim",
                                                  "--no-save-rng", "--world-size", "1"]) as run:
-        params = dict(convert.unwrap(run.model[0]).named_parameters())
+        from megatron_ext import seams
+
+        params = dict(seams.unwrapped(run.model[0]).named_parameters())
         missing = sorted(n for n in adapter.tensors if n not in params)
         if missing:
             raise ConfigError(f"--peft={peft_dir}: the LoRA flags {flags} built no {missing[0]}")
@@ -575,7 +567,9 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
     with convert.loaded_model(load, recipe, ["--world-size", "1"]) as run:
         args = run.args
         model_type, c = convert.loaded_hf_config(args, load)
-        chunk = convert.unwrap(run.model[0])
+        from megatron_ext import seams
+
+        chunk = seams.unwrapped(run.model[0])
         params = {n: p.detach().cpu() for n, p in chunk.named_parameters() if ".lora." in n}
         base = {n: t for n, t in convert.model_tensors(chunk).items() if ".lora." not in n}
         rows = convert.expand(model_type, c, base)

@@ -41,12 +41,6 @@ class Piece:
     main: bool                # the main replica (the one copy a save writes)
 
 
-def unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _global_name(local: str, sh) -> str:
     """The table name of a local tensor. Its layer is global across pipeline and virtual stages:
     the number in the sharded key where megatron keys layers one by one (a block of unlike layers),
@@ -71,9 +65,11 @@ def _is_main(replica_id) -> bool:
 def pieces(chunks, metadata: dict) -> list[Piece]:
     """Every piece of this rank's model chunks, described by the sharded state dict a save writes
     (`metadata` as the save passes it)."""
+    from megatron_ext.seams import unwrapped
+
     out = []
     for chunk in chunks:
-        module = unwrap(chunk)
+        module = unwrapped(chunk)
         held = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
         for local, entry in module.sharded_state_dict(metadata=metadata).items():
             if local not in held or "_extra_state" in local:
@@ -108,7 +104,9 @@ class Prebuilt:
     def __init__(self, chunk, metadata: dict, own_storage: bool):
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-        self._chunk = unwrap(chunk)
+        from megatron_ext.seams import unwrapped
+
+        self._chunk = unwrapped(chunk)
         self._state = self._chunk.sharded_state_dict(metadata=metadata)
         for key, entry in self._state.items():
             if isinstance(entry, ShardedTensorFactory):

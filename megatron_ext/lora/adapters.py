@@ -264,12 +264,11 @@ def init_adapters(model_chunks: list, seed: int) -> int:
     tensor), B zeros. Returns how many factors were set."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from megatron_ext.seams import unwrapped
+
     count = 0
     for chunk in model_chunks:
-        module = chunk
-        while hasattr(module, "module"):
-            module = module.module
-        for sh in _adapter_tensors(module.sharded_state_dict()):
+        for sh in _adapter_tensors(unwrapped(chunk).sharded_state_dict()):
             if not isinstance(sh, ShardedTensor):
                 continue
             if sh.key.endswith(f"{COL_KEY}.weight"):

@@ -12,11 +12,6 @@ _ATTACHED: list = []  # (module, kind) of this run, for forget()
 _HOOKS: list = []
 
 
-def _unwrapped(chunk):
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
 
 def _spec(args, config, tpath: str, linear, parallel: str, rank: int, scale: float) -> adapters.Spec:
     from megatron_ext import lora
@@ -75,7 +70,7 @@ def attach(args, chunks: list, target_names: list) -> None:
     hits = dict.fromkeys(target_names, 0)
     trainable = set()
     for chunk in chunks:
-        model = _unwrapped(chunk)
+        model = seams.unwrapped(chunk)
         config = model.config
         for path, module in list(model.named_modules()):
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, TopKRouter)):
@@ -178,7 +173,7 @@ def merge(chunks: list) -> int:
     adapter removed: the merged model, under the base's names. Returns how many merged."""
     merged = 0
     for chunk in chunks:
-        for module in list(_unwrapped(chunk).modules()):
+        for module in list(seams.unwrapped(chunk).modules()):
             adapter = getattr(module, "lora", None)
             if not isinstance(adapter, adapters.LinearAdapter):
                 continue

@@ -75,6 +75,7 @@ class Hooks:
     # ------------------------------------------------------------------ attach
     def attach(self, model_chunks) -> "Hooks":
         from megatron_ext.offload import targets as where  # imports megatron-core: at attach, not at import
+        from megatron_ext.seams import unwrapped
 
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         modules = self.options.modules
@@ -83,7 +84,7 @@ class Hooks:
                 self._static_keys.add(_storage_key(p))
                 if getattr(p, "main_grad", None) is not None:
                     self._static_keys.add(_storage_key(p.main_grad))
-            root = where.offload_unwrap(chunk)
+            root = unwrapped(chunk)
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
             for layer in where.offload_layers(root):

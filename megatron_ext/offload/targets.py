@@ -38,16 +38,7 @@ Module paths are the same in the local and the transformer-engine layer specs.
 """
 from __future__ import annotations
 
-import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
-
-
-def offload_unwrap(chunk):
-    """DDP / Float16Module wrappers (megatron/core/distributed/data_parallel_base.py,
-    megatron/core/transformer/module.py Float16Module) keep the model in `.module`."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
 
 
 def offload_layers(model) -> list:

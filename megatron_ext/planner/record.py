@@ -211,14 +211,13 @@ def _budget_as_the_run(rows_per_token):
 def _run_built(run, kinds, seed: int) -> dict:
     from megatron_ext.measure.memtrack import model_state_ptrs
     from megatron_ext.offload import MODULES, Options
+    from megatron_ext.seams import unwrapped
     from megatron_ext.seams.planner import buffer_requests
 
     args = run.args
     chunks = run.build(wrap=False)
     model = chunks[0]
-    root = model
-    while hasattr(root, "module") and isinstance(root.module, torch.nn.Module):
-        root = root.module
+    root = unwrapped(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     exclude = model_state_ptrs(chunks)

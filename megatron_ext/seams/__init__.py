@@ -2,7 +2,7 @@
 capability, each entry naming the upstream site (file:line in megatron-core 0.19.2).
 
     training.py        process-wide megatron state cleared between runs; torch norms under
-                       sequence parallelism
+                       sequence parallelism; the model inside megatron-core's wrappers
     architectures.py   what real configs need of the local spec: multi-latent attention's core
                        attention, the zero-centred norm of --apply-layernorm-1p
     schedules.py       TP (and EP) collectives routed through the overlap lanes, per-lane scratch
@@ -51,11 +51,11 @@ from megatron_ext.seams.checkpointing import (  # noqa: F401 (the package's API)
 from megatron_ext.seams.fsdp import complete_fsdp_optimizer_state, wait_for_prefetched_gathers  # noqa: F401
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped  # noqa: F401
-from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals  # noqa: F401
+from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals, unwrapped  # noqa: F401
 
 __all__ = [
     "TORCH_NORM_SEQUENCE_PARALLEL", "ensure_optimizer_state", "restore_optimizer_step", "restore_fsdp2_optimizer_step",
     "set_write_results_queue", "checksummed_writes", "verified_reads", "complete_fsdp_optimizer_state",
     "wait_for_prefetched_gathers", "replace_token_dispatcher", "reset_moe_aux_loss_scale", "run_experts_grouped",
-    "reset_megatron_globals", "install_tokenizer_seams", "megatron_training_globals",
+    "reset_megatron_globals", "install_tokenizer_seams", "megatron_training_globals", "unwrapped",
 ]

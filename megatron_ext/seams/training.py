@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from megatron.core import num_microbatches_calculator as nmc
 from megatron.core import parallel_state
 from megatron.core.transformer import torch_norm
@@ -11,6 +13,14 @@ from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracke
 
 from megatron_ext.patching import Patch, set_attr
 from megatron_ext.seams.moe import reset_moe_aux_loss_scale
+
+
+def unwrapped(chunk):
+    """The model inside megatron-core's wrappers: DDP, Megatron-FSDP and Float16Module keep it in
+    `.module` (distributed/data_parallel_base.py, transformer/module.py Float16Module)."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
 
 
 def reset_megatron_globals() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 
-from megatron_ext import lora
+from megatron_ext import lora, seams
 from megatron_ext.errors import ConfigError
 from megatron_ext.lora.adapters import is_adapter_key
 from megatron_ext.training import ckpt_dirs, ckpt_integrity
@@ -52,15 +52,9 @@ def save_part(args) -> str | None:
     return ADAPTERS if lora.enabled(args) else None
 
 
-def _inner(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def record(args, model: list) -> dict:
     """The common state's ``lora`` entry of a save."""
-    base = getattr(_inner(model[0]), "lora_base", None) or {
+    base = getattr(seams.unwrapped(model[0]), "lora_base", None) or {
         "path": None, "seed": args.seed, "layout_invariant_init": bool(args.layout_invariant_init)}
     return {"rank": args.lora_rank, "alpha": args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank),
             "rslora": bool(args.lora_rslora), "fused": args.lora_fused_adapters,
@@ -97,7 +91,7 @@ def plan(ckpt, path: str, iteration: int, common: dict) -> str | None:
             raise ConfigError(f"--load={args.load}: {path} is a full checkpoint; with {lora.FLAG} it is the frozen "
                               "base: load it with --finetune, or name it with --pretrained-checkpoint")
         root = os.path.abspath(os.path.dirname(path))
-        _inner(ckpt.model[0]).lora_base = {"path": root, "iteration": iteration, "checksum": identity(path)}
+        seams.unwrapped(ckpt.model[0]).lora_base = {"path": root, "iteration": iteration, "checksum": identity(path)}
         return BASE
     mine = record(args, ckpt.model)
     differ = [k for k in _CONFIG_KEYS if mine[k] != saved[k]]
@@ -130,7 +124,7 @@ def _load_base(ckpt, recorded: dict) -> None:
     lines = []
     base._print = lines.append
     base.load()
-    loaded = getattr(_inner(ckpt.model[0]), "lora_base", None)
+    loaded = getattr(seams.unwrapped(ckpt.model[0]), "lora_base", None)
     if loaded is None:  # the directory held adapters, not a base
         raise ConfigError(f"--pretrained-checkpoint={root}: holds LoRA adapters, not a base model")
     if recorded.get("checksum") is not None and (loaded["iteration"], loaded["checksum"]) != (

@@ -50,12 +50,11 @@ def sharded_tensors(state):
 @torch.no_grad()
 def layout_invariant_init(model_chunks: list, std: float, seed: int) -> int:
     """Overwrite every parameter of the (unwrapped) chunks; returns how many tensors were set."""
+    from megatron_ext.seams import unwrapped
+
     count = 0
     for chunk in model_chunks:
-        module = chunk.module if hasattr(chunk, "module") else chunk
-        while hasattr(module, "module"):
-            module = module.module
-        for sh in sharded_tensors(module.sharded_state_dict()):
+        for sh in sharded_tensors(unwrapped(chunk).sharded_state_dict()):
             if sh.data is None or not sh.data.is_floating_point() or "_extra_state" in sh.key:
                 continue
             full = _full_tensor(sh.key, sh.global_shape, std, seed)

@@ -8,11 +8,11 @@ def _adapter_pieces(chunks) -> list:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron_ext.lora import adapters
-    from megatron_ext.offload.targets import offload_unwrap
+    from megatron_ext.seams import unwrapped
 
     pieces = []
     for chunk in chunks:
-        model = offload_unwrap(chunk)
+        model = unwrapped(chunk)
         for sh in adapters._adapter_tensors(model.sharded_state_dict()):
             if not isinstance(sh, ShardedTensor):
                 continue
@@ -132,7 +132,7 @@ def frozen_state(argv: list[str]) -> dict:
     """The training loop; the last log line's state bytes, and what holds a gradient or optimizer state when
     it is taken: the parameters (adapter factors or not) that require or have a gradient, the
     parameters in DDP's gradient buffers, the numel of the optimizer's state tensors."""
-    from megatron_ext.offload.targets import offload_unwrap
+    from megatron_ext.seams import unwrapped
     from megatron_ext.training import log_line
     from megatron_ext.training.run import main as train_main
 
@@ -140,7 +140,7 @@ def frozen_state(argv: list[str]) -> dict:
     state_bytes = log_line.state_bytes
 
     def record(model, optimizer):
-        named = [(n, p) for c in model for n, p in offload_unwrap(c).named_parameters()]
+        named = [(n, p) for c in model for n, p in unwrapped(c).named_parameters()]
         adapter = {id(p) for n, p in named if ".lora." in n}
         routed = {id(p) for n, p in named if not getattr(p, "allreduce", True)}  # reduced over expert DP
         seen.update(

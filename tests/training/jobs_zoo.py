@@ -14,14 +14,14 @@ def train_digest(argv: list[str]) -> dict:
     """The training loop on this rank (megatron_ext/training/run.py); its log history, and a hash of every parameter and of its last
     gradient (DDP's main_grad) after training: equal hashes = bit-identical weights and gradients."""
     from megatron_ext import offload
-    from megatron_ext.offload.targets import offload_unwrap
+    from megatron_ext.seams import unwrapped
     from megatron_ext.training.run import Run
 
     built = []
 
     class Keep:  # the run's probe: the modules inside the DDP wrappers (emptied at teardown)
         def after_build(self, run):
-            built.extend(offload_unwrap(c) for c in run.model)
+            built.extend(unwrapped(c) for c in run.model)
 
     try:
         with Run.from_argv(list(argv), probes=[Keep()]) as run:
