@@ -125,7 +125,7 @@ class GroupedExperts:
                 lin.offsets = lin.row_expert = lin.probs = None
         assert bias is None
         # padding rows leave as zeros whatever a bias added (their probabilities are zero anyway)
-        return torch.where(_valid_rows(rows, offsets), output, torch.zeros((), dtype=output.dtype)), None
+        return torch.where(_valid_rows(rows, offsets), output, output.new_zeros(())), None
 
 
 def attach(experts) -> GroupedExperts:

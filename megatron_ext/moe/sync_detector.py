@@ -1,10 +1,18 @@
-"""Find host-device synchronisations without a GPU.
+"""Find host-device synchronisations, and what breaks CUDA-graph capture, without a GPU.
 
 On CUDA an operation synchronises the host with the device when the host needs a value that only
 the device has: a scalar read (``.item()``, ``int(t)``, ``if t:``), a device-to-host copy
 (``.cpu()``, ``.tolist()``, ``.numpy()``), an op whose *output shape* depends on device data
 (``nonzero``, ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without
-``output_size``, ``unique``, ``bincount`` ...), or an explicit ``synchronize()``.
+``output_size``, ``unique``, ``bincount`` ...), or an explicit ``synchronize()``. Two more classes were
+seen on a GPU and are invisible on a CPU, where everything is one device:
+
+* **a host tensor entering an op with device tensors** (0-dim included: ``torch.zeros(())`` made
+  without ``device=``): a host-to-device copy from pageable memory, a synchronisation, and an error
+  inside CUDA-graph capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture");
+* **ops that read device values on the host in some dtypes only** (:data:`DTYPE_SYNCS`):
+  ``torch._grouped_mm`` runs torch's fallback, which reads its offsets on the host, unless every
+  operand and the output are bf16 on compute capability 9.x/10.x.
 
 On a CPU-only machine every tensor is a CPU tensor, so the detector tracks which tensors *would* be
 on the device ("device-resident") and which on the host:
@@ -49,7 +57,7 @@ aten = torch.ops.aten
 
 @dataclass
 class SyncEvent:
-    kind: str  # "scalar-read" | "d2h-copy" | "data-dependent-shape" | "explicit-sync"
+    kind: str  # one of KINDS
     op: str
     phase: str
     where: str
@@ -57,6 +65,11 @@ class SyncEvent:
     def __str__(self) -> str:
         return f"[{self.phase}] {self.kind}: {self.op} at {self.where}"
 
+
+# What the detector flags, by class: the host reads (the first four), a host tensor in a device op
+# (a host-to-device copy; fails inside CUDA-graph capture), and an op that syncs in this dtype only.
+KINDS = ("scalar-read", "d2h-copy", "data-dependent-shape", "explicit-sync", "host-tensor-in-device-op",
+         "dtype-dependent-sync")
 
 _HERE = (os.path.abspath(__file__), os.path.abspath(moe_seams.__file__))  # our frames, not the site
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -80,6 +93,27 @@ _SHAPE_OPS = {
     "nonzero", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
     "unique_consecutive", "bincount",
 }
+# Hopper: the GPU a declared CUDA target is validated for by default (megatron_ext/platform/target.py)
+DEFAULT_CAPABILITY = (9, 0)
+
+
+def _grouped_mm_sync(args, kwargs, capability) -> Optional[str]:
+    """aten/src/ATen/native/cuda/GroupedBlas.cpp ``_grouped_mm_cuda``: the CUTLASS kernel runs when
+    both operands and the output are bf16 on compute capability 9.x or 10.x; otherwise
+    ``_grouped_mm_fallback`` copies the offsets to the host (``offs.cpu()``) and loops over the groups."""
+    a, b = args[0], args[1]
+    out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+    bf16 = a.dtype == b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16)
+    if bf16 and capability[0] in (9, 10):
+        return None
+    why = f"{a.dtype}" if not bf16 else f"compute capability {capability[0]}.{capability[1]}"
+    return f"torch's grouped-GEMM fallback reads the offsets on the host ({why})"
+
+
+# aten op -> (args, kwargs, compute capability) -> why it syncs there, or None: ops that read device
+# values on the host in some dtypes / on some GPUs only (seen on an H200: 2 syncs forward, 4 backward
+# per zero-sync layer in fp32).
+DTYPE_SYNCS = {"_grouped_mm": _grouped_mm_sync}
 _SCALAR_OPS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "allclose"}
 _FACTORIES = {
     torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.ones, torch.empty, torch.full,
@@ -111,8 +145,8 @@ def _requested_device(args, kwargs):
 def _dev_type(device) -> str:
     if isinstance(device, torch.device):
         return device.type
-    if isinstance(device, str):
-        return torch.device(device).type
+    if isinstance(device, str):  # parsed here: torch.device("cuda") is rewritten under the CPU shims
+        return device.split(":")[0]
     return "cuda"  # an int ordinal
 
 
@@ -155,11 +189,14 @@ class _FunctionSide(TorchFunctionMode):
                             det._record("d2h-copy", "to(cpu)")
                     det._set(out, False)
                 else:
+                    if not src_dev and not det._suppress:
+                        det._record("host-tensor-in-device-op", f"to({target}) of a host "
+                                    f"{tuple(src.shape)} {str(src.dtype).replace('torch.', '')}")
                     det._set(out, True)
                 return out
         if func in _FACTORIES:
             out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor) and not (args and out is args[0]):  # as_tensor(t) is t
                 det._set(out, not _is_host_device(kwargs.get("device")))
             return out
         if func is torch.from_numpy:
@@ -178,12 +215,21 @@ class _DispatchSide(TorchDispatchMode):
         kwargs = kwargs or {}
         det = self.det
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        any_dev = any(det.is_device(t) for t in inputs)
+        on_device = [det.is_device(t) for t in inputs]
+        any_dev = any(on_device)
         name = func.overloadpacket.__name__
         if any_dev and not det._suppress:
             reason = self._sync_reason(func, name, args, kwargs)
             if reason is not None:
                 det._record(reason, f"aten.{func.__name__}")
+            host = [t for t, d in zip(inputs, on_device) if not d]
+            if host:
+                det._record("host-tensor-in-device-op", f"aten.{func.__name__} with a host "
+                            + ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in host))
+            dtype_rule = DTYPE_SYNCS.get(name)
+            why = dtype_rule(args, kwargs, det.capability) if dtype_rule is not None else None
+            if why is not None:
+                det._record("dtype-dependent-sync", f"aten.{func.__name__}: {why}")
         out = func(*args, **kwargs)
         if inputs and not det.real_cuda:
             for t in tree_leaves(out):
@@ -233,8 +279,11 @@ class SyncDetector:
     >>> det.count("forward"), [str(e) for e in det.events]
     """
 
-    def __init__(self, emulate_cuda_dtoh: bool = True, raise_on_sync: bool = False):
+    def __init__(self, emulate_cuda_dtoh: bool = True, raise_on_sync: bool = False, capability=None):
         self.real_cuda = torch.cuda.is_available() and torch.version.cuda is not None and _real_cuda_runtime()
+        # the GPU whose dtype-dependent syncs (DTYPE_SYNCS) are flagged: this one, or a Hopper
+        self.capability = tuple(capability or (torch.cuda.get_device_capability() if self.real_cuda
+                                               else DEFAULT_CAPABILITY))
         self.emulate_cuda_dtoh = emulate_cuda_dtoh and not self.real_cuda
         self.raise_on_sync = raise_on_sync
         self.events: List[SyncEvent] = []
@@ -283,11 +332,18 @@ class SyncDetector:
         finally:
             self._phase = old
 
-    def count(self, phase: Optional[str] = None) -> int:
-        return sum(1 for e in self.events if phase is None or e.phase == phase)
+    def count(self, phase: Optional[str] = None, kind: Optional[str] = None) -> int:
+        return sum(1 for e in self.events if (phase is None or e.phase == phase) and (kind is None or e.kind == kind))
 
     def sites(self, phase: Optional[str] = None) -> List[str]:
         return [f"{e.kind}: {e.op} at {e.where}" for e in self.events if phase is None or e.phase == phase]
+
+    def kinds(self) -> dict:
+        """{kind: events} of what was flagged."""
+        out: dict = {}
+        for e in self.events:
+            out[e.kind] = out.get(e.kind, 0) + 1
+        return out
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "SyncDetector":
