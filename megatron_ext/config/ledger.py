@@ -105,7 +105,6 @@ OTHER_MODELS = "for Megatron-LM's other models (BERT, T5, vision, retrieval); pr
 INFERENCE = "megatron's inference engine and text-generation server; training does not read it"
 RL = "megatron's reinforcement learning (--perform-rl-step, refused here)"
 HYBRID = "hybrid (Mamba) models only: --hybrid-layer-pattern / --is-hybrid-model are refused here"
-CUDA_GRAPHS = "CUDA graphs only (--cuda-graph-impl, refused here)"
 ONE_LOGGER = "NVIDIA's one-logger telemetry, which this loop does not send (the flag only turns it off or names it)"
 
 
@@ -218,10 +217,16 @@ refused("a layer-spec choice megatron's GPT builder (megatron/training/models/gp
 no_effect(only_with("--use-kitchen-attention"), "kitchen_attention_backend")
 refused("a kitchen quantization recipe is chosen by megatron's GPT builder, not by this loop's layer specs",
         "kitchen_config_file kitchen_recipe_number")
-refused("megatron captures CUDA graphs in its own training loop (training.py, TECudaGraphHelper and the "
-        "graph manager's hooks), which this loop does not run",
-        "cuda_graph_impl enable_cuda_graph external_cuda_graph optimizer_cuda_graph")
-no_effect(CUDA_GRAPHS, "cuda_graph_warmup_steps inference_cuda_graph_scope cuda_graph_modules cuda_graph_scope_deprecated")
+# --cuda-graph-impl local --cuda-graph-modules moe (or --cuda-graph-scope moe) with --moe-zero-sync-dropless:
+# megatron's graph manager captures every MoE layer (megatron_ext/moe/graphs.py); every other value is
+# refused there by name
+honoured("megatron_ext.moe.graphs:before_validate", "cuda_graph_impl cuda_graph_modules cuda_graph_scope_deprecated")
+honoured(TC, "cuda_graph_warmup_steps")  # the warmup passes of megatron's graph manager (cuda_graphs.py:1259)
+refused("megatron captures these in its own training loop (training.py: TECudaGraphHelper, FullCudaGraphWrapper, "
+        "OptimizerCudaGraphWrapper), which this loop does not run; this loop's CUDA graphs: --cuda-graph-impl local "
+        "--cuda-graph-modules moe with --moe-zero-sync-dropless",
+        "enable_cuda_graph external_cuda_graph optimizer_cuda_graph")
+no_effect(INFERENCE, "inference_cuda_graph_scope")
 refused("megatron's initialize_megatron switches the batch-invariant kernels on for the whole process; this "
         "loop does not", "batch_invariant_mode")
 refused("this loop builds megatron-core's GPTModel; a hybrid (Mamba) model is megatron's HybridModel",

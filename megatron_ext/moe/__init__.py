@@ -10,7 +10,10 @@
   (``grouped_experts.py``): dropless with zero syncs, ``--moe-zero-sync-dropless``; a token budget
   (``--moe-dropless-budget-factor``) whose overflow is counted on the device and read at log time
   (``--moe-dropless-overflow``).
-* :class:`SyncDetector` (``sync_detector.py``): counts the syncs a block would cause on CUDA, on CPU.
+* :class:`SyncDetector` (``sync_detector.py``): counts the syncs a block would cause on CUDA, on CPU
+  (host reads, host tensors in device ops, dtype-dependent syncs); ``audit.py`` runs it on one MoE layer.
+* ``graphs.py``: ``--cuda-graph-impl local --cuda-graph-modules moe`` with ``--moe-zero-sync-dropless``
+  captures every MoE layer in a CUDA graph (megatron's graph manager bound to the layer's forward).
 
 Importing this package does not import megatron-core; the hooks below do, when called.
 """
@@ -24,8 +27,8 @@ ZERO_SYNC = "--moe-zero-sync-dropless"
 BUDGET = "--moe-dropless-budget-factor"
 OVERFLOW_FLAG = "--moe-dropless-overflow"
 
-__all__ = ["indices_to_multihot", "add_arguments", "validate", "after_model", "install", "at_log_line",
-           "log_counters", "teardown", "FLAG"]
+__all__ = ["indices_to_multihot", "add_arguments", "before_validate", "validate", "before_model", "after_model",
+           "install", "at_log_line", "log_counters", "teardown", "FLAG"]
 
 
 def add_arguments(parser):
@@ -70,6 +73,12 @@ def add_arguments(parser):
         "drop: drop the pairs past the budget, counted in the log line. (default: error)",
     )
     return parser
+
+
+def before_validate(args) -> None:
+    from megatron_ext.moe import graphs
+
+    graphs.before_validate(args)
 
 
 def validate(args) -> None:
@@ -121,6 +130,7 @@ def _validate_zero_sync(args) -> None:
         raise ConfigError(f"{on}: --use-te-activation-func is not supported by the grouped experts")
     if getattr(args, "moe_latent_size", None):
         raise ConfigError(f"{on}: --moe-latent-size is not supported by the grouped experts")
+    _refuse_host_offsets_on_cuda(args, on)
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
     etp = getattr(args, "expert_tensor_parallel_size", None) or 1
@@ -130,17 +140,54 @@ def _validate_zero_sync(args) -> None:
                               f"({16 // dtype_bytes} elements in this precision)")
 
 
+# GPUs whose grouped GEMM runs without reading its offsets on the host (torch._grouped_mm's CUTLASS kernel,
+# bf16 only; aten/src/ATen/native/cuda/GroupedBlas.cpp): compute capability major 9 (Hopper) and 10 (Blackwell)
+GROUPED_GEMM_ARCHS = (9, 10)
+
+
+def _refuse_host_offsets_on_cuda(args, on: str) -> None:
+    """On CUDA the zero-sync experts need torch's grouped-GEMM kernel, which exists for bf16 on compute
+    capability 9.x/10.x only; elsewhere torch's fallback copies the offsets to the host (2 syncs forward
+    and 4 backward per layer, measured on an H200 in fp32) and CUDA-graph capture fails. A padded batched
+    GEMM would avoid the read at (local experts)x the FLOPs and memory (docs/moe.md): refused instead."""
+    from megatron_ext.platform.target import GPUS, resolve
+
+    target = resolve(args)
+    if not target.cuda:
+        return  # CPU: every op is on the host anyway (the audit models CUDA: megatron_ext/moe/audit.py)
+    if not getattr(args, "bf16", False):
+        precision = "--fp16" if getattr(args, "fp16", False) else "fp32 (no --bf16)"
+        raise ConfigError(f"{on} with {precision}: on CUDA the grouped GEMM (torch._grouped_mm) reads its expert "
+                          "offsets on the host except in bf16 (2 syncs forward, 4 backward per layer): add --bf16, "
+                          "or use --moe-expert-capacity-factor (capacity mode has no sync in any precision)")
+    if target.declared:
+        arch = GPUS[target.gpu][0][0]
+        gpu = f"--target-gpu={target.gpu}"
+    else:
+        import torch
+
+        arch = torch.cuda.get_device_capability()[0]
+        gpu = f"this GPU ({torch.cuda.get_device_name()}"
+        gpu += f", compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+    if arch not in GROUPED_GEMM_ARCHS:
+        raise ConfigError(f"{on} on {gpu}: torch's bf16 grouped-GEMM kernel needs compute capability 9.x or "
+                          "10.x (Hopper, Blackwell); elsewhere it reads its expert offsets on the host; use "
+                          "--moe-expert-capacity-factor, or the one-sync dropless mode (drop this flag)")
+
+
 installed = 0  # dispatchers replaced in this process (tests check the flag really took effect)
 
 
-def install(model_chunks, zero_sync: bool = False, budget_factor=None) -> int:
+def install(model_chunks, zero_sync: bool = False, budget_factor=None, cuda_graphs: bool = False,
+            grouped=None) -> int:
     """Swap the token dispatcher of every MoELayer in ``model_chunks`` (modules or DDP wrappers);
-    with ``zero_sync`` the fixed-budget one, and the experts run grouped over device offsets.
-    Returns how many were replaced."""
+    with ``zero_sync`` the fixed-budget one, and the experts run grouped over device offsets
+    (``grouped``: the module providing ``attach``, grouped_experts by default); with ``cuda_graphs``
+    each layer's forward is captured (graphs.py). Returns how many were replaced."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_ext import seams
-    from megatron_ext.moe import grouped_experts
+    from megatron_ext.moe import graphs, grouped_experts
     from megatron_ext.moe.dispatcher import MultihotTokenDispatcher
     from megatron_ext.moe.fixed_dispatch import FixedBudgetDispatcher
 
@@ -161,15 +208,25 @@ def install(model_chunks, zero_sync: bool = False, budget_factor=None) -> int:
             if isinstance(module, MoELayer) and seams.replace_token_dispatcher(module, make):
                 replaced += 1
                 if zero_sync:
-                    seams.run_experts_grouped(module, grouped_experts.attach)
+                    seams.run_experts_grouped(module, (grouped or grouped_experts).attach)
+                if cuda_graphs:
+                    graphs.capture(module)
     installed += replaced
     return replaced
 
 
+def before_model(args, config) -> None:
+    from megatron_ext.moe import graphs
+
+    graphs.before_model(args, config)
+
+
 def after_model(args, model_chunks) -> None:
+    from megatron_ext.moe import graphs
+
     if getattr(args, "moe_sync_free_dispatcher", False):
         install(model_chunks, zero_sync=getattr(args, "moe_zero_sync_dropless", False),
-                budget_factor=getattr(args, "moe_dropless_budget_factor", None))
+                budget_factor=getattr(args, "moe_dropless_budget_factor", None), cuda_graphs=graphs.requested(args))
 
 
 _last_line = {}  # this process's overflow figures of the last log line (zero-sync mode only)
@@ -187,7 +244,7 @@ def at_log_line(args) -> None:
     from megatron_ext import platform
     from megatron_ext.moe.fixed_dispatch import OVERFLOW as counter
 
-    dropped, load = counter.take()
+    dropped, load = counter.take()  # device tensors, or None before the first dispatch
     device = platform.current().device
     dropped = torch.zeros(1, dtype=torch.float64, device=device) if dropped is None else dropped.double()
     load = torch.zeros(1, dtype=torch.float64, device=device) if load is None else load

@@ -1,7 +1,13 @@
 """Sync audit of one megatron-core MoELayer (router, dispatch, experts, combine), forward and
-backward, with the standard or the multihot dispatcher. Used by tests/moe and
-scripts/bench_dispatcher.py. Run inside an initialised model-parallel world
-(megatron_ext.training.parallel.initialize)."""
+backward, with the standard or the multihot dispatcher: what CUDA would see, on a machine with no GPU
+(megatron_ext/moe/sync_detector.py: host reads of device values, host tensors entering device ops,
+ops that sync in the layer's dtype). Used by tests/moe, scripts/bench_dispatcher.py and
+scripts/gpu_check.py. Run inside an initialised model-parallel world
+(megatron_ext.training.parallel.initialize).
+
+:func:`audit_sync_free` runs every (dispatcher, mode) this package claims sync-free (:data:`SYNC_FREE`)
+and returns what the detector flagged; :func:`run_transformer_layer` does the same for the whole
+transformer layer around the MoE layer (attention included)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +20,12 @@ from megatron_ext.moe.sync_detector import SyncDetector, run_backward
 
 # dropless-syncfree: dropless; ours runs the fixed-budget dispatcher with grouped experts
 MODES = ("dropless", "capacity", "capacity-nopad", "dropless-syncfree")
+DISPATCHERS = ("alltoall", "allgather")
+# What this package claims runs with no host synchronisation (and so can be captured in a CUDA graph):
+# the sync-free dispatcher with a capacity factor (any precision) and the zero-sync dropless mode (bf16:
+# on CUDA, torch's grouped GEMM reads its offsets on the host in other precisions; the flag refuses them)
+SYNC_FREE = tuple((d, m) for d in DISPATCHERS for m in ("capacity", "capacity-nopad", "dropless-syncfree"))
+SYNC_FREE_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,7 @@ class LayerSpec:
     budget_factor: Optional[float] = None  # dropless-syncfree only (None: the worst case)
     shared_expert: bool = False  # a shared expert, overlapped with the dispatch (alltoall)
     routing: tuple = ()  # extra TransformerConfig fields, (name, value) pairs (router options)
+    dtype: str = "float32"  # parameters and activations: float32 | bfloat16
 
     def config(self):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -58,12 +71,16 @@ class LayerSpec:
             add_bias_linear=False,
             moe_shared_expert_intermediate_size=self.ffn if self.shared_expert else None,
             moe_shared_expert_overlap=self.shared_expert and self.dispatcher == "alltoall",
-            params_dtype=torch.float32,
+            params_dtype=getattr(torch, self.dtype),
+            bf16=self.dtype == "bfloat16",
         )
         return TransformerConfig(**{**fields, **dict(self.routing)})
 
 
-def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):
+def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False, grouped=None, whole: bool = False):
+    """One MoELayer (``whole``: the transformer layer around it, attention included) of the local spec,
+    with megatron's or (``ours``) the sync-free dispatcher; ``grouped``: the module whose ``attach`` runs
+    the zero-sync experts (megatron_ext.moe.grouped_experts by default)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -72,11 +89,16 @@ def build_layer(spec: LayerSpec, seed: int = 1234, ours: bool = False):
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
-    layer = layer_spec.submodules.mlp(config=spec.config())
+    config = spec.config()
+    if whole:
+        layer = layer_spec.module(config=config, submodules=layer_spec.submodules, layer_number=1)
+    else:
+        layer = layer_spec.submodules.mlp(config=config)
     if platform.current().is_cuda:
         layer = layer.cuda()
     zero_sync = spec.mode == "dropless-syncfree"
-    layer.replaced = moe.install(layer, zero_sync=zero_sync, budget_factor=spec.budget_factor) if ours else 0
+    layer.replaced = moe.install(layer, zero_sync=zero_sync, budget_factor=spec.budget_factor,
+                                 grouped=grouped) if ours else 0
     return layer
 
 
@@ -86,8 +108,9 @@ def rank_inputs(spec: LayerSpec, seq: int = 16, batch: int = 2, seed: int = 0):
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     shape = (seq // spec.tp, batch, spec.hidden)
     device = platform.current().device
-    x = torch.randn(shape, generator=gen).to(device)
-    g = torch.randn(shape, generator=gen).to(device)
+    dtype = getattr(torch, spec.dtype)
+    x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    g = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     return x, g
 
 
@@ -100,6 +123,7 @@ class LayerRun:
     syncs_backward: int
     sites: List[str] = field(default_factory=list)
     replaced: int = 0
+    kinds: Dict[str, int] = field(default_factory=dict)  # what was flagged, by class (sync_detector.KINDS)
 
 
 def host_tensors(dispatcher) -> list:
@@ -112,15 +136,20 @@ def host_tensors(dispatcher) -> list:
 
 
 def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True, padding_mask=None) -> LayerRun:
-    """One forward + backward of ``layer`` under a :class:`SyncDetector`. ``padding_mask``:
-    [batch, seq] bool, True = padding (megatron's MoELayer.forward argument)."""
+    """One forward + backward of ``layer`` (an MoELayer, or a transformer layer around one) under a
+    :class:`SyncDetector`. ``padding_mask``: [batch, seq] bool, True = padding (megatron's MoELayer.forward
+    argument)."""
     x = x.clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     det = SyncDetector()
+    moe_layer = getattr(layer, "mlp", layer)
     with det if detect else _null():
-        det.mark_host(*host_tensors(layer.token_dispatcher))
+        det.mark_host(*host_tensors(moe_layer.token_dispatcher))
         with det.phase("forward"):
-            out, _ = layer(x, padding_mask=padding_mask)
+            if moe_layer is layer:
+                out, _ = layer(x, padding_mask=padding_mask)
+            else:  # a transformer layer: causal self-attention (the local spec's default mask), then the MoE
+                out, _ = layer(x, attention_mask=None)
         with det.phase("backward"):
             run_backward(out, g)
     dw = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
@@ -132,7 +161,26 @@ def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True, padd
         syncs_backward=det.count("backward"),
         sites=[str(e) for e in det.events],
         replaced=getattr(layer, "replaced", 0),
+        kinds=det.kinds(),
     )
+
+
+def audit_sync_free(ep: int = 1, dtype: str = SYNC_FREE_DTYPE, grouped=None, modes=SYNC_FREE, whole: bool = False,
+                    **spec_fields) -> Dict[str, List[str]]:
+    """What the detector flags, per ``"dispatcher/mode"``, in one forward + backward of our layer in each
+    mode claimed sync-free, on this rank (world of ``ep`` ranks, expert parallel). Empty lists: CUDA would
+    see no sync and nothing that breaks graph capture. ``grouped``: see :func:`build_layer`."""
+    from megatron_ext import seams
+
+    flagged = {}
+    for dispatcher, mode in modes:
+        spec = LayerSpec(dispatcher=dispatcher, mode=mode, ep=ep, dtype=dtype, **spec_fields)
+        seams.reset_moe_aux_loss_scale()
+        layer = build_layer(spec, seed=5, ours=True, grouped=grouped, whole=whole)
+        x, g = rank_inputs(spec, seed=3)
+        flagged[f"{dispatcher}/{mode}"] = run_layer(layer, x, g).sites
+    seams.reset_moe_aux_loss_scale()
+    return flagged
 
 
 class ShapeTrace:
@@ -163,12 +211,13 @@ class ShapeTrace:
 
 
 def trace_layer(layer, x: torch.Tensor, g: torch.Tensor) -> list:
-    """Trace of one forward+backward. Call once untraced first: the first backward creates
-    megatron's aux-loss scale (moe_utils.py:316); grads are reset so none is accumulated."""
+    """Trace of one forward+backward (an MoELayer, or a transformer layer around one). Call once
+    untraced first: the first backward creates megatron's aux-loss scale (moe_utils.py:316); grads are
+    reset so none is accumulated."""
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     with ShapeTrace() as tr:
-        out, _ = layer(x)
+        out, _ = layer(x) if getattr(layer, "mlp", None) is None else layer(x, attention_mask=None)
         run_backward(out, g)
     return tr.ops
 

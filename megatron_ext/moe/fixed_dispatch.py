@@ -34,7 +34,10 @@ from megatron_ext.moe.multihot import indices_to_multihot
 
 class OverflowCounter:
     """Device-side totals of one process: pairs dropped past a budget, and the largest load seen
-    relative to the balanced one (what factor would have fitted). Read only at log time."""
+    relative to the balanced one (what factor would have fitted). Read only at log time. Updated in
+    place in buffers made at the first dispatch, so a captured CUDA graph that replays the dispatch
+    keeps counting (a tensor made at capture would be left behind by the next replay); megatron's
+    graph warmup passes are not counted."""
 
     def __init__(self):
         self.reset()
@@ -45,16 +48,28 @@ class OverflowCounter:
         self.budget_factor: Optional[float] = None  # of the last dispatch, for messages
 
     def add(self, dropped: torch.Tensor, needed: torch.Tensor, balanced: float) -> None:
+        from megatron_ext.seams import moe as moe_seams
+
+        if moe_seams.in_graph_warmup():
+            return
         with torch.no_grad():
             dropped = dropped.detach().to(torch.int64).reshape(1)
             load = needed.detach().to(torch.float64).reshape(1) / balanced
-            self.dropped = dropped if self.dropped is None else self.dropped + dropped
-            self.load = load if self.load is None else torch.maximum(self.load, load)
+            if self.dropped is None:
+                self.dropped, self.load = dropped.clone(), load.clone()
+            else:
+                self.dropped.add_(dropped)
+                torch.maximum(self.load, load, out=self.load)
 
     def take(self):
-        """(dropped, max load) since the last call, as device tensors ([1] each), and reset."""
-        dropped, load = self.dropped, self.load
-        self.dropped = self.load = None
+        """(dropped, max load) since the last call, as device tensors ([1] each), and zero the totals;
+        (None, None) before any dispatch."""
+        if self.dropped is None:
+            return None, None
+        with torch.no_grad():
+            dropped, load = self.dropped.clone(), self.load.clone()
+            self.dropped.zero_()
+            self.load.zero_()
         return dropped, load
 
 

@@ -21,7 +21,9 @@ on the device ("device-resident") and which on the host:
   unless marked host with :meth:`SyncDetector.mark_host`; every op output with a device input;
   factory calls given a device (``torch.zeros(..., device=x.device)``, ``device=torch.cuda.current_device()``);
 * host: results of ``.cpu()`` / ``.to("cpu")`` / ``.numpy()``; factory calls with no device or
-  ``device="cpu"`` (on a CUDA machine those are CPU tensors too); op outputs with only host inputs.
+  ``device="cpu"`` (on a CUDA machine those are CPU tensors too); op outputs with only host inputs;
+  the CPU generator's state (``torch.get_rng_state()``, which megatron's RNG tracker compares on the
+  host at every fork, tensor_parallel/random.py:332; :data:`HOST_PRODUCERS`).
 
 A :class:`torch.overrides.TorchFunctionMode` sees Python-level calls (``tolist``, ``item``, ``cpu``,
 factories, with their device argument *before* the CPU shims rewrite ``cuda`` to ``cpu``); a
@@ -50,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from megatron_ext.patching import set_attr, undo_all
 from megatron_ext.seams import moe as moe_seams
 
 aten = torch.ops.aten
@@ -148,6 +151,11 @@ def _dev_type(device) -> str:
     if isinstance(device, str):  # parsed here: torch.device("cuda") is rewritten under the CPU shims
         return device.split(":")[0]
     return "cuda"  # an int ordinal
+
+
+# Functions outside torch's dispatch that return host tensors on a CUDA machine too: wrapped for the
+# detector's lifetime, their results marked host.
+HOST_PRODUCERS = ((torch, "get_rng_state"), (torch.random, "get_rng_state"))
 
 
 class _FunctionSide(TorchFunctionMode):
@@ -303,6 +311,14 @@ class SyncDetector:
         if not self.real_cuda:
             self._residency[t] = device
 
+    def _host_result(self, fn):
+        def produce(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.mark_host(out)
+            return out
+
+        return produce
+
     def mark_host(self, *tensors) -> None:
         """Tensors that are CPU tensors on a CUDA machine too (e.g. index tables kept on the host)."""
         for t in tensors:
@@ -349,6 +365,9 @@ class SyncDetector:
     def __enter__(self) -> "SyncDetector":
         if self.emulate_cuda_dtoh:
             self._stack.enter_context(moe_seams.emulated_dtoh(self))
+        if not self.real_cuda:
+            self._stack.callback(undo_all([set_attr(owner, name, self._host_result(getattr(owner, name)))
+                                           for owner, name in HOST_PRODUCERS]))
         self._stack.enter_context(_FunctionSide(self))
         self._stack.enter_context(_DispatchSide(self))
         return self

@@ -17,6 +17,21 @@ Replaced per instance by --moe-zero-sync-dropless (after the model is built):
                                    the same experts' weights as grouped GEMMs over device offsets,
                                    megatron's MLP.forward (transformer/mlp.py:258) called unbound on
                                    a namespace holding grouped linear_fc1 / linear_fc2
+Wrapped per instance by --cuda-graph-impl local --cuda-graph-modules moe with --moe-zero-sync-dropless
+(megatron_ext/moe/graphs.py), after the model is built:
+  MoELayer.forward                 transformer/moe/moe_layer.py (an instance attribute shadowing it)
+                                   -> megatron's CudaGraphManager(config, layer, function_name="forward")
+                                   (transformer/cuda_graphs.py:1763, :1799-1811), registered as the layer's
+                                   child ``cudagraph_manager_forward``, as megatron binds one to an MoE
+                                   transformer layer's router (transformer_layer.py:1580); during its graph
+                                   warmup (cuda_graphs.py:1259) the MoE metrics tracker's values are kept,
+                                   as megatron keeps them for MoETransformerLayer (:1176-1185)
+  the CUDA RNG tracker             tensor_parallel/random.py:238 CudaRNGStatesTracker: its states converted
+                                   to graph-safe generators (random.py:177 convert_cuda_rng_state), what
+                                   megatron's initialize does for CUDA graphs (training/initialize.py:119);
+                                   CudaGraphManager asserts it (cuda_graphs.py:1821-1825)
+Read: cuda_graphs.is_graph_warmup (cuda_graphs.py:204): the zero-sync overflow counters skip megatron's
+  warmup passes.
 Reference only (called unbound, never replaced): _DeepepManager._indices_to_multihot
   (token_dispatcher.py:1328), the bit-equality oracle for megatron_ext.moe.indices_to_multihot.
 Wrapped only while a SyncDetector is active (CPU only, restored on exit):
@@ -73,6 +88,51 @@ def run_experts_grouped(moe_layer, attach) -> None:
     if type(experts) is not SequentialMLP:
         raise ValueError(f"zero-sync dropless MoE needs SequentialMLP experts, got {type(experts).__name__}")
     experts.forward = attach(experts)
+
+
+def capture_forward(moe_layer) -> None:
+    """``moe_layer``'s forward captured and replayed by megatron's CudaGraphManager (see the module's
+    docstring). Idempotent."""
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager, is_graph_warmup
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    if getattr(moe_layer, "cudagraph_manager_forward", None) is not None:
+        return
+    forward = moe_layer.forward
+
+    def forward_keeping_metrics(*args, **kwargs):
+        if not is_graph_warmup():
+            return forward(*args, **kwargs)
+        metrics = get_moe_metrics_tracker().metrics
+        kept = {name: entry.values.clone() for name, entry in metrics.items()}
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for name, values in kept.items():
+                metrics[name].values.copy_(values)
+
+    moe_layer.forward = forward_keeping_metrics
+    moe_layer.cudagraph_manager_forward = CudaGraphManager(moe_layer.config, moe_layer, function_name="forward")
+
+
+def graph_safe_rng() -> None:
+    """megatron's CUDA RNG tracker with graph-safe states (the same streams, now capturable)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    if mrandom.is_graph_safe_cuda_rng_tracker(tracker):
+        return
+    states = {name: mrandom.convert_cuda_rng_state(state, to_graphable=True)
+              for name, state in tracker.get_states().items()}
+    tracker.use_cudagraphable_rng = True
+    tracker.set_states(states)
+
+
+def in_graph_warmup() -> bool:
+    """Is megatron's CUDA-graph manager running its warmup passes (cuda_graphs.py:1259)?"""
+    from megatron.core.transformer.cuda_graphs import is_graph_warmup
+
+    return is_graph_warmup()
 
 
 def reset_moe_aux_loss_scale() -> None:

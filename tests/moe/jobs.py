@@ -84,21 +84,52 @@ def train(argv):
     return {"history": history, "installed": moe.installed - before}
 
 
-def shape_trace(dispatcher="alltoall", mode="capacity", ep=2, tp=1, ours=True, seed=11):
-    """Run one layer twice on inputs with different routings; are the op/shape traces identical?"""
+def shape_trace(dispatcher="alltoall", mode="capacity", ep=2, tp=1, ours=True, seed=11, whole=False,
+                dtype="float32"):
+    """Run one layer (``whole``: the transformer layer around it) twice on inputs with different
+    routings; are the op/shape traces identical?"""
     from megatron_ext.training import parallel
 
     parallel.initialize(tensor=tp, expert=ep)
     seams.reset_moe_aux_loss_scale()
     try:
-        spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, tp=tp, ep=ep)
-        layer = audit.build_layer(spec, seed=seed, ours=ours)
+        spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, tp=tp, ep=ep, dtype=dtype)
+        layer = audit.build_layer(spec, seed=seed, ours=ours, whole=whole)
         traces = []
         audit.trace_layer(layer, *audit.rank_inputs(spec, seed=seed * 10))  # warm-up
         for s in (1, 2):
             x, g = audit.rank_inputs(spec, seed=seed * 10 + s)
             traces.append(audit.trace_layer(layer, x, g))
         return {"same": traces[0] == traces[1], "ops": len(traces[0])}
+    finally:
+        seams.reset_moe_aux_loss_scale()
+        parallel.destroy()
+
+
+def sync_audit(ep=1, old_grouped_experts=None):
+    """The CPU audit on this rank (megatron_ext/moe/audit.py), EP ``ep``: every mode claimed sync-free
+    (bf16), the whole transformer layer around the zero-sync MoE layer (what a CUDA graph captures), and
+    the negative controls: fp32 zero-sync (torch's grouped-GEMM fallback), the one-sync dropless mode
+    (a host read), and, given its source, the grouped experts of an older tree (a host 0-dim tensor)."""
+    import types
+
+    from megatron_ext.training import parallel
+
+    parallel.initialize(expert=ep)
+    try:
+        zero_sync = tuple((d, "dropless-syncfree") for d in audit.DISPATCHERS)
+        out = {
+            "sync_free": audit.audit_sync_free(ep=ep),
+            "whole_layer": audit.audit_sync_free(ep=ep, modes=zero_sync, whole=True),
+            "fp32_zero_sync": audit.audit_sync_free(ep=ep, dtype="float32", modes=zero_sync[:1]),
+            "one_sync_dropless": audit.audit_sync_free(ep=ep, modes=(("alltoall", "dropless"),)),
+        }
+        if old_grouped_experts is not None:
+            old = types.ModuleType("grouped_experts_old")
+            old.__file__ = "grouped_experts@4d4d546.py"
+            exec(compile(old_grouped_experts, old.__file__, "exec"), old.__dict__)
+            out["old_grouped_experts"] = audit.audit_sync_free(ep=ep, modes=zero_sync, grouped=old)
+        return out
     finally:
         seams.reset_moe_aux_loss_scale()
         parallel.destroy()
