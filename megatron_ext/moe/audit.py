@@ -67,7 +67,7 @@ class LayerSpec:
             sequence_parallel=self.tp > 1,
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
-            use_cpu_initialization=True,
+            use_cpu_initialization=not platform.current().is_cuda,  # on a GPU the weights are drawn there
             add_bias_linear=False,
             moe_shared_expert_intermediate_size=self.ffn if self.shared_expert else None,
             moe_shared_expert_overlap=self.shared_expert and self.dispatcher == "alltoall",

@@ -9,7 +9,7 @@ from megatron_ext.moe import audit
 
 def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=None, experts=4, topk=2,
                       seq=16, batch=2, hidden=32, seed=7, padded_tail=0, budget_factor=None, shared_expert=False,
-                      routing=()):
+                      routing=(), dtype="float32"):
     """Standard vs multihot dispatcher on one MoELayer: outputs, input grads, weight grads and the
     syncs each one causes (forward / backward) on this rank. ``mode="dropless-syncfree"``: also the
     budget, the pairs it dropped (device counters) and which output rows still equal upstream's."""
@@ -21,11 +21,11 @@ def layer_equivalence(dispatcher="alltoall", mode="dropless", ep=2, tp=1, etp=No
     try:
         spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=experts, topk=topk,
                                hidden=hidden, tp=tp, ep=ep, etp=etp, budget_factor=budget_factor,
-                               shared_expert=shared_expert, routing=tuple(routing))
+                               shared_expert=shared_expert, routing=tuple(routing), dtype=dtype)
         x, g = audit.rank_inputs(spec, seq=seq, batch=batch, seed=seed)
         mask = None
         if padded_tail:  # the last `padded_tail` positions of this rank's sequence are padding
-            mask = torch.zeros(batch, x.shape[0], dtype=torch.bool)
+            mask = torch.zeros(batch, x.shape[0], dtype=torch.bool, device=x.device)
             mask[:, -padded_tail:] = True
         ref_layer = audit.build_layer(spec, seed=seed, ours=False)
         ref = audit.run_layer(ref_layer, x, g, padding_mask=mask)
