@@ -1,13 +1,14 @@
 """Benchmark + sync audit: megatron_ext's sync-free multihot conversion and token dispatcher against
 megatron-core's own.
 
-    .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384]
+    .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384] [--dtype bfloat16]
 
 Part 1 (one process): indices_to_multihot vs megatron-core's _DeepepManager._indices_to_multihot:
 syncs counted by the CPU SyncDetector (on CUDA additionally torch.cuda.set_sync_debug_mode("error")
 around ours), bit equality over random inputs of many shapes, median time ratio.
-Part 2 (--ep processes, gloo or NCCL): one MoELayer forward+backward per dispatcher and mode, the
-syncs the detector finds on rank 0 (each site listed with --sites), and the median step time.
+Part 2 (--ep processes, gloo or NCCL): one MoELayer forward+backward per dispatcher and mode, in
+--dtype (bf16 by default: the zero-sync mode's precision on CUDA), the syncs the detector finds on rank 0
+(each site listed with --sites), and the median step time.
 Part 3, dropless side by side: megatron's dropless dispatcher, ours with one sync, ours with none
 (--moe-zero-sync-dropless) at budget factors 1.0 / 1.25 / worst case, under balanced and skewed
 routing: syncs, all-to-all bytes, dispatch buffer bytes, peak live bytes of the step, step time,
@@ -139,7 +140,7 @@ def layer_job(opts) -> list:
         parallel.initialize(expert=opts["ep"])
         for dispatcher, mode in CONFIGS:
             spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=opts["experts"], topk=opts["topk"],
-                                   hidden=opts["hidden"], ffn=2 * opts["hidden"], ep=opts["ep"])
+                                   hidden=opts["hidden"], ffn=2 * opts["hidden"], ep=opts["ep"], dtype=opts["dtype"])
             x, g = audit.rank_inputs(spec, seq=opts["seq"], batch=2, seed=1)
             for ours in (False, True):
                 seams.reset_moe_aux_loss_scale()
@@ -223,7 +224,7 @@ def dropless_job(opts) -> list:
                 for name, mode, factor, ours in variants:
                     spec = audit.LayerSpec(dispatcher=dispatcher, mode=mode, experts=opts["experts"],
                                            topk=opts["topk"], hidden=opts["hidden"], ffn=2 * opts["hidden"],
-                                           ep=opts["ep"], budget_factor=factor)
+                                           ep=opts["ep"], budget_factor=factor, dtype=opts["dtype"])
                     seams.reset_moe_aux_loss_scale()
                     layer = audit.build_layer(spec, seed=1, ours=ours)
                     x, g = audit.rank_inputs(spec, seq=opts["seq"], batch=2, seed=1)
@@ -303,16 +304,20 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--layer-reps", type=int, default=5)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the MoE layers' precision (float32: the zero-sync experts' grouped GEMM would sync on CUDA, "
+                    "and the detector counts it)")
     a = ap.parse_args(argv)
 
     platform.setup()
     result = {"device": device_name()}
     result["multihot"] = bench_multihot(a.tokens, a.topk, a.experts, a.reps)
     layer_opts = {"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk, "hidden": a.hidden, "seq": a.seq,
-                  "reps": a.layer_reps}
+                  "reps": a.layer_reps, "dtype": a.dtype}
     result["moe_layer"] = bench_layers(layer_opts) + bench_dropless(layer_opts)
     result["moe_layer_setup"] = {"ep": a.ep, "experts": a.layer_experts, "topk": a.layer_topk,
-                                 "hidden": a.hidden, "tokens_per_rank": a.seq * 2, "syncs_counted_on": "rank 0"}
+                                 "hidden": a.hidden, "tokens_per_rank": a.seq * 2, "syncs_counted_on": "rank 0",
+                                 "dtype": a.dtype}
     if a.json:
         print(json.dumps(result, indent=1))
         return result
@@ -325,7 +330,7 @@ def main(argv=None):
     print(f"bit-identical on {m['cases']} random cases: {m['bitwise_equal']}; "
           f"time ours/reference = {m['time_ours_over_reference']}")
     print(f"\nMoE layer forward+backward, EP{a.ep}, {a.layer_experts} experts top-{a.layer_topk}, "
-          f"{a.seq * 2} tokens/rank (syncs on rank 0)")
+          f"{a.seq * 2} tokens/rank, {a.dtype} (syncs on rank 0)")
     print(f"{'dispatcher':24}{'mode':16}{'fwd syncs':>10}{'bwd syncs':>10}{'a2a rows':>10}{'step ms':>10}")
     for r in result["moe_layer"]:
         if "impl" in r:

@@ -130,7 +130,7 @@ def _validate_zero_sync(args) -> None:
         raise ConfigError(f"{on}: --use-te-activation-func is not supported by the grouped experts")
     if getattr(args, "moe_latent_size", None):
         raise ConfigError(f"{on}: --moe-latent-size is not supported by the grouped experts")
-    _refuse_host_offsets_on_cuda(args, on)
+    check_grouped_gemm_platform(args, on)
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
     etp = getattr(args, "expert_tensor_parallel_size", None) or 1
@@ -145,7 +145,7 @@ def _validate_zero_sync(args) -> None:
 GROUPED_GEMM_ARCHS = (9, 10)
 
 
-def _refuse_host_offsets_on_cuda(args, on: str) -> None:
+def check_grouped_gemm_platform(args, on: str) -> None:
     """On CUDA the zero-sync experts need torch's grouped-GEMM kernel, which exists for bf16 on compute
     capability 9.x/10.x only; elsewhere torch's fallback copies the offsets to the host (2 syncs forward
     and 4 backward per layer, measured on an H200 in fp32) and CUDA-graph capture fails. A padded batched
@@ -266,7 +266,9 @@ def log_counters() -> dict:
 
 
 def teardown() -> None:
+    from megatron_ext.moe import graphs
     from megatron_ext.moe.fixed_dispatch import OVERFLOW as counter
 
     counter.reset()
     _last_line.clear()
+    graphs.teardown()

@@ -33,6 +33,7 @@ from megatron_ext.errors import ConfigError
 
 IMPL = "--cuda-graph-impl"
 MODULES = "--cuda-graph-modules"
+_active: list = []  # a run of this process is set up for graphs (before_model) and not torn down yet
 
 
 def requested(args) -> bool:
@@ -98,6 +99,7 @@ def before_model(args, config) -> None:
 
     from megatron_ext.seams import moe as moe_seams
 
+    _active.append(True)
     moe_seams.graph_safe_rng()
     config.cuda_graph_modules = [CudaGraphModule.moe]
 
@@ -107,3 +109,13 @@ def capture(moe_layer) -> None:
     from megatron_ext.seams import moe as moe_seams
 
     moe_seams.capture_forward(moe_layer)
+
+
+def teardown() -> None:
+    """The run's graphs, their pool, the side stream and the graph-safe RNG released
+    (seams.moe.release_graphs), so the next run in this process starts clean."""
+    if _active:
+        from megatron_ext.seams import moe as moe_seams
+
+        _active.clear()
+        moe_seams.release_graphs()

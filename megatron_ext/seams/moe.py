@@ -128,6 +128,22 @@ def graph_safe_rng() -> None:
     tracker.set_states(states)
 
 
+def release_graphs() -> None:
+    """After a run that captured: megatron's graphs and their memory pool released (cuda_graphs.py:681
+    delete_cuda_graphs), the default stream current again (the manager made a side stream current,
+    :1845) and the RNG tracker's states back to plain ones, so the next run in this process starts clean."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    torch.cuda.set_stream(torch.cuda.default_stream())
+    tracker = mrandom.get_cuda_rng_tracker()
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        tracker.set_states({name: mrandom.convert_cuda_rng_state(state, to_graphable=False)
+                            for name, state in tracker.get_states().items()})
+        tracker.use_cudagraphable_rng = False
+
+
 def in_graph_warmup() -> bool:
     """Is megatron's CUDA-graph manager running its warmup passes (cuda_graphs.py:1259)?"""
     from megatron.core.transformer.cuda_graphs import is_graph_warmup

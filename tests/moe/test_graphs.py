@@ -39,9 +39,14 @@ def test_a_cuda_dry_run_accepts_moe_graphs_and_the_model_is_built_with_the_moe_s
     config = core_transformer_config_from_args(args)
     made = []
     monkeypatch.setattr(moe_seams, "graph_safe_rng", lambda: made.append("rng"))
+    monkeypatch.setattr(moe_seams, "release_graphs", lambda: made.append("released"))
     monkeypatch.setattr(cuda_graphs, "CudaGraphManager", lambda config, *a, **k: made.append("manager"))
     graphs.before_model(args, config)
     assert config.cuda_graph_modules == [CudaGraphModule.moe] and made == ["rng"]
+    graphs.teardown()  # the run's teardown releases megatron's graphs, pool, side stream, graph-safe RNG
+    graphs.teardown()
+    assert made == ["rng", "released"]
+    made.remove("released")
     layer = types.SimpleNamespace(config=config, is_moe_layer=True,
                                   submodules_config=types.SimpleNamespace(self_attention=object(), mlp=object()))
     TransformerLayer.create_mcore_cudagraph_manager(layer, config)
