@@ -226,7 +226,7 @@ def after_model(args, model_chunks) -> None:
 
     if getattr(args, "moe_sync_free_dispatcher", False):
         install(model_chunks, zero_sync=getattr(args, "moe_zero_sync_dropless", False),
-                budget_factor=getattr(args, "moe_dropless_budget_factor", None), cuda_graphs=graphs.requested(args))
+                budget_factor=getattr(args, "moe_dropless_budget_factor", None), cuda_graphs=graphs.capturing(args))
 
 
 _last_line = {}  # this process's overflow figures of the last log line (zero-sync mode only)

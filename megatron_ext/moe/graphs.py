@@ -41,6 +41,13 @@ def requested(args) -> bool:
     return getattr(args, "cuda_graph_impl", "none") == "local" and getattr(args, "moe_zero_sync_dropless", False)
 
 
+def capturing(args) -> bool:
+    """Requested, and the model is built on CUDA here (not a GPU run's model traced on CPU)."""
+    from megatron_ext import platform
+
+    return requested(args) and platform.current().is_cuda
+
+
 def _names(values) -> list:
     """Module names as given (strings, or megatron's CudaGraphModule enums after its parser's type)."""
     return [getattr(v, "name", v) for v in (values or [])]
@@ -92,12 +99,17 @@ def before_validate(args) -> None:
 
 def before_model(args, config) -> None:
     """The ``moe`` scope back in the config (GPT layers then create no graph manager of their own) and
-    megatron's graph-safe RNG tracker, before the model is built."""
+    megatron's graph-safe RNG tracker, before the model is built. Built on CPU (a real CPU run is refused
+    before: this is a GPU run's model traced here, the planner's), without graphs."""
     if not requested(args):
         return
     from megatron.core.transformer.enums import CudaGraphModule
 
     from megatron_ext.seams import moe as moe_seams
+
+    if not capturing(args):
+        config.cuda_graph_impl, config.cuda_graph_modules = "none", []
+        return
 
     _active.append(True)
     moe_seams.graph_safe_rng()

@@ -36,11 +36,16 @@ def test_a_cuda_dry_run_accepts_moe_graphs_and_the_model_is_built_with_the_moe_s
         args = parse("--platform", "cuda", "--bf16", "--cuda-graph-impl", "local", *spelling)
         assert args.cuda_graph_impl == "local" and args.cuda_graph_modules == [] and graphs.requested(args)
         assert "captured by megatron_ext.moe" in args.config_sources["cuda_graph_modules"]
-    config = core_transformer_config_from_args(args)
     made = []
     monkeypatch.setattr(moe_seams, "graph_safe_rng", lambda: made.append("rng"))
     monkeypatch.setattr(moe_seams, "release_graphs", lambda: made.append("released"))
     monkeypatch.setattr(cuda_graphs, "CudaGraphManager", lambda config, *a, **k: made.append("manager"))
+    traced = core_transformer_config_from_args(args)  # built here, on CPU: the planner's trace of a GPU run
+    graphs.before_model(args, traced)
+    assert (traced.cuda_graph_impl, traced.cuda_graph_modules, made) == ("none", [], [])
+    assert not graphs.capturing(args)
+    monkeypatch.setattr(graphs, "capturing", graphs.requested)  # as on a GPU
+    config = core_transformer_config_from_args(args)
     graphs.before_model(args, config)
     assert config.cuda_graph_modules == [CudaGraphModule.moe] and made == ["rng"]
     graphs.teardown()  # the run's teardown releases megatron's graphs, pool, side stream, graph-safe RNG
