@@ -93,8 +93,8 @@ def before_wrap(args, chunks) -> None:
 def teardown() -> None:
     # imported here, as in validate(): importing this package (argument parsing does) stays light
     from megatron_ext.seams import registry
-    from megatron_ext.training import model, step
+    from megatron_ext.training import model, optimizer
 
-    step.release_schedule_hooks()
+    optimizer.release_schedule_hooks()
     model.release_models()
     registry.uninstall()  # what the run installed (training/model.py build_chunks)

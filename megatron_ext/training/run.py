@@ -133,11 +133,11 @@ class Run:
 
     def optimize(self):
         if self.optimizer is None:
-            from megatron_ext.training import optimizer as optim, step
+            from megatron_ext.training import optimizer as optim
 
             model = self.build()
             self.optimizer, self.scheduler = optim.build_optimizer(self.args, model)
-            step.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
+            optim.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
         return self.optimizer
 
     def load(self, weights_only: bool = False, chunks: list | None = None) -> int:
