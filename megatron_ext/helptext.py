@@ -1,6 +1,7 @@
 """--help without importing torch or megatron-core: a command's help text, rendered once and kept in
 a cache file named after what it depends on (the installed megatron-core and torch, this package's
-sources and the entry script, the Python version, the terminal width). Rendering train.py's help
+sources and the entry script with the files beside it that it names, the Python version, the
+terminal width). Rendering train.py's help
 builds megatron's parser, which imports megatron-core (seconds); reading the cache takes milliseconds.
 
     if "-h" in argv or "--help" in argv:
@@ -31,11 +32,12 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def key(entry: str) -> str:
-    """What the rendered text depends on: a changed source file, an upgrade, another terminal width
-    each give another key (and so a fresh render)."""
+def key(entry: str | list[str]) -> str:
+    """What the rendered text depends on: a changed source file (`entry`: the script, or it and the
+    files it reads its flags from), an upgrade, another terminal width each give another key (and so
+    a fresh render)."""
     parts = [sys.version, _version("megatron-core"), _version("torch"), str(shutil.get_terminal_size().columns)]
-    sources = [os.path.abspath(entry)]
+    sources = [os.path.abspath(path) for path in ([entry] if isinstance(entry, str) else entry)]
     for folder, dirs, files in os.walk(PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         sources += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
@@ -45,8 +47,9 @@ def key(entry: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def text(name: str, entry: str, render: Callable[[], str]) -> str:
-    """The help text of command `name` (entry: its script file), from the cache or rendered now."""
+def text(name: str, entry: str | list[str], render: Callable[[], str]) -> str:
+    """The help text of command `name` (entry: its script file, or the files it depends on), from the
+    cache or rendered now."""
     path = os.path.join(cache_dir(), f"{name}-{key(entry)}.txt")
     try:
         with open(path) as f:
@@ -68,6 +71,6 @@ def text(name: str, entry: str, render: Callable[[], str]) -> str:
     return rendered
 
 
-def show(name: str, entry: str, render: Callable[[], str]) -> None:
+def show(name: str, entry: str | list[str], render: Callable[[], str]) -> None:
     sys.stdout.write(text(name, entry, render))
     sys.exit(0)

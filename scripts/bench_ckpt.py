@@ -43,7 +43,10 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
     `loads` times."""
     import torch
 
-    from megatron_ext.training.run import Run
+    import arguments
+    from megatron_ext.training.run import Run, use_arguments
+
+    use_arguments(arguments.parse)  # this job is the rank's entry point
 
     class Checksums:  # the run's probe: checksums on or off for its saves, its checkpointer kept
         def after_load(self, run):

@@ -71,7 +71,10 @@ def convert(step: str, src: str, dst: str, flags: list) -> dict:
     from megatron_ext import hf, platform
 
     platform.setup()
-    from megatron_ext import arguments  # noqa: F401 - megatron-core imported: the baseline holds it
+    import arguments  # megatron-core imported: the baseline holds it
+    from megatron_ext.training.run import use_arguments
+
+    use_arguments(arguments.parse)  # this job is the rank's entry point: the conversion's run parses with it
 
     base = _status("VmRSS")
     t0 = time.perf_counter()

@@ -136,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None):
     args, rest = parser().parse_known_args(argv)
+    _hand_arguments()
     try:
         COMMANDS[args.command][2](args, rest)
     except (ConfigError, KeyboardInterrupt, SystemExit):
@@ -146,13 +147,24 @@ def main(argv: list[str] | None = None):
         raise ConfigError(_explain_unexpected(args.command, e)) from e
 
 
+def _hand_arguments() -> None:
+    """The run a conversion opens parses with the repository's argument layer (arguments.py)."""
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported (its unguarded triton import)
+    import arguments
+    from megatron_ext.training.run import use_arguments
+
+    use_arguments(arguments.parse)
+
+
 def _explain_unexpected(command: str, exc: BaseException) -> str:
     """One line for anything else a subcommand raised: megatron's refusal of a flag where it names
     one (the layout flags), else what was raised."""
     from megatron_ext import platform
 
     platform.setup()  # before megatron-core is imported (its unguarded triton import)
-    from megatron_ext import arguments
+    import arguments
 
     line = arguments.explain(exc) if isinstance(exc, (AssertionError, ValueError, RuntimeError)) else None
     if line:

@@ -27,7 +27,7 @@ GIB = 2**30
 
 
 def estimate(recipe: str, extra: list[str] | None = None) -> dict:
-    from megatron_ext import arguments
+    import arguments
     from megatron.training import theoretical_memory_usage as tmu
 
     extra = list(extra or [])

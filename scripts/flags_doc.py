@@ -102,7 +102,7 @@ def main() -> None:
     from megatron_ext import platform
 
     platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill
-    from megatron_ext import arguments
+    import arguments
 
     sys.stdout.write(markdown(arguments.build_parser()))
 

@@ -42,7 +42,7 @@ def main(argv=None):
 
     errors.quiet(argv)  # third-party warnings that tell the user nothing (--verbose shows them)
     platform.setup()  # before megatron-core is imported
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext import planner
 

@@ -122,7 +122,7 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--save-base", default=None)
     args, train_argv = p.parse_known_args(argv)
     train_argv = [a for a in train_argv if a != "--"]
-    from megatron_ext.training.run import main as train_main
+    from train import main as train_main
 
     for i in range(args.worker):
         extra = ["--save", os.path.join(args.save_base, str(i))] if args.save_base else []

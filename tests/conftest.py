@@ -14,3 +14,4 @@ def pytest_configure(config):
         return
     dist.start_server()  # the worker pools' fork server imports megatron-core while this process does
     platform.setup()
+    dist.hand_arguments()

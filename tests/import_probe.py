@@ -114,7 +114,7 @@ def changes(torch_before: dict, env_before: dict) -> dict:
 
 
 def project_modules() -> tuple[list[str], list[str]]:
-    """(runtime modules incl. the top-level train, the benchmarks' helper modules of scripts/bench/)."""
+    """(runtime modules incl. the top-level train and arguments, the benchmarks' helper modules of scripts/bench/)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(platform.__file__)))  # megatron_ext/
     names = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -124,7 +124,7 @@ def project_modules() -> tuple[list[str], list[str]]:
     bench_dir = os.path.join(os.path.dirname(root), "scripts", "bench")
     bench = ["bench"] + [f"bench.{f[:-3]}" for f in sorted(os.listdir(bench_dir))
                          if f.endswith(".py") and f != "__init__.py"]
-    return ["train"] + names, bench
+    return ["train", "arguments"] + names, bench
 
 
 def main() -> None:

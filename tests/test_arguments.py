@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +29,43 @@ def test_precedence_and_sources():
     assert args.hidden_size == 128 and args.config_sources["hidden_size"] == "cli"
     assert args.num_layers == 4 and args.config_sources["num_layers"] == "recipe"
     assert args.adam_beta1 == 0.9 and args.config_sources["adam_beta1"] == "default"
+
+
+def test_a_flag_added_in_arguments_py_reaches_a_capability(tmp_path, monkeypatch):
+    """How a flag of one's own is added: declared in arguments.py's add_arguments (Megatron-LM's
+    extra_args_provider), it is a recipe key too and listed with this project's flags in --help; a
+    capability reads it as args.<dest> in its hooks (here validate, refusing a value by name before any
+    compute), and a Run parses with it, since the entry point handed arguments.parse to the bring-up."""
+    import types
+
+    from megatron_ext.training import features
+    from megatron_ext.training.run import Run
+
+    def add_arguments(parser):
+        group = parser.add_argument_group("megatron_ext: my capability", "a flag of this repository")
+        group.add_argument("--my-ratio", type=float, default=None, help="A fraction in (0, 1].")
+        return parser
+
+    read = []
+
+    def validate(args):
+        read.append(args.my_ratio)
+        if args.my_ratio is not None and not 0 < args.my_ratio <= 1:
+            raise ConfigError(f"--my-ratio={args.my_ratio}: a fraction in (0, 1]")
+
+    monkeypatch.setattr(arguments, "add_arguments", add_arguments)
+    monkeypatch.setattr(arguments, "_BUILT", [])  # the parser is built again, with the flag
+    monkeypatch.setattr(features, "CAPABILITIES", (*features.CAPABILITIES, types.SimpleNamespace(validate=validate)))
+    assert parse("--my-ratio", "0.5").my_ratio == 0.5 and read == [0.5]
+    args = arguments.parse(["--recipe", recipe(tmp_path, f"{open(TINY).read()}\nmy_ratio: 0.25\n"), "--mock-data"],
+                           exit_on_dry_run=False)
+    assert args.my_ratio == 0.25 and args.config_sources["my_ratio"] == "recipe" and read[-1] == 0.25
+    with pytest.raises(ConfigError, match=r"^--my-ratio=2.0: a fraction in \(0, 1\]$"):
+        parse("--my-ratio", "2")
+    shown = arguments.build_parser().format_help()
+    assert shown.index("--my-ratio") < shown.index("Megatron: common flags")
+    run = Run.from_argv(["--recipe", TINY, "--mock-data", "--my-ratio", "1"])
+    assert run.args.my_ratio == 1.0 and read[-1] == 1.0
 
 
 def test_megatron_flags_keep_their_meaning():
@@ -231,7 +268,7 @@ def test_help_lists_ours_and_the_common_flags_first_and_reads_a_cached_text(tmp_
     common = titles.index("Megatron: common flags")
     assert all(t.startswith("megatron_ext") or t == "options" for t in titles[:common]) and len(titles[:common]) > 3
     assert "network size" in titles[common + 1:] and "--num-layers" in rendered.split("Megatron: common flags:")[1][:400]
-    entry = os.path.join(ROOT, "train.py")
+    entry = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "arguments.py")]  # train.py's flags are arguments.py's
     assert helptext.text("train", entry, lambda: rendered) == rendered  # rendered once, kept
     probe = ("import runpy, sys\nsys.argv = ['train.py', '--help']\n"
              "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
@@ -242,6 +279,8 @@ def test_help_lists_ours_and_the_common_flags_first_and_reads_a_cached_text(tmp_
     before = helptext.key(entry)
     (tmp_path / "entry.py").write_text("")
     assert helptext.key(str(tmp_path / "entry.py")) != before
+    (tmp_path / "arguments.py").write_text("")  # a flag added to arguments.py: another text
+    assert helptext.key([entry[0], str(tmp_path / "arguments.py")]) != before
 
 
 def test_quiet_drops_the_listed_third_party_noise_only(monkeypatch, caplog):

@@ -14,7 +14,7 @@ import re
 import pytest
 import yaml
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from scripts.estimate_memory import estimate
 

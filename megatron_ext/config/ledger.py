@@ -65,7 +65,7 @@ READERS = {  # megatron's reader -> (the function of megatron_ext that calls it,
     DDP: ("megatron_ext.training.model:_wrap_chunks", "get_megatron_ddp_config"),
     DDP_FROM_ARGS: ("megatron_ext.training.model:_wrap_chunks", "get_megatron_ddp_config"),
     OPT: ("megatron_ext.training.optimizer:build_optimizer", "get_megatron_optimizer_config"),
-    VALIDATE: ("megatron_ext.arguments:finalize", "validate_args"),
+    VALIDATE: ("megatron_ext.training.command_line:finalize", "validate_args"),
     SCHEDULER: ("megatron_ext.training.optimizer:build_scheduler", "get_optimizer_param_scheduler"),
     TOKENIZER: ("megatron_ext.training.tokenizer:build", "build_tokenizer"),
     VOCAB_PADDING: ("megatron_ext.training.tokenizer:padded_vocab_size", "vocab_size_with_padding"),
@@ -385,7 +385,7 @@ no_effect("every load here verifies each file's checksum first (megatron_ext/tra
 refused("the backend follows the device here: NCCL with CUDA, gloo without (megatron_ext/platform)",
         "distributed_backend", where=RULES)
 honoured("megatron_ext.training.run:Run.initialize", "distributed_timeout_minutes logging_level")
-honoured("megatron_ext.training.step:configure_schedule_hooks", "align_grad_reduce")
+honoured("megatron_ext.training.optimizer:configure_schedule_hooks", "align_grad_reduce")
 no_effect("the device comes from the launcher's LOCAL_RANK (megatron_ext/platform current()), as megatron's "
           "own fallback does", "local_rank")
 refused("an initialization option of megatron's initialize_megatron, which this loop does not run",
@@ -404,7 +404,7 @@ no_effect(only_with("--flight-recorder-dump-path"), """
 honoured(EVALUATE, "log_validation_ppl_to_tensorboard")
 honoured(EVALUATE_LOOP, "eval_micro_batch_size")
 refused("", "full_validation multiple_validation_sets fim_data", where="megatron_ext.training.data:validate")
-honoured("megatron_ext.training.data:validate", "sft")
+honoured("megatron_ext.sft:datasets", "sft")
 no_effect(only_with("--multiple-validation-sets"), "validation_set_names")
 no_effect(only_with("--fim-data"), """
     fim_rate fim_spm_rate fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token fim_middle_token

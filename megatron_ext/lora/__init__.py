@@ -230,7 +230,7 @@ def before_wrap(args, chunks: list) -> None:
         return
     from megatron_ext.lora import attach
 
-    attach.attach(args, chunks, target_list(args))
+    attach.attach(args, chunks, target_list(args), scale(args), lambda path: fused(args, path))
 
 
 def merge(chunks: list) -> int:

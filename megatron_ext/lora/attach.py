@@ -13,13 +13,10 @@ _HOOKS: list = []
 
 
 
-def _spec(args, config, tpath: str, linear, parallel: str, rank: int, scale: float) -> adapters.Spec:
-    from megatron_ext import lora
-
+def _spec(args, config, tpath: str, linear, parallel: str, rank: int, scale: float, fused: bool) -> adapters.Spec:
     name = tpath.rsplit(".", 1)[-1]
     out_local, in_local = linear.weight.shape
     glu = name == "linear_fc1" and config.gated_linear_unit
-    fused = lora.fused(args, tpath)
     common = dict(parallel=parallel, in_local=in_local, rank=rank, scale=scale, dropout=args.lora_dropout,
                   expert=bool(getattr(linear, "is_expert", False)))
     if name == "linear_qkv" and not fused:
@@ -60,13 +57,13 @@ def _mark(adapter: adapters.LinearAdapter, linear, sequence_parallel: bool) -> N
             p.sequence_parallel = sequence_parallel
 
 
-def attach(args, chunks: list, target_names: list) -> None:
+def attach(args, chunks: list, target_names: list, scale: float, fused) -> None:
+    """``scale``: the adapters' alpha / rank; ``fused(path)``: is the linear at that target path adapted
+    in the fused form (both as the package's entry point settles them from the flags)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_ext import lora
-
-    rank, scale = args.lora_rank, lora.scale(args)
+    rank = args.lora_rank
     hits = dict.fromkeys(target_names, 0)
     trainable = set()
     for chunk in chunks:
@@ -84,7 +81,7 @@ def attach(args, chunks: list, target_names: list) -> None:
             if isinstance(module, TopKRouter):
                 adapter = _router_adapter(args, module, rank, scale)
             else:
-                adapter = _linear_adapter(args, config, tpath, module, rank, scale)
+                adapter = _linear_adapter(args, config, tpath, module, rank, scale, fused(tpath))
             trainable.update(id(p) for p in adapter.parameters())
         if _embedding_needs_grad(args):
             _HOOKS.extend(seams.lora.embedding_output_needs_grad(model))
@@ -95,7 +92,7 @@ def attach(args, chunks: list, target_names: list) -> None:
             p.requires_grad_(id(p) in trainable)
 
 
-def _linear_adapter(args, config, tpath: str, linear, rank: int, scale: float):
+def _linear_adapter(args, config, tpath: str, linear, rank: int, scale: float, fused: bool):
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     name = tpath.rsplit(".", 1)[-1]
@@ -103,7 +100,7 @@ def _linear_adapter(args, config, tpath: str, linear, rank: int, scale: float):
     if (row and not linear.input_is_parallel) or (not row and linear.gather_output):
         raise ConfigError(f"--lora-target-modules: {name} is built with its input scattered or its output "
                           "gathered by the linear itself; LoRA adapts linears inside tensor-parallel regions")
-    spec = _spec(args, config, tpath, linear, "row" if row else "column", rank, scale)
+    spec = _spec(args, config, tpath, linear, "row" if row else "column", rank, scale, fused)
     weight = linear.weight
     adapter = adapters.LinearAdapter(spec, weight.dtype, weight.device)
     linear.add_module("lora", adapter)

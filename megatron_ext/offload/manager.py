@@ -308,14 +308,20 @@ _MANAGER: OffloadManager | None = None
 
 def attach(model_chunks, options: Options) -> OffloadManager:
     global _MANAGER
+    from megatron_ext.seams import schedules as seams
+
     detach()
     _MANAGER = OffloadManager(options).attach(model_chunks)
+    seams.bind_offload_manager(_MANAGER)  # megatron's combined-1F1B plan delimits its groups
     return _MANAGER
 
 
 def detach() -> None:
     global _MANAGER
+    from megatron_ext.seams import schedules as seams
+
     manager, _MANAGER = _MANAGER, None
+    seams.bind_offload_manager(None)
     if manager is not None:
         manager.detach()
 

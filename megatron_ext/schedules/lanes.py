@@ -33,6 +33,7 @@ Time left waiting for them is taken on the compute stream with CUDA events there
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -132,7 +133,17 @@ HOOK = None  # an object with collective_issued / collective_done / collective_w
 
 def set_hook(hook) -> None:
     global HOOK
+    _route_collectives_here()
     HOOK = hook
+
+
+def _route_collectives_here() -> None:
+    """The seams that wrap megatron-core's collectives route them to this module from now on
+    (megatron_ext/seams/schedules.py bind_lanes): before a pair runs or a recorder is set, the only
+    ways these lanes become active."""
+    from megatron_ext.seams import schedules as seams
+
+    seams.bind_lanes(sys.modules[__name__])
 
 
 # The label of the pass running now ("F3", "B1.c0"; "-" outside any). Process-wide, like the lane:
@@ -382,6 +393,7 @@ class Pair:
             return fwd(), bwd()
         if _PAIR is not None:
             raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
+        _route_collectives_here()
         start_rng = self.start_rng = _rng_snapshot()
         start_objs = _state_snapshot()  # between passes: the backward starts from it, not mid-forward
         parent = _capture_thread_state()

@@ -1,9 +1,9 @@
 """Seams of the 1F1B backward-forward overlap that hides tensor-parallel communication.
 
 Every TP collective megatron-core's local layers issue is routed through
-megatron_ext.schedules.lanes.collective(), which (only while one of our schedules runs, or a
-benchmark records) issues it async and hands the baton to the other micro-batch's lane before
-waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
+megatron_ext.schedules.lanes.collective() (bound here by the lanes themselves: bind_lanes), which
+(only while one of our schedules runs, or a benchmark records) issues it async and hands the baton to
+the other micro-batch's lane before waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
   torch.distributed.all_reduce, reached from
     megatron/core/tensor_parallel/mappings.py:35    _reduce (row-parallel fwd, column-parallel bwd)
     megatron/core/tensor_parallel/layers.py:639     async dgrad all-reduce (kept async: megatron
@@ -36,10 +36,43 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as S
 from megatron.core.tensor_parallel import layers, mappings
 
-from megatron_ext import offload
 from megatron_ext.patching import Patch, set_attr, undo_all
 from megatron_ext.platform.cpu_shims import pad_reduce_scatter_pieces
-from megatron_ext.schedules import lanes
+
+
+class _Idle:
+    """The lanes as the wrappers see them until the overlap binds its own: none active, so every
+    wrapper passes through to megatron-core's call and a plain pass goes unlabelled."""
+
+    SYNC_DONE = object()
+    PassLabel = contextlib.nullcontext
+
+    @staticmethod
+    def active() -> bool:
+        return False
+
+    @staticmethod
+    def lane_memory_buffer():
+        return None
+
+
+# What the seams route to, handed down by the capabilities (a seam imports no capability package):
+# the overlap's lanes (megatron_ext/schedules/lanes.py binds itself before a pair runs or a recorder
+# is set, the only ways it becomes active), and the activation-offload manager a run attached
+# (megatron_ext/offload/manager.py, attach / detach).
+lanes = _Idle
+offload_manager = None
+
+
+def bind_lanes(module) -> None:
+    global lanes
+    lanes = module
+
+
+def bind_offload_manager(manager) -> None:
+    global offload_manager
+    offload_manager = manager
+
 
 def _nbytes(t):
     return t.numel() * t.element_size()
@@ -286,7 +319,7 @@ def _install_combined_plan_offload_groups():
 
     def build_layer_callables(layer):
         funcs, backward_dw = orig(layer)
-        manager = offload.current()
+        manager = offload_manager
         if manager is None or not isinstance(layer, TransformerLayer) \
                 or not manager.plans_layer(layer):
             return funcs, backward_dw

@@ -11,10 +11,11 @@ and loaders (dataset.py), attended per conversation (attention.py: transformer-e
 sequences, or a block-diagonal causal mask on the local spec). The loss is token-weighted over the
 global batch in training (--calculate-per-token-loss, set by --sft) and in validation.
 
-No flags of its own (megatron's --sft, --sft-tokenizer-prompt-format, --chat-template). Hook:
-before_validate (features.py). Called by training/data.py: check_data (at validation, every line
-rendered and masked) and build_datasets; by training/step.py: packed_inputs; by
-training/evaluation.py: token_weighted_evaluation.
+No flags of its own (megatron's --sft, --sft-tokenizer-prompt-format, --chat-template). It plugs in
+through the hooks of megatron_ext/training/features.py, as every capability does: before_validate
+(the refusals, --calculate-per-token-loss); datasets (--sft's data: ChatData, checked at validation,
+every line rendered and masked, and built for the run); batch_inputs (a packed row's
+per-conversation attention); around_evaluation (the token-weighted validation loss).
 """
 from __future__ import annotations
 
@@ -132,17 +133,32 @@ def build_datasets(config, sizes) -> list:
     return built
 
 
-def packed_inputs(batch: dict, model, device):
-    """The step's view of a packed micro-batch: see attention.packed_inputs."""
-    from megatron_ext.sft.attention import packed_inputs as inputs
+class ChatData:
+    """--sft's data, in place of megatron's GPT datasets (features.py's datasets hook)."""
 
-    return inputs(batch, model, device)
+    check = staticmethod(check_data)
+    build = staticmethod(build_datasets)
 
 
-def token_weighted_evaluation(args):
-    from megatron_ext.seams.sft import token_weighted_evaluation as evaluation
+def datasets(args):
+    return ChatData if args.sft else None
 
-    return evaluation(args)
+
+def batch_inputs(batch: dict, model, device):
+    """A packed row of conversations (its cu_seqlens; packing.assemble) as the model takes it, with
+    the attention that never crosses a conversation (attention.packed_inputs); None for another batch."""
+    if "cu_seqlens" not in batch:
+        return None
+    from megatron_ext.sft.attention import packed_inputs
+
+    return packed_inputs(batch, model, device)
+
+
+def around_evaluation(args):
+    """megatron's evaluate() reports the token-weighted loss, as training does (seams/sft.py)."""
+    from megatron_ext.seams.sft import token_weighted_evaluation
+
+    return token_weighted_evaluation(args)
 
 
 def _template(args, tokenizer):

@@ -1,7 +1,8 @@
 """Training, validation and test data as pretrain_gpt.py builds them: megatron-core GPT datasets
 (indexed .bin/.idx, or mock) split by --split or given per split (--train/valid/test-data-path),
-behind megatron's samplers and data loaders (--dataloader-type, --num-workers). With --sft, packed
-chat conversations from JSON lines instead (megatron_ext/sft), through the same builder and loaders.
+behind megatron's samplers and data loaders (--dataloader-type, --num-workers). A package that brings
+its own data stands in for the GPT datasets through the same builder and loaders (features.py's
+datasets hook: --sft's packed chat conversations, megatron_ext/sft).
 
 The tokenizer comes from the tokenizer flags (megatron_ext/training/tokenizer.py); the byte-level
 text of scripts/prepare_data.py (ids 0..255 = UTF-8 bytes, 256 = end of document) reads with
@@ -18,8 +19,8 @@ from megatron.training.datasets.data_samplers import build_pretraining_data_load
 from megatron.training.training import cyclic_iter
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
-from megatron_ext import platform, sft
-from megatron_ext.training import tokenizer
+from megatron_ext import platform
+from megatron_ext.training import features, tokenizer
 
 BYTE_VOCAB_SIZE = 257
 BYTE_EOD = 256
@@ -65,6 +66,8 @@ def dataset_config(args) -> GPTDatasetConfig:
 
 
 def validate(args) -> None:
+    """Every split's data, before any compute: after every package's checks (the tokenizer and the
+    iteration count are settled), from megatron_ext/training/command_line.py finalize."""
     from megatron_ext.errors import ConfigError
 
     for flag, value in (("--full-validation", args.full_validation),
@@ -73,8 +76,9 @@ def validate(args) -> None:
                         ("--fim-data", args.fim_data)):
         if value:
             raise ConfigError(f"{flag}: not supported by this loop (pretrain_gpt.py's standard GPT data only)")
-    if args.sft:  # chat data: every conversation rendered, masked and packed before any compute
-        sft.check_data(args, dataset_config(args), list(num_samples(args)))
+    own = features.datasets(args)
+    if own is not None:  # a package's own data (sft: every conversation rendered, masked and packed)
+        own.check(args, dataset_config(args), list(num_samples(args)))
     elif not args.mock_data:
         _check_splits(dataset_config(args), list(num_samples(args)))
     import multiprocessing
@@ -124,10 +128,12 @@ def _check_splits(config: GPTDatasetConfig, sizes: list[int]) -> None:
                 )
 
 
-def build_datasets(args):
-    config, sizes = dataset_config(args), list(num_samples(args))
-    if args.sft:
-        return sft.build_datasets(config, sizes)
+def build_datasets(args, sizes: list | None = None):
+    """(train, valid, test) of `sizes` samples (default: the run's, num_samples)."""
+    config, sizes = dataset_config(args), list(sizes or num_samples(args))
+    own = features.datasets(args)
+    if own is not None:
+        return own.build(config, sizes)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
     return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
@@ -177,10 +183,5 @@ def build_iterators(args, num_chunks: int, iteration: int = 0) -> Iterators:
 
 def build_train_iterators(args, num_chunks: int, consumed_samples: int = 0) -> list:
     """The training iterators alone (benchmarks and schedule tests)."""
-    config, sizes = dataset_config(args), [args.train_samples or args.train_iters * args.global_batch_size, 0, 0]
-    if args.sft:
-        train = sft.build_datasets(config, sizes)[0]
-    else:
-        train = BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset, sizes, lambda: True,
-                                              config).build()[0]
+    train = build_datasets(args, [args.train_samples or args.train_iters * args.global_batch_size, 0, 0])[0]
     return _iterators(args, train, consumed_samples, num_chunks)

@@ -7,7 +7,8 @@ iteration N | lm loss value: ... | lm loss PPL: ... |' line from the last rank, 
   --split / --valid-data-path / --test-data-path / --eval-micro-batch-size / --eval-global-batch-size
 
 The loss is token-weighted over every evaluated micro-batch and data-parallel rank, with --sft too
-(megatron's evaluate() would average per-micro-batch means there: megatron_ext/seams/sft.py).
+(megatron's evaluate() would average per-micro-batch means there: sft's around_evaluation hook,
+megatron_ext/seams/sft.py).
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import logging
 
 from megatron.training.training import evaluate_and_print_results
 
-from megatron_ext import sft
-from megatron_ext.training import step
+from megatron_ext.training import features, step
 
 
 def due(args, iteration: int, iterators) -> bool:
@@ -38,7 +38,7 @@ def run(args, prefix: str, iterators: list, model: list, config, iteration: int,
     timers = config.timers  # evaluate() leaves megatron's global timers on the config
     # evaluate() switches result validation off and back on, with a warning from every rank each time
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
-    with megatron_training_globals(args, tensorboard_writer=writer), sft.token_weighted_evaluation(args):
+    with megatron_training_globals(args, tensorboard_writer=writer), features.around_evaluation(args):
         evaluate_and_print_results(
             prefix, step.forward_step, iterators if len(iterators) > 1 else iterators[0], model, iteration,
             None, config, verbose=False, write_to_tensorboard=writer is not None,

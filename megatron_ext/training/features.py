@@ -9,15 +9,32 @@ which order. Each capability package may define
     before_wrap(args, chunks)      change the built model chunks before the data-parallel wrapper
                                    lays out its buffers (what is frozen then has no gradient buffer)
     after_model(args, model)       attach to the wrapped model chunks (list of DDP-wrapped modules)
+    datasets(args)                 the data of a package that brings its own (sft: packed conversations)
+                                   instead of megatron's GPT datasets, or None: an object with
+                                   check(args, config, sizes), every file read and refused by name
+                                   before any compute, and build(config, sizes) -> [train, valid, test]
+                                   (config: megatron's GPTDatasetConfig; sizes: samples per split)
+    batch_inputs(batch, model, device)
+                                   a micro-batch that package's data made, as the model takes it:
+                                   (the batch on `device`, extra keyword arguments of the forward);
+                                   None for a batch it did not make
+    around_evaluation(args)        a context around each validation / test evaluation
     at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
 
 The run (training/run.py Run.build) calls them in this order: the config -> before_model -> the
 model chunks -> layout-invariant init -> before_wrap (LoRA's adapters, a frozen base) -> the
-data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) -> after_model. The 1F1B overlap has nothing to
-attach: it is the schedule the step picks (schedules.get_forward_backward_func)."""
+data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) -> after_model. The data (training/data.py),
+the step (training/step.py) and the evaluation (training/evaluation.py) ask datasets, batch_inputs
+and around_evaluation. The 1F1B overlap has nothing to attach: it is the schedule the step picks
+(schedules.get_forward_backward_func).
+
+The training package's own hooks (training/hooks.py) are among them, so no module they reach may
+import this one (tests/test_house.py: no import circle)."""
 from __future__ import annotations
+
+import contextlib
 
 from megatron_ext import lora, moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
@@ -27,9 +44,8 @@ from megatron_ext.training import hooks as training
 # (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces
 # the token dispatcher and the experts, and offload (next) hooks the expert modules moe put in place;
 # the overlap schedule pairs passes whose saved tensors offload already manages; sft before training:
-# it sets --calculate-per-token-loss before megatron validates, and training's data checks
-# (training/data.py) read the chat data it accepted; training last (its checks read what the others
-# settled).
+# it sets --calculate-per-token-loss before megatron validates, and its datasets stand in for the
+# GPT datasets training would read; training last (its checks read what the others settled).
 CAPABILITIES = (lora, moe, offload, schedules, sft, training)
 
 
@@ -75,6 +91,33 @@ def before_wrap(args, chunks) -> None:
 def after_model(args, model) -> None:
     for fn in _hooks("after_model"):
         fn(args, model)
+
+
+def datasets(args):
+    """The data this run reads when a package brings its own (the first that answers), else None:
+    megatron's GPT datasets (training/data.py)."""
+    for fn in _hooks("datasets"):
+        found = fn(args)
+        if found is not None:
+            return found
+    return None
+
+
+def batch_inputs(batch: dict, model, device):
+    """(batch on `device`, extra forward arguments) from the package whose data made `batch`, else None."""
+    for fn in _hooks("batch_inputs"):
+        found = fn(batch, model, device)
+        if found is not None:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def around_evaluation(args):
+    with contextlib.ExitStack() as stack:
+        for fn in _hooks("around_evaluation"):
+            stack.enter_context(fn(args))
+        yield
 
 
 def at_log_line(args) -> None:

@@ -1,5 +1,8 @@
 """The training package as a capability: its flags, its checks before any compute, its teardown
-(the hooks of megatron_ext/training/features.py)."""
+(the hooks of megatron_ext/training/features.py). The checks that read what every package settled
+(the data each split reads, --dry-run --load's keys) come after all the packages' checks
+(megatron_ext/training/command_line.py finalize); nothing here reaches a module that calls the
+capabilities' hooks (features.py lists this module among them)."""
 from megatron_ext.errors import ConfigError
 
 
@@ -47,13 +50,12 @@ def validate(args) -> None:
     import contextlib
     import io
 
-    from megatron_ext.training import data, optimizer, tokenizer
+    from megatron_ext.training import optimizer, tokenizer
     from megatron_ext.training import log_line as training_logging
 
     tokenizer.configure(args)  # the vocabulary (and its padding) from the tokenizer flags
     with contextlib.redirect_stdout(io.StringIO()):  # megatron prints 'setting training iterations to N'
         optimizer.resolve_iterations(args)  # --train-iters, or from --train-samples; the LR schedule
-    data.validate(args)
     training_logging.validate(args)
     from megatron_ext.training.checkpointing import validate as validate_checkpointing
 
@@ -72,10 +74,6 @@ def validate(args) -> None:
             "parameters uninitialised (torch.empty_like) for a DDP model, and megatron-core's torch FSDP2 "
             "wrapper never materialises them; it is for Megatron-FSDP, which initialises each shard"
         )
-    if args.dry_run and args.load:
-        from megatron_ext.training import checkpoint_keys
-
-        checkpoint_keys.check_load(args)  # every checkpoint key placed in this run's model, built on the meta device
     if args.layout_invariant_init and args.init_model_with_meta_device:
         raise ConfigError(
             "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
@@ -93,8 +91,8 @@ def before_wrap(args, chunks) -> None:
 def teardown() -> None:
     # imported here, as in validate(): importing this package (argument parsing does) stays light
     from megatron_ext.seams import registry
-    from megatron_ext.training import model, step
+    from megatron_ext.training import model, optimizer
 
-    step.release_schedule_hooks()
+    optimizer.release_schedule_hooks()
     model.release_models()
     registry.uninstall()  # what the run installed (training/model.py build_chunks)

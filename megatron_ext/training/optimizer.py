@@ -1,11 +1,13 @@
 """megatron-core optimizer (distributed optimizer when --use-distributed-optimizer) and the LR schedule
 megatron.training builds: iteration-based (--train-iters, --lr-decay-iters, --lr-warmup-iters) or
-sample-based (--train-samples, --lr-decay-samples, --lr-warmup-samples), with its own arithmetic."""
+sample-based (--train-samples, --lr-decay-samples, --lr-warmup-samples), with its own arithmetic;
+and the config callbacks through which megatron's schedule reaches them (configure_schedule_hooks)."""
 from __future__ import annotations
 
 import argparse
 import warnings
 
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.training import (
@@ -95,3 +97,36 @@ def resolve_iterations(args) -> None:
         ) from None
     finally:
         quiet.setLevel(level)
+
+
+_HOOKED_CONFIGS: list = []  # configs whose callbacks release_schedule_hooks() drops after the run
+
+
+def configure_schedule_hooks(args, config, model, optimizer) -> None:
+    """The config callbacks megatron.training.train() installs (training.py:3530-3550)."""
+    _HOOKED_CONFIGS.append(config)
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        config.no_sync_func = [m.no_sync for m in model]
+        if args.align_grad_reduce:
+            config.grad_sync_func = [m.start_grad_sync for m in model]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [m.start_param_sync for m in model]
+    for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
+        value = getattr(config, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(config, name, value[0])
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def release_schedule_hooks() -> None:
+    """Drop the callbacks after the run. They close a reference cycle the garbage collector cannot
+    see through: the distributed optimizer's main params are views whose autograd history reaches
+    DDP's grad-accumulator hooks (C++), and DDP -> config -> optimizer.scale_loss -> main params.
+    Left in place, a process that runs several trainings keeps every model, optimizer and process
+    group (with its gloo threads) alive."""
+    for config in _HOOKED_CONFIGS:
+        for name in ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"):
+            setattr(config, name, None)
+    _HOOKED_CONFIGS.clear()

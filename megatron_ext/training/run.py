@@ -1,6 +1,7 @@
 """One run of a model, from the command line to teardown: the bring-up every entry point shares
 (train.py, scripts/convert.py, the planner's trace, the benchmarks).
 
+    run.use_arguments(arguments.parse)      # the entry point's argument layer (top-level arguments.py)
     with Run.from_argv(argv) as run:        # platform set up, every flag checked (--dry-run exits)
         run.train()                         # build -> optimizer -> load -> data -> loop -> save/eval
 
@@ -42,6 +43,24 @@ from megatron_ext.training import parallel
 POINTS = ("after_parse", "around_build", "around_wrap", "after_build", "after_load", "around_step", "around_schedule",
           "after_step")
 
+_ARGUMENTS: list = []  # the parse the entry point handed in (use_arguments)
+
+
+def use_arguments(parse) -> None:
+    """The entry point's argument layer: top-level arguments.py's ``parse`` (megatron's flags, this
+    project's, the user's, the recipe merge), handed in once per process, as pretrain_gpt.py hands its
+    extra_args_provider to pretrain. Every Run.from_argv of the process parses with it; no module of
+    the package imports arguments.py, so a flag added there reaches the package as args.<dest>."""
+    _ARGUMENTS[:] = [parse]
+
+
+def parse(argv: list[str] | None = None, **kwargs):
+    """The command line through the argument layer the entry point handed in (use_arguments)."""
+    if not _ARGUMENTS:
+        raise RuntimeError("no argument layer: the entry point hands top-level arguments.py's parse to the "
+                           "bring-up first (megatron_ext.training.run.use_arguments(arguments.parse))")
+    return _ARGUMENTS[0](argv, **kwargs)
+
 
 class Run:
     def __init__(self, args, probes=()):
@@ -55,12 +74,10 @@ class Run:
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, probes=(), *, exit_on_dry_run: bool = True) -> "Run":
-        """Platform set up, then the flags parsed and checked (megatron_ext/arguments.py)."""
+        """Platform set up, then the flags parsed and checked by the argument layer the entry point
+        handed in (use_arguments)."""
         platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
-        # the argument table sits above this floor: it gathers every package's flags, this one's too
-        from megatron_ext import arguments
-
-        return cls(arguments.parse(argv, exit_on_dry_run=exit_on_dry_run), probes)
+        return cls(parse(argv, exit_on_dry_run=exit_on_dry_run), probes)
 
     # ---- points ---------------------------------------------------------------------------------
     def _at(self, point: str, *a) -> None:
@@ -133,11 +150,11 @@ class Run:
 
     def optimize(self):
         if self.optimizer is None:
-            from megatron_ext.training import optimizer as optim, step
+            from megatron_ext.training import optimizer as optim
 
             model = self.build()
             self.optimizer, self.scheduler = optim.build_optimizer(self.args, model)
-            step.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
+            optim.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
         return self.optimizer
 
     def load(self, weights_only: bool = False, chunks: list | None = None) -> int:
@@ -252,8 +269,10 @@ class Run:
             parallel.destroy()
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """train.py: parse, train, tear down; returns the logged history (one dict per log line)."""
+def main(argv: list[str] | None, parse_run) -> list[dict]:
+    """train.py: parse with the argument layer it hands in (``parse_run``: top-level arguments.parse),
+    train, tear down; returns the logged history (one dict per log line)."""
+    use_arguments(parse_run)
     with Run.from_argv(argv) as run:
         return run.train()
 

@@ -6,9 +6,9 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
 
-from megatron_ext import platform, sft
+from megatron_ext import platform
+from megatron_ext.training import features
 
 
 @dataclass
@@ -20,16 +20,17 @@ class StepResult:
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """pretrain_gpt.py's forward step. A packed chat batch (--sft, keys cu_seqlens and max_seqlen)
-    brings its per-conversation attention: a mask on the local spec, PackedSeqParams (THD) on
-    transformer-engine's (megatron_ext/sft/attention.py). With ``return_schedule_plan`` (asked by megatron's combined
-    1F1B, --overlap-moe-expert-parallel-comm, combined_1f1b.py:384) the model's schedule plan
-    (GPTModel.build_schedule_plan) stands in for the output, as pretrain_gpt.py returns it."""
-    batch, packed = next(data_iterator), {}
-    if "cu_seqlens" in batch:  # --sft: packed conversations attend only within themselves
-        batch, packed = sft.packed_inputs(batch, model, platform.current().device)
+    """pretrain_gpt.py's forward step. A batch a package's data made comes as that package says
+    (features.py batch_inputs: --sft's packed rows bring their per-conversation attention, a mask on
+    the local spec, PackedSeqParams (THD) on transformer-engine's). With ``return_schedule_plan`` (asked
+    by megatron's combined 1F1B, --overlap-moe-expert-parallel-comm, combined_1f1b.py:384) the model's
+    schedule plan (GPTModel.build_schedule_plan) stands in for the output, as pretrain_gpt.py returns it."""
+    batch, device = next(data_iterator), platform.current().device
+    inputs = features.batch_inputs(batch, model, device)
+    if inputs is not None:
+        batch, packed = inputs
     else:
-        batch = {k: v.to(platform.current().device) for k, v in batch.items()}
+        batch, packed = {k: v.to(device) for k, v in batch.items()}, {}
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["tokens"],
@@ -57,39 +58,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss = torch.sum(output_tensor.view(-1).float() * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-
-
-_HOOKED_CONFIGS: list = []  # configs whose callbacks release_schedule_hooks() drops after the run
-
-
-def configure_schedule_hooks(args, config, model, optimizer) -> None:
-    """The config callbacks megatron.training.train() installs (training.py:3530-3550)."""
-    _HOOKED_CONFIGS.append(config)
-    config.grad_scale_func = optimizer.scale_loss
-    if args.overlap_grad_reduce:
-        config.no_sync_func = [m.no_sync for m in model]
-        if args.align_grad_reduce:
-            config.grad_sync_func = [m.start_grad_sync for m in model]
-    if args.overlap_param_gather and args.align_param_gather:
-        config.param_sync_func = [m.start_param_sync for m in model]
-    for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
-        value = getattr(config, name)
-        if isinstance(value, list) and len(value) == 1:
-            setattr(config, name, value[0])
-    if config.finalize_model_grads_func is None:
-        config.finalize_model_grads_func = finalize_model_grads
-
-
-def release_schedule_hooks() -> None:
-    """Drop the callbacks after the run. They close a reference cycle the garbage collector cannot
-    see through: the distributed optimizer's main params are views whose autograd history reaches
-    DDP's grad-accumulator hooks (C++), and DDP -> config -> optimizer.scale_loss -> main params.
-    Left in place, a process that runs several trainings keeps every model, optimizer and process
-    group (with its gloo threads) alive."""
-    for config in _HOOKED_CONFIGS:
-        for name in ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"):
-            setattr(config, name, None)
-    _HOOKED_CONFIGS.clear()
 
 
 def train_step(args, model, optimizer, scheduler, data_iterators, forward_backward_func) -> StepResult:

@@ -320,8 +320,11 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
     parsing (the distributed optimizer stays on)."""
     from megatron_ext.seams import registry as seam_mod
-    from megatron_ext.training.run import Run
+    from megatron_ext.training.run import Run, use_arguments
 
+    import arguments
+
+    use_arguments(arguments.parse)  # the job is its rank's entry point
     iters = 1 + counted_steps + timed_steps
     argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1000000"]  # quiet stdout (--json)
     result: dict = {}

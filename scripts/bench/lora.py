@@ -17,7 +17,7 @@ STATE_KEYS = ("param bytes", "grad bytes", "optim bytes")
 
 
 def _train(argv: list[str]) -> list[dict]:
-    from megatron_ext.training.run import main
+    from train import main
 
     return main(list(argv))
 

@@ -80,8 +80,11 @@ def measure(argv: list, tracer=None) -> dict:
     from megatron_ext import offload, planner
     from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.planner.record import global_buffer_bytes
-    from megatron_ext.training.run import Run
+    from megatron_ext.training.run import Run, use_arguments
 
+    import arguments
+
+    use_arguments(arguments.parse)  # the job is its rank's entry point
     with contextlib.redirect_stdout(io.StringIO()):
         run = Run.from_argv(list(argv))
     try:
@@ -182,7 +185,7 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
     from megatron_ext.planner import cli, search
     from megatron_ext.planner.run import recompute_of
 
-    from megatron_ext import arguments
+    import arguments
 
     # the local spec (--assume-no-te): what the scaled-down run measures on this machine
     _, full = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0", "--transformer-impl", "local",
@@ -222,7 +225,7 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
 def plan_published(name: str) -> dict:
     """Job (one rank): the planner on a published run as given (``megatron_ext.planner.published``),
     its predicted peak and throughput beside the published figures."""
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import cli
     from megatron_ext.planner.published import CASES, GIB

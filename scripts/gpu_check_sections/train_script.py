@@ -8,7 +8,7 @@ from gpu_check_sections.common import ROOT, claim
 
 
 def run_train(argv) -> dict:
-    from megatron_ext.training.run import main as train_main
+    from train import main as train_main
 
     from megatron_ext import moe, offload
 

@@ -12,7 +12,7 @@ def delay_wgrad_dry_run(te_importable: bool) -> dict:
     """megatron's EP overlap with --delay-wgrad-compute on transformer-engine layers, validated as a
     2-GPU launch would be (EP2: one GPU cannot run it), with this machine's transformer-engine where
     it imports and assumed where not."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     argv = ["--recipe", os.path.join(ROOT, "recipes", "tiny_moe.yaml"), "--expert-model-parallel-size", "2",

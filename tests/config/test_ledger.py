@@ -16,8 +16,9 @@ import textwrap
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.config import ledger, rules
+from megatron_ext.training import command_line
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,7 +96,7 @@ def test_every_refused_flag_is_refused_by_name():
     """Whenever set, a NOT_HERE flag is refused in one line naming it, before any compute; one left at
     its default is not. The others are refused by a rule naming them, or by the function the ledger
     names (it reads the flag and raises the refusal)."""
-    actions = arguments._flag_actions(arguments.build_parser())
+    actions = command_line.flag_actions(arguments.build_parser())
     with contextlib.redirect_stdout(io.StringIO()):
         args = arguments.parse(["--recipe", DENSE, "--mock-data", "--dry-run"], exit_on_dry_run=False)
     refused = {d: e for d, e in ledger.LEDGER.items() if isinstance(e, ledger.Refused) and d in actions}

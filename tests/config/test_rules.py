@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.config import domains, megatron_checks, rules
 from megatron_ext import errors
 from megatron_ext.errors import ConfigError

@@ -25,7 +25,7 @@ def imports(hf_dirs: dict, root: str) -> dict:
 def parse(recipe: str, *flags: str):
     """The arguments of `recipe` as a --dry-run validates them (the checkpoint under --load checked
     against the model: training/checkpoint_keys.py), without exiting."""
-    from megatron_ext import arguments
+    import arguments
 
     with contextlib.redirect_stdout(io.StringIO()):
         return arguments.parse(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5",
@@ -147,7 +147,7 @@ def planner_traces(runs: list) -> list:
     """One rank: the planner's trace of each run's model ([recipe, *flags]) at its base shape (scripts/plan.py's first
     step: a tiny copy of the model on this process at the recipe's tensor parallelism, forward and
     backward, planned for the GPU cluster: transformer-engine); what each traced."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.planner import cli, run, tiny, trace
 
     out = []

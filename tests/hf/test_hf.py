@@ -195,7 +195,7 @@ def test_grouped_gemm_loads_an_import_unchanged(workdir):
     import contextlib
     import io
 
-    from megatron_ext import arguments
+    import arguments
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
 

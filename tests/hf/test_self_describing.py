@@ -154,7 +154,7 @@ def test_recorded_recipe_reads_back_to_the_same_model(tmp_path):
     """Every value a checkpoint records reads back through the parser to the value the run resolved:
     list flags, strings a type function parses (--moe-layer-freq, --window-size, --no-rope-freq),
     enums; a tokenizer file is copied and named by its copy."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.training import ckpt_recipe
 
     vocab = tmp_path / "vocab.json"

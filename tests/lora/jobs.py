@@ -134,7 +134,7 @@ def frozen_state(argv: list[str]) -> dict:
     parameters in DDP's gradient buffers, the numel of the optimizer's state tensors."""
     from megatron_ext.seams import unwrapped
     from megatron_ext.training import log_line
-    from megatron_ext.training.run import main as train_main
+    from train import main as train_main
 
     seen: dict = {}
     state_bytes = log_line.state_bytes

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext import arguments, lora
+import arguments
+from megatron_ext import lora
 from megatron_ext.errors import ConfigError
 
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data"]

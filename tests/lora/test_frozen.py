@@ -57,7 +57,8 @@ def test_the_planner_counts_the_adapters_and_freezes_the_base(states):
     adapters' gradients and optimizer state only."""
     from types import SimpleNamespace
 
-    from megatron_ext import arguments, lora
+    import arguments
+    from megatron_ext import lora
     from megatron_ext.planner import memory
 
     args = arguments.parse(MODEL + LORA + ["--dry-run"], exit_on_dry_run=False)

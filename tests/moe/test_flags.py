@@ -55,7 +55,7 @@ def test_shared_expert_overlap_is_accepted():
 def test_full_argument_path_with_recipe(capsys):
     """arguments.parse (megatron validate_args + features.validate) accepts the flag on the MoE
     recipe, and the recipe key form works too."""
-    from megatron_ext import arguments
+    import arguments
 
     args = arguments.parse(["--recipe", "recipes/tiny_moe.yaml", moe.FLAG, "--dry-run"], exit_on_dry_run=False)
     assert args.moe_sync_free_dispatcher is True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def plan_json(argv, prefix="--"):
     """scripts/plan.py's report for argv (train.py's with prefix "--plan-"), or the one-line refusal."""
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner import cli
@@ -39,7 +39,7 @@ def saved_seq_exponents(argv):
     import contextlib
     import io
 
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import trace as tr
 
@@ -59,7 +59,7 @@ def saved_seq_exponents(argv):
 def published_throughput():
     """(case, predicted tokens/s/GPU, published) for every published run: the step time as given
     (no trace needed: its terms do not depend on the activations)."""
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import cli, memory, published, steptime
     from megatron_ext.planner.hardware import EFFICIENCY, GPUS
@@ -77,7 +77,7 @@ def published_throughput():
 
 def plan_as_given(argv):
     """The plan of the run as given only (one trace): its --json as_given and stages."""
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import cli, search
 
@@ -90,7 +90,7 @@ def plan_as_given(argv):
 def published_plan(name):
     """The plan of one published run (the search without recompute: one trace), as --json has it,
     with the published figures."""
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import cli, published, search
 
@@ -111,7 +111,7 @@ def fp8_saved(argv):
     import contextlib
     import io
 
-    from megatron_ext import arguments
+    import arguments
 
     from megatron_ext.planner import trace as tr
 

@@ -13,7 +13,7 @@ TWO_NODES = [*MODEL, "--world-size", "16", "--pipeline-model-parallel-size", "2"
 
 
 def _parse(argv):
-    from megatron_ext import arguments
+    import arguments
 
     with contextlib.redirect_stdout(io.StringIO()):
         return arguments.parse([*argv, "--dry-run"], exit_on_dry_run=False)
@@ -39,7 +39,7 @@ def _recipe(**extra):
 
 
 def _plan(argv, tracer):
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.planner import cli
 
     return cli.run(argv, "--", arguments.parse, refuse=False, tracer=tracer)[1:]
@@ -57,7 +57,7 @@ def _twins(rows) -> list:
 def plans():
     from megatron_ext.planner import cli, launch, search, settings
 
-    from megatron_ext import arguments
+    import arguments
 
     tracer = search.Tracer()
     out = {}

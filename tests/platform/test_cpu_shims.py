@@ -137,7 +137,7 @@ def test_eager_jit_fuser():
 
 
 def test_no_device_arch():
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     argv = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--tensor-model-parallel-size", "2",

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from megatron_ext.platform import cpu_shims, target
 

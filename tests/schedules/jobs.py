@@ -296,7 +296,7 @@ EP_DISPATCHERS = {
 def check_ep_only(dispatchers=tuple(EP_DISPATCHERS), extra=()):
     """TP1 x EP2 MoE, one model build per dispatcher: plain vs ours bit for bit (check_bitwise);
     the flag's own validate accepts the layout (an EP collective to hide)."""
-    from megatron_ext import arguments
+    import arguments
 
     out = {}
     for name in dispatchers:

@@ -345,7 +345,7 @@ def _parser():
 
 
 def test_flag_does_not_clash_with_megatron():
-    from megatron_ext import arguments
+    import arguments
 
     parser = arguments.build_parser()  # argparse raises on a duplicate option
     opts = {o for a in parser._actions for o in a.option_strings}
@@ -396,7 +396,7 @@ def test_get_forward_backward_func_picks_ours_only_with_flag():
 
 
 def test_recipe_key_enables_it_and_refusal_happens_before_compute(tmp_path):
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     recipe = tmp_path / "r.yaml"
@@ -417,7 +417,7 @@ def test_delay_wgrad_compute_with_megatron_ep_overlap_where_megatron_allows_it()
     """--delay-wgrad-compute rides megatron's EP overlap: accepted by a CUDA dry run with
     transformer-engine (and apex's fused wgrad accumulation), refused by name on CPU (local
     layers), and refused by name with our schedule."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     base = ["--recipe", "recipes/tiny_moe.yaml", "--expert-model-parallel-size", "2", "--bf16",

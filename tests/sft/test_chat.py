@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from megatron_ext.sft import chat, packing
 from megatron_ext.sft.attention import block_causal_mask, segment_ids

@@ -35,7 +35,7 @@ def train_calling_at_each_log(argv: list[str], on_log) -> list[dict]:
 
 def parse_error(argv: list[str]) -> str | None:
     """The ConfigError (one line) that parsing argv raises on this rank, if any."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     try:

@@ -109,10 +109,10 @@ def main() -> None:
 
     platform.dump_native_crashes()
     platform.setup()
-    from megatron_ext import arguments
+    import arguments
 
     install(records, _kills(spec))
-    from megatron_ext.training.run import main as train_main
+    from train import main as train_main
 
     errors.run(lambda: train_main(argv), explain=arguments.explain)
 

@@ -134,7 +134,7 @@ def test_keep_last_k(tmp_path):
 def test_async_save_request_survives_validate_args_with_its_source(given, source):
     """megatron's validate_args turns --async-save off without its persistent worker; we honour the
     request, and the configuration still names who asked for it."""
-    from megatron_ext import arguments
+    import arguments
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           "recipes", "tiny_dense.yaml")
@@ -391,7 +391,7 @@ def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_
     changed at their size passes the look (only the load's verification reads them)."""
     import shutil
 
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
     from megatron_ext.training import ckpt_integrity
     from tests.training import jobs_ckpt
@@ -424,7 +424,7 @@ def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_fsdp_dtensor_save_under_a_strategy_megatron_cannot_split_swiglu_for_is_refused(strategy):
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     argv = DENSE + ["--mock-data", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--world-size", "2",

@@ -20,7 +20,7 @@ import math
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 from tests.training import local_tokenizers

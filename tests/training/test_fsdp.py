@@ -126,7 +126,7 @@ def test_dense_dp2_tp2():
 def _parse(argv: list[str]):
     import os
 
-    from megatron_ext import arguments
+    import arguments
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cwd = os.getcwd()

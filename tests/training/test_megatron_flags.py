@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 

@@ -1,9 +1,17 @@
-"""Megatron's own flags + megatron_ext's flags + YAML recipes, resolved as defaults < recipe < cli.
+"""The machinery of the command line that top-level arguments.py composes (it is the entry points'
+argument layer: megatron's flags, this project's, the user's, the recipe merge):
 
-    args = arguments.parse(argv)      # validates everything before any compute; --dry-run exits here
+    Parser                a parser whose errors are one-line refusals
+    order_help(parser)    --help: this project's groups, the common Megatron flags, megatron's groups
+    finalize(args, parser)  every check before any compute, in stages (Problems): the values as given,
+                          megatron's validate_args, each package's validate (features.py), then what
+                          reads all of them (every split's data, --dry-run --load's checkpoint keys)
+    print_config(args)    --dry-run's table, each value with its source
+    explain(exc, parser)  the one-line refusal for an error megatron raised from a flag after parsing
 
-A recipe is a YAML mapping whose keys are the flags' names (``num_layers`` or ``num-layers``).
-Unknown keys and wrongly typed values are errors that name the key and suggest the closest valid one.
+It reads the command line's own flags, which arguments.py declares: --dry-run, --all, --world-size.
+No module of the package imports arguments.py: the entry points hand its parse to the bring-up
+(megatron_ext/training/run.py use_arguments).
 """
 from __future__ import annotations
 
@@ -13,23 +21,20 @@ import copy
 import io
 import os
 import re
-import sys
 import warnings
 
-from megatron.training.arguments import add_megatron_arguments, validate_args
+from megatron.training.arguments import validate_args
 
-from megatron_ext.planner import options as planner_options
-from megatron_ext.config import domains, megatron_checks, recipes, rules
+from megatron_ext.config import domains, megatron_checks, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
-from megatron_ext.training import ckpt_recipe, features
+from megatron_ext.training import features
 
-class _Parser(argparse.ArgumentParser):
+
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, raised like every other refusal (not usage + exit 2 per rank)
         raise ConfigError(message)
 
-
-USAGE = "torchrun --nproc-per-node N train.py --recipe YAML [--dry-run] [flags ...]   (one process: python train.py ...)"
 
 # The Megatron flags most runs set, listed right after this project's own in --help (megatron's
 # several hundred others follow, in megatron's groups).
@@ -46,59 +51,12 @@ COMMON_FLAGS = """
 """.split()
 
 
-_BUILT: list = []  # the parser as first built in this process; build_parser hands out copies
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser of its own for the caller (parse sets the recipe's values as its defaults). Built
-    once per process and copied after: megatron's add_megatron_arguments reads its config classes'
-    source for their help texts, ~0.07 s a time, and a process that parses many times (the test
-    workers, a refusal's explanation) paid it each time; a copy costs ~6 ms."""
-    if not _BUILT:
-        _BUILT.append(_new_parser())
-    return copy.deepcopy(_BUILT[0])
-
-
-def _new_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="train.py", usage=USAGE, description="megatron_ext: Megatron-Core training. Below: this "
-                     "project's flags, then the common Megatron flags, then every other Megatron flag by "
-                     "megatron's groups (docs/flags.md: what each does here).", allow_abbrev=False)
-    add_megatron_arguments(parser)
-    group = parser.add_argument_group("megatron_ext")
-    group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
-    group.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="Validate everything (building megatron's config objects, not the model), print what the "
-        "recipe, the command line, the platform or megatron set, with each value's source, and exit.",
-    )
-    group.add_argument("--all", action="store_true", help="With --dry-run: print every value, defaults too.")
-    group.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="Expected number of processes. --dry-run validates against it; a real run refuses to "
-        "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
-    )
-    group.add_argument(
-        "--verbose",
-        action="store_true",
-        help="Show the third-party warnings that are filtered by default (deprecations inside torch and "
-        "megatron-core: megatron_ext/errors.py QUIET_WARNINGS); also MEGATRON_EXT_VERBOSE=1.",
-    )
-    target.add_arguments(group)
-    features.add_arguments(parser)
-    planner_options.add_arguments(parser)  # --plan: train.py prints the plan instead of training
+def order_help(parser) -> None:
+    """--help order: this project's groups, the common Megatron flags, then megatron's groups. Only
+    the listing moves: which group an action is shown in does not change how it parses."""
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)
-    _ours_and_common_first(parser)
-    return parser
-
-
-def _ours_and_common_first(parser) -> None:
-    """--help order: this project's groups, the common Megatron flags, then megatron's groups. Only
-    the listing moves: which group an action is shown in does not change how it parses."""
     common = parser.add_argument_group("Megatron: common flags")
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
     for dest in COMMON_FLAGS:
@@ -114,7 +72,7 @@ def _ours_and_common_first(parser) -> None:
     parser._action_groups[:] = ours + [common] + rest
 
 
-def _flag_actions(parser) -> dict:
+def flag_actions(parser) -> dict:
     """dest -> the first action declaring it (its flag is the one refusals name)."""
     found = {}
     for a in parser._actions:
@@ -123,7 +81,7 @@ def _flag_actions(parser) -> dict:
     return found
 
 
-def _explicit_cli_dests(parser, argv) -> set:
+def explicit_cli_dests(parser, argv) -> set:
     """The dests the command line set, found by parsing with every default suppressed."""
     saved = {a: a.default for a in parser._actions}
     try:
@@ -133,35 +91,6 @@ def _explicit_cli_dests(parser, argv) -> set:
     finally:
         for a, d in saved.items():
             a.default = d
-
-
-def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    known = parser.parse_known_args(argv)[0]
-    recipe_path, recorded = known.recipe, None
-    if recipe_path is None and known.load:  # the recipe the checkpoint records (training/ckpt_recipe.py)
-        recipe_path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
-    recipe = recipes.load(recipe_path, parser) if recipe_path else {}
-    if recorded:
-        recipe = ckpt_recipe.relocate(recipe, recorded)
-    cli = _explicit_cli_dests(parser, argv)
-    parser.set_defaults(**recipe)
-    args = parser.parse_args(argv)
-    args.config_sources = {
-        dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
-    }
-    if recorded:
-        args.recipe, args.config_sources["recipe"] = recorded, "recorded by the --load checkpoint"
-    finalize(args, parser)
-    _LAST["args"] = args  # explain() names these values for refusals raised after parsing
-    if args.dry_run:
-        print_config(args)
-        if exit_on_dry_run:
-            raise SystemExit(0)
-    else:  # what each checkpoint the run saves records of it
-        args.recorded_recipe = ckpt_recipe.describe(args, parser)
-    return args
 
 
 def _fit_defaults_to_platform(args) -> None:
@@ -231,10 +160,13 @@ class Problems:
             raise ConfigError("\n".join(self.lines))
 
 
-def finalize(args, parser=None) -> None:
+def finalize(args, parser) -> None:
     """Everything megatron's validate_args and config classes check, plus ours, before any compute,
-    in stages (Problems): every problem of the first stage that finds any is reported."""
-    actions = _flag_actions(parser or build_parser())
+    in stages (Problems): every problem of the first stage that finds any is reported. ``parser``:
+    the one that parsed ``args`` (its actions name the flags refusals name)."""
+    from megatron_ext.training import checkpoint_keys, data
+
+    actions = flag_actions(parser)
     given = Problems()  # the values as given: each check on its own
     launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world_size is None:
@@ -269,12 +201,20 @@ def finalize(args, parser=None) -> None:
         with resolved.check():
             validate(args)
     resolved.raise_any()
+    settled = Problems()  # what reads every package's settled values (the tokenizer, the iterations)
+    with settled.check():
+        data.validate(args)  # every split's data, through the package that brings it (features.py datasets)
+    if args.dry_run and args.load:
+        with settled.check():  # every key of the checkpoint placed in this run's model, built on the meta device
+            checkpoint_keys.check_load(args)
+    settled.raise_any()
     args.config_sources.setdefault("padded_vocab_size", "derived (the tokenizer's vocabulary, padded)")
     if args.config_sources.get("padded_vocab_size") == "default":
         args.config_sources["padded_vocab_size"] = "derived (the tokenizer's vocabulary, padded)"
     with _megatron_refusals(args, actions), target.device_answers(platform_target, args.launch_env):
         args.megatron_configs_checked = build_configs(args)
     args.config_sources["megatron_configs_checked"] = "derived (built at parse time)"
+    _LAST["args"] = args  # explain() names these values for refusals raised after parsing
 
 
 def build_configs(args) -> list:
@@ -313,12 +253,12 @@ def _megatron_refusals(args, actions):
         raise ConfigError(line) from None
 
 
-def explain(exc: BaseException) -> str | None:
+def explain(exc: BaseException, parser) -> str | None:
     """The one-line refusal for an exception megatron raised from a flag after parsing (model
     build, checkpoint load), or None: then it is not about a flag and keeps its traceback."""
     if isinstance(exc, ConfigError):
         return str(exc)
-    line = megatron_checks.explain(exc, _LAST.get("args"), _flag_actions(build_parser()), strict=True)
+    line = megatron_checks.explain(exc, _LAST.get("args"), flag_actions(parser), strict=True)
     return line and f"{line}; {TRACEBACK_ENV}=1 shows the traceback"
 
 

@@ -1,0 +1,126 @@
+"""The run's flags: megatron's own, this project's, yours; a YAML recipe merged under the command line
+(defaults < recipe < command line). Every entry point hands ``parse`` to the one bring-up, as Megatron-LM's
+pretrain_gpt.py hands its extra_args_provider to pretrain:
+
+    run.use_arguments(arguments.parse)      # train.py, scripts/*.py: then Run.from_argv(argv) parses with it
+    args = arguments.parse(argv)            # every flag checked before any compute; --dry-run exits here
+
+A recipe is a YAML mapping whose keys are the flags' names (``num_layers`` or ``num-layers``). Unknown
+keys and wrongly typed values are errors that name the key and suggest the closest valid one.
+
+Add a flag of your own in ``add_arguments`` below; no module of megatron_ext imports this file, so what
+you add reaches the package only as ``args.<dest>``, which every hook of megatron_ext/training/features.py
+receives (CONTRIBUTING.md, Flags).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+from megatron.training.arguments import add_megatron_arguments
+
+from megatron_ext.config import recipes
+from megatron_ext.planner import options as planner_options
+from megatron_ext.platform import target
+from megatron_ext.training import ckpt_recipe, command_line, features
+
+USAGE = "torchrun --nproc-per-node N train.py --recipe YAML [--dry-run] [flags ...]   (one process: python train.py ...)"
+
+
+def add_arguments(parser):
+    """Your flags (Megatron-LM's extra_args_provider): declared once, with help text, they are recipe
+    keys too and show under their group in --help. Read them as ``args.<dest>`` in a capability's hooks
+    (megatron_ext/training/features.py); refuse a value there with
+    ``megatron_ext.errors.ConfigError("--my-flag=value: what is allowed")``, before any compute. E.g.
+
+        group = parser.add_argument_group("megatron_ext: my capability", "what it is for")
+        group.add_argument("--my-flag", type=int, default=None, help="What it does.")
+    """
+    return parser
+
+
+def _run_flags(parser) -> None:
+    """The command line's own flags (megatron_ext/training/command_line.py reads them)."""
+    group = parser.add_argument_group("megatron_ext")
+    group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Validate everything (building megatron's config objects, not the model), print what the "
+        "recipe, the command line, the platform or megatron set, with each value's source, and exit.",
+    )
+    group.add_argument("--all", action="store_true", help="With --dry-run: print every value, defaults too.")
+    group.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="Expected number of processes. --dry-run validates against it; a real run refuses to "
+        "start if WORLD_SIZE differs. Default: WORLD_SIZE from the launcher (1 without one).",
+    )
+    group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show the third-party warnings that are filtered by default (deprecations inside torch and "
+        "megatron-core: megatron_ext/errors.py QUIET_WARNINGS); also MEGATRON_EXT_VERBOSE=1.",
+    )
+    target.add_arguments(group)  # --platform, --assume-te / --assume-no-te: a --dry-run for another machine
+
+
+_BUILT: list = []  # the parser as first built in this process; build_parser hands out copies
+
+
+def build_parser():
+    """A parser of its own for the caller (parse sets the recipe's values as its defaults). Built
+    once per process and copied after: megatron's add_megatron_arguments reads its config classes'
+    source for their help texts, ~0.07 s a time, and a process that parses many times (the test
+    workers, a refusal's explanation) paid it each time; a copy costs ~6 ms."""
+    if not _BUILT:
+        parser = command_line.Parser(
+            prog="train.py", usage=USAGE, allow_abbrev=False,
+            description="megatron_ext: Megatron-Core training. Below: this project's flags, then the common "
+            "Megatron flags, then every other Megatron flag by megatron's groups (docs/flags.md: what each "
+            "does here).")
+        add_megatron_arguments(parser)  # megatron's flags, as pretrain_gpt.py parses them
+        _run_flags(parser)
+        features.add_arguments(parser)  # each capability package's flags
+        planner_options.add_arguments(parser)  # --plan: train.py prints the plan instead of training
+        add_arguments(parser)  # yours
+        command_line.order_help(parser)
+        _BUILT.append(parser)
+    return copy.deepcopy(_BUILT[0])
+
+
+def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True):
+    """The command line over the recipe over the defaults, every value checked before any compute
+    (command_line.finalize); --dry-run prints the resolved values and exits (or returns them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    known = parser.parse_known_args(argv)[0]
+    recipe_path, recorded = known.recipe, None
+    if recipe_path is None and known.load:  # the recipe the checkpoint records (training/ckpt_recipe.py)
+        recipe_path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
+    recipe = recipes.load(recipe_path, parser) if recipe_path else {}
+    if recorded:
+        recipe = ckpt_recipe.relocate(recipe, recorded)
+    cli = command_line.explicit_cli_dests(parser, argv)
+    parser.set_defaults(**recipe)  # the recipe's values become the defaults the command line overrides
+    args = parser.parse_args(argv)
+    args.config_sources = {
+        dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
+    }
+    if recorded:
+        args.recipe, args.config_sources["recipe"] = recorded, "recorded by the --load checkpoint"
+    command_line.finalize(args, parser)
+    if args.dry_run:
+        command_line.print_config(args)
+        if exit_on_dry_run:
+            raise SystemExit(0)
+    else:  # what each checkpoint the run saves records of it
+        args.recorded_recipe = ckpt_recipe.describe(args, parser)
+    return args
+
+
+def explain(exc: BaseException) -> str | None:
+    """The one-line refusal for an exception megatron raised from a flag after parsing, or None
+    (errors.run's explain at the entry points)."""
+    return command_line.explain(exc, build_parser())
