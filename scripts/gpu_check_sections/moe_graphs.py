@@ -27,7 +27,7 @@ ITERATIONS = 8
 
 def dry_run(*argv) -> str:
     """"accepted", or the refusal line, of a --dry-run of tiny_moe with these flags."""
-    from megatron_ext import arguments
+    import arguments
     from megatron_ext.errors import ConfigError
 
     try:

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 
 BASE = ["--recipe", "recipes/tiny_moe.yaml", "--dry-run", "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]
