@@ -156,11 +156,26 @@ def theory_group_bytes(modules, c) -> int:
     )
 
 
-def theoretical_bytes(c, group: int, pp_rank: int, prefetch_depth: int) -> int:
+def theoretical_bytes(c, group: int, pp_rank: int, prefetch_depth: int, peak: str = "layer_backward") -> int:
+    """The saving offload/theory.py models for this rank, with the step's peak where ``peak`` says."""
     from megatron_ext.offload import theory
 
-    per_chunk = c["layers"] // (c["pp"] * (c["vpp"] or 1))
-    return theory.theoretical_saving(group, c["pp"], c["vpp"], pp_rank, c["microbatches"], per_chunk, prefetch_depth)
+    return theory.theoretical_saving(group, c["pp"], c["vpp"], pp_rank, c["microbatches"], _per_chunk(c),
+                                     prefetch_depth, peak)
+
+
+def resident(c, pp_rank: int, prefetch_depth: int, peak: str = "layer_backward") -> list:
+    """What offload/theory.py says stays on the device at that peak: [{"what", "groups", "why"}]."""
+    import dataclasses
+
+    from megatron_ext.offload import theory
+
+    return [dataclasses.asdict(r) for r in theory.resident_at_peak(
+        c["pp"], c["vpp"], pp_rank, c["microbatches"], _per_chunk(c), prefetch_depth, peak)]
+
+
+def _per_chunk(c) -> int:
+    return c["layers"] // (c["pp"] * (c["vpp"] or 1))
 
 
 class LayerClock:
@@ -224,11 +239,14 @@ def _link_gbps(spec, group: int, layer_s: float):
 
 
 def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 2, offload_kw=None,
-            faults=(), track: bool = False, timeline: bool = False, links=(None,), **model_kw):
+            faults=(), track: bool = False, timeline: bool = False, links=(None,), peak: str = "layer_backward",
+            **model_kw):
     """Offload off vs on for `steps` steps: bitwise losses and grads, stats, resident-bytes peaks.
 
     One model build, one run with offload off, then one run with offload on per entry of ``links``
-    (see ``_link_gbps``). Returns the first run's results at top level and every run in ``runs``."""
+    (see ``_link_gbps``). Returns the first run's results at top level and every run in ``runs``.
+    ``peak``: where the step's peak falls, for the theoretical saving R divides by (offload/theory.py:
+    inside a layer's backward, or the logits gradient when the vocabulary outweighs a layer)."""
     from megatron.core import parallel_state
 
     from megatron_ext import platform
@@ -259,7 +277,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
         layer_s = clock.median()
         group = theory_group_bytes(modules, c)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        theo = theoretical_bytes(c, group, pp_rank, opts.prefetch_depth)
+        theo = theoretical_bytes(c, group, pp_rank, opts.prefetch_depth, peak)
         runs = []
         for spec in links:
             gbps = _link_gbps(spec, group, layer_s)
@@ -299,6 +317,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             pp_rank=pp_rank, pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             losses_off=[b[0] for b in base], peak_off=t_off.peak if track else None,
             timeline_off=t_off.timeline if track else None, theory_group_bytes=group, theoretical_bytes=theo,
+            resident=resident(c, pp_rank, opts.prefetch_depth, peak),
             layer_forward_s=layer_s, config=c, runs=runs,
         )
         return dict(runs[0], **result)
