@@ -212,6 +212,67 @@ class LayerClock:
             h.remove()
 
 
+class CudaLayerClock:
+    """Device time of every TransformerLayer's forward and backward that records for backward (CUDA
+    events on the compute stream): the compute an offload copy overlaps. A layer's backward runs from
+    the gradient of its output to the gradient of its input. Counts only while ``active``."""
+
+    def __init__(self, chunks):
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        self.active = False
+        self.forward: list = []  # (start, end) events
+        self.backward: list = []
+        self._handles = []
+        for ch in chunks:
+            for m in ch.modules():
+                if isinstance(m, TransformerLayer):
+                    self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                    self._handles.append(m.register_forward_hook(self._post))
+
+    @staticmethod
+    def _event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _pre(self, m, args, kwargs):
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        x = args[0] if args else kwargs.get("hidden_states")
+        call = dict(start=self._event())
+        m._clock_call = call
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda g, call=call: self._backward_end(call))
+
+    def _post(self, m, _args, out):
+        call = getattr(m, "_clock_call", None)
+        if call is None:
+            return
+        del m._clock_call
+        self.forward.append((call["start"], self._event()))
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            y.register_hook(lambda g, call=call: call.__setitem__("bwd_start", self._event()))
+
+    def _backward_end(self, call):
+        if "bwd_start" in call:
+            self.backward.append((call.pop("bwd_start"), self._event()))
+
+    def medians_s(self) -> tuple:
+        """(median layer forward, median layer backward) in seconds, over every layer timed so far."""
+        import statistics
+
+        torch.cuda.synchronize()
+        f = [a.elapsed_time(b) / 1e3 for a, b in self.forward]
+        b = [a.elapsed_time(e) / 1e3 for a, e in self.backward]
+        return (statistics.median(f) if f else 0.0), (statistics.median(b) if b else 0.0)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def link(gbps: float | None):
     """Run the CPU copy engine at ``gbps`` (None: leave the setting as it is)."""
