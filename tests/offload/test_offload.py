@@ -44,6 +44,21 @@ def test_pool_is_bounded_and_reused():
     assert len(pool.take(4 * 1024)) == 4 and pool.high_water == 10
 
 
+def test_pool_is_pinned_in_segments_that_the_host_allocator_does_not_double(monkeypatch):
+    """torch's pinned allocator rounds an allocation up to a power of two: a pool pinned in one piece
+    of 9.9 units took 16; in segments of at most SEGMENT_BYTES the rounding wastes less than one."""
+    from megatron_ext.offload import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "SEGMENT_BYTES", 1024)
+    pool = HostPool(capacity_bytes=9900, chunk_bytes=64)
+    sizes = [seg.numel() for seg in pool.segments]
+    assert all(s <= 1024 for s in sizes) and sum(sizes) == pool.capacity_bytes == 154 * 64
+    assert len(pool.slots) == pool.num_slots and len(pool.storage_ptrs()) == len(sizes)
+    pinned = sum(1 << (s - 1).bit_length() for s in sizes)  # what the host allocator hands out
+    assert pinned < pool.capacity_bytes + 1024 < 1 << (pool.capacity_bytes - 1).bit_length()
+    assert len({(t.untyped_storage().data_ptr(), t.storage_offset()) for t in pool.slots}) == pool.num_slots
+
+
 def test_deferred_stream_runs_work_only_when_ordered():
     s = streams.Stream(deferred=True)
     box = []
