@@ -77,8 +77,9 @@ def _model_rows(kind, layers, sets, size, link) -> list:
             canonical_modules(m), kind == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"], heads=c["heads"],
             topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], dtype_bytes=dtype_bytes) for m in sets}
         modelled = {m: theory.theoretical_saving(g, 1, None, 0, c["microbatches"], c["layers"], 1) for m, g in groups.items()}
-        # one pool size for every set: the host allocator hands the same pinned block back each time
-        pool = max(64 << 20, int(max(c["layers"] * g for g in groups.values()) * 1.25) + (64 << 20))
+        # one pool for every set, room for every layer's group (the engine holds all but the last at
+        # once); its 1 GiB pinned segments come back from the host allocator's cache at each attach
+        pool = int(max(c["layers"] * g for g in groups.values()) * 1.05) + (64 << 20)
         clock = jobs.CudaLayerClock(chunks) if cuda() else None
         reference = {}
 
