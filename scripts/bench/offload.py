@@ -212,10 +212,11 @@ class LayerClock:
             h.remove()
 
 
-class CudaLayerClock:
-    """Device time of every TransformerLayer's forward and backward that records for backward (CUDA
-    events on the compute stream): the compute an offload copy overlaps. A layer's backward runs from
-    the gradient of its output to the gradient of its input. Counts only while ``active``."""
+class LayerEventClock:
+    """Time of every TransformerLayer's forward and backward that records for backward, from events on
+    the compute stream (CUDA events; on CPU the platform's stand-ins, host time): the compute an
+    offload copy overlaps. A layer's backward runs from the gradient of its output to the gradient of
+    its input. Counts only while ``active``."""
 
     def __init__(self, chunks):
         from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -263,7 +264,6 @@ class CudaLayerClock:
         """(median layer forward, median layer backward) in seconds, over every layer timed so far."""
         import statistics
 
-        torch.cuda.synchronize()
         f = [a.elapsed_time(b) / 1e3 for a, b in self.forward]
         b = [a.elapsed_time(e) / 1e3 for a, e in self.backward]
         return (statistics.median(f) if f else 0.0), (statistics.median(b) if b else 0.0)

@@ -52,11 +52,54 @@ def _spread(values) -> list:
     return [round(min(values), 3), round(max(values), 3)] if values else NO_CUDA
 
 
+# measured only on a GPU; on CPU the same code measures the CPU model (live tensor bytes, host time,
+# the CUDA-faithful copy engine's link) and reports it under "cpu_model", never as these
+GPU_ONLY = ("peak_off_bytes", "peak_on_bytes", "peak_spread_bytes", "saved_bytes", "R", "step_ms_off", "step_ms_on",
+            "step_ms_off_spread", "step_ms_on_spread", "step_overhead", "step_overhead_spread", "layer_forward_ms",
+            "layer_backward_ms", "copy_ms_per_group", "predicted_overhead")
+
+
+def _links(link, size) -> tuple:
+    """(D2H, H2D) bytes/s: gpu_check's measured large copies, or the CPU copy engine's link."""
+    from megatron_ext.platform import faithful
+
+    if cuda():
+        n = size["copy_bytes"] >> 20
+        return link[f"d2h_gbps_{n}mib"] * 1e9, link[f"h2d_gbps_{n}mib"] * 1e9
+    gbps = faithful.link_gbps() if faithful.enabled() else float("inf")
+    return gbps * 1e9, gbps * 1e9
+
+
+def timing_row(off: list, on: list, theo: int, layer_s: tuple, per_group: float, copies: float, links: tuple) -> dict:
+    """Peaks, step times (medians, [min, max]) and the overhead of interleaved repetitions off and on,
+    against the modelled saving and the overhead the planner predicts from the bytes, the links and
+    the layer compute measured (``layer_s``: forward, backward)."""
+    from megatron_ext.planner import steptime
+
+    peak_off, peak_on = max(r["peak"] for r in off), max(r["peak"] for r in on)
+    t_off, t_on = statistics.median(r["ms"] for r in off), statistics.median(r["ms"] for r in on)
+    lo = (min(r["ms"] for r in on) - max(r["ms"] for r in off)) / max(r["ms"] for r in off)
+    hi = (max(r["ms"] for r in on) - min(r["ms"] for r in off)) / min(r["ms"] for r in off)
+    exposed = steptime.offload_exposed(per_group, copies, links[0], layer_s[0], layer_s[1], links[1])
+    saved = peak_off - peak_on
+    return dict(
+        peak_off_bytes=peak_off, peak_on_bytes=peak_on,
+        peak_spread_bytes=[max(r["peak"] for r in x) - min(r["peak"] for r in x) for x in (off, on)],
+        saved_bytes=saved, R=round(saved / theo, 4) if theo else None,
+        step_ms_off=round(t_off, 3), step_ms_on=round(t_on, 3),
+        step_ms_off_spread=_spread([r["ms"] for r in off]), step_ms_on_spread=_spread([r["ms"] for r in on]),
+        step_overhead=round((t_on - t_off) / t_off, 4), step_overhead_spread=[round(lo, 4), round(hi, 4)],
+        layer_forward_ms=round(layer_s[0] * 1e3, 3), layer_backward_ms=round(layer_s[1] * 1e3, 3),
+        copy_ms_per_group=round(exposed["copy_s"] * 1e3, 3),
+        predicted_overhead=round(exposed["exposed_s"] / (t_off / 1e3), 4))
+
+
 def _model_rows(kind, layers, sets, size, link) -> list:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from bench import offload as jobs
     from megatron_ext import platform
+    from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.offload import canonical_modules, theory
     from megatron_ext.offload import manager as om
     from megatron_ext.planner import steptime
@@ -80,7 +123,8 @@ def _model_rows(kind, layers, sets, size, link) -> list:
         # one pool for every set, room for every layer's group (the engine holds all but the last at
         # once); its 1 GiB pinned segments come back from the host allocator's cache at each attach
         pool = int(max(c["layers"] * g for g in groups.values()) * 1.05) + (64 << 20)
-        clock = jobs.CudaLayerClock(chunks) if cuda() else None
+        clock = jobs.LayerEventClock(chunks)
+        state = model_state_ptrs(chunks)
         reference = {}
 
         def options(modules):
@@ -89,37 +133,30 @@ def _model_rows(kind, layers, sets, size, link) -> list:
 
         def step(modules, timed_layers=False):
             """One forward+backward through megatron-core's schedule, offload on with ``modules``:
-            its peak above what was allocated before it, its device time, its losses, its gradients
-            against the first step's."""
+            its peak above what was allocated before it (CPU: live tensor bytes), its time (events on
+            the compute stream), its losses, its gradients against the first step's."""
             mgr = om.attach(chunks, options(modules)) if modules else None
             try:
                 for p in model.parameters():
                     p.grad.zero_()
                 batch = iter([{k: v.clone() for k, v in b.items()} for b in data])  # held by the forward only
                 sync()
-                if cuda():
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                tracker = CudaPeak() if cuda() else LiveBytesTracker(state, "cpu")
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                clock.active = timed_layers
+                with tracker:
                     start.record()
-                if clock is not None:
-                    clock.active = timed_layers
-                losses = get_forward_backward_func()(
-                    forward_step_func=jobs._forward_step, data_iterator=batch, model=model,
-                    num_microbatches=c["microbatches"], seq_length=c["seq"], micro_batch_size=c["mbs"],
-                    forward_only=False)
-                if cuda():
+                    losses = get_forward_backward_func()(
+                        forward_step_func=jobs._forward_step, data_iterator=batch, model=model,
+                        num_microbatches=c["microbatches"], seq_length=c["seq"], micro_batch_size=c["mbs"],
+                        forward_only=False)
                     end.record()
-                if mgr is not None:
-                    mgr.synchronize()
-                sync()
-                if clock is not None:
-                    clock.active = False
-                out = dict(losses=[x["lm loss"].item() for x in losses],
+                    if mgr is not None:
+                        mgr.synchronize()
+                clock.active = False
+                out = dict(losses=[x["lm loss"].item() for x in losses], peak=tracker.peak, ms=start.elapsed_time(end),
                            offloaded=mgr.stats["offloaded_bytes"] if mgr else 0,
                            kept=sum(v for k, v in mgr.stats.items() if k.startswith("kept_")) if mgr else 0)
-                if cuda():
-                    out.update(peak=torch.cuda.max_memory_allocated() - base, ms=start.elapsed_time(end))
             finally:
                 if mgr is not None:
                     om.detach()
@@ -132,6 +169,7 @@ def _model_rows(kind, layers, sets, size, link) -> list:
         step(None)  # warm: the first step's allocations, the reference gradients
         step(sets[-1])  # warm: the pinned pool, the copy streams
         reps = size["offload_reps"]
+        copies = steptime.copied_groups(c["layers"], c["microbatches"], last_stage=True)
         rows = []
         for modules in sets:
             off, on = [], []
@@ -142,41 +180,21 @@ def _model_rows(kind, layers, sets, size, link) -> list:
             row = {"model": kind, "modules": list(modules), "dtype": str(dtype).replace("torch.", ""),
                    "shape": {k: c[k] for k in ("layers", "hidden", "heads", "seq", "mbs", "microbatches")},
                    "reps": reps, "theoretical_bytes": theo, "group_bytes": groups[tuple(modules)],
-                   "resident_at_peak": [r.what + f" ({r.groups})" for r in theory.resident_at_peak(
+                   "resident_at_peak": [f"{r.what} ({r.groups})" for r in theory.resident_at_peak(
                        1, None, 0, c["microbatches"], c["layers"], 1)],
                    "bytes_offloaded_per_step": on[0]["offloaded"], "kept_on_device_bytes": on[0]["kept"],
                    "grads_bitwise_equal": all(r["equal"] for r in on),
                    "off_repeatable": all(r["equal"] for r in off),
                    "max_abs_grad_diff_off_on": max(r["max_diff"] for r in on),
                    "max_abs_grad_diff_off_off": max(r["max_diff"] for r in off)}
+            measured = timing_row(off, on, theo, clock.medians_s(), on[0]["offloaded"] / copies if copies else 0.0,
+                                  copies, _links(link, size))
             if cuda():
-                f, b = clock.medians_s()
-                copies = steptime.copied_groups(c["layers"], c["microbatches"], last_stage=True)
-                t_off, t_on = statistics.median(r["ms"] for r in off), statistics.median(r["ms"] for r in on)
-                per_group = on[0]["offloaded"] / copies if copies else 0.0
-                exposed = steptime.offload_exposed(per_group, copies, link[f"d2h_gbps_{size['copy_bytes'] >> 20}mib"] * 1e9,
-                                                   f, b, link[f"h2d_gbps_{size['copy_bytes'] >> 20}mib"] * 1e9)
-                saved = max(r["peak"] for r in off) - max(r["peak"] for r in on)
-                lo = (min(r["ms"] for r in on) - max(r["ms"] for r in off)) / max(r["ms"] for r in off)
-                hi = (max(r["ms"] for r in on) - min(r["ms"] for r in off)) / min(r["ms"] for r in off)
-                row.update(
-                    peak_off_bytes=max(r["peak"] for r in off), peak_on_bytes=max(r["peak"] for r in on),
-                    peak_spread_bytes=[max(r["peak"] for r in x) - min(r["peak"] for r in x) for x in (off, on)],
-                    saved_bytes=saved, R=round(saved / theo, 4) if theo else None,
-                    step_ms_off=round(t_off, 3), step_ms_on=round(t_on, 3),
-                    step_ms_off_spread=_spread([r["ms"] for r in off]), step_ms_on_spread=_spread([r["ms"] for r in on]),
-                    step_overhead=round((t_on - t_off) / t_off, 4), step_overhead_spread=[round(lo, 4), round(hi, 4)],
-                    layer_forward_ms=round(f * 1e3, 3), layer_backward_ms=round(b * 1e3, 3),
-                    copy_ms_per_group=round(exposed["copy_s"] * 1e3, 3),
-                    predicted_overhead=round(exposed["exposed_s"] / (t_off / 1e3), 4))
-            else:
-                row.update({k: NO_CUDA for k in (
-                    "peak_off_bytes", "peak_on_bytes", "saved_bytes", "R", "step_ms_off", "step_ms_on",
-                    "step_ms_off_spread", "step_ms_on_spread", "step_overhead", "step_overhead_spread",
-                    "predicted_overhead", "layer_forward_ms", "layer_backward_ms")})
+                row.update(measured)
+            else:  # the same code measured the CPU model: reported as such, never as a GPU number
+                row.update(dict.fromkeys(GPU_ONLY, NO_CUDA), cpu_model=measured)
             rows.append(row)
-        if clock is not None:
-            clock.remove()
+        clock.remove()
         return rows
     finally:
         om.detach()
