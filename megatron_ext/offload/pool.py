@@ -7,7 +7,7 @@ makes its own stream wait for that fence before writing it (stream order, no hos
 
 The memory is allocated in segments of at most ``SEGMENT_BYTES``: torch's pinned-memory allocator
 rounds every allocation up to a power of two (ATen/core/CachingHostAllocator.h, ``allocate``), so one
-allocation of a 9.9 GB pool pinned 16 GiB of host memory; segments waste less than one segment.
+allocation of a 9.9 GB pool pins 16 GiB of host memory; segments waste less than one segment.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def test_pool_is_bounded_and_reused():
 
 def test_pool_is_pinned_in_segments_that_the_host_allocator_does_not_double(monkeypatch):
     """torch's pinned allocator rounds an allocation up to a power of two: a pool pinned in one piece
-    of 9.9 units took 16; in segments of at most SEGMENT_BYTES the rounding wastes less than one."""
+    of 9.9 units takes 16; in segments of at most SEGMENT_BYTES the rounding wastes less than one."""
     from megatron_ext.offload import pool as pool_module
 
     monkeypatch.setattr(pool_module, "SEGMENT_BYTES", 1024)
