@@ -16,10 +16,12 @@ multihot            indices_to_multihot vs megatron-core's _indices_to_multihot,
 moe_layer           one MoELayer, EP=1, megatron's and the sync-free dispatcher, alltoall/allgather x
                     dropless/capacity/capacity-nopad: syncs forward/backward (SyncDetector, and
                     set_sync_debug_mode("error") for the sync-free claims), agreement, time
-offload             PP=1, bf16, hidden 4096, seq 4096, every module set: peak memory
-                    (torch.cuda.max_memory_allocated) off vs on, saved / theoretical = R, step time
-                    (CUDA events) and its overhead, bytes offloaded per step, the host-link bandwidth
-                    (pinned copies), gradients bit-identical
+offload             PP=1, bf16, hidden 4096, seq 4096, dense at 4 / 8 / 16 layers and MoE, every
+                    module set: peak memory (torch.cuda.max_memory_allocated) off vs on, saved /
+                    modelled (offload/theory.py) = R, step time off and on interleaved (CUDA events,
+                    median and spread) against the overhead the planner predicts from the bytes,
+                    the host link (pinned copies) and the layer compute measured, gradients
+                    bit-identical where offload off is bit-identical run to run
 train               train.py end to end, a few iterations: the dense recipe with activation offload
                     and the MoE recipe with the sync-free dispatcher (the platform defaults of a GPU
                     without apex/transformer-engine, for real)
@@ -73,7 +75,7 @@ SIZES = {
                                 ffn=16384, microbatches=1),
                      moe=dict(model="moe", layers=4, hidden=4096, heads=32, seq=4096, mbs=1, vocab=32000,
                               ffn=16384, experts=8, topk=2, moe_ffn=4096, shared=4096, microbatches=1)),
-        offload_warmup=2, offload_steps=4, copy_bytes=256 << 20,
+        offload_depths=(4, 16), offload_reps=5, copy_bytes=256 << 20,
         train_extra=["--bf16"],
         plan_extra=["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
                     "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
@@ -87,7 +89,7 @@ SIZES = {
                                 microbatches=2),
                      moe=dict(model="moe", layers=2, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
                               experts=4, topk=2, moe_ffn=64, shared=64, microbatches=2)),
-        offload_warmup=1, offload_steps=1, copy_bytes=1 << 20,
+        offload_depths=(2,), offload_reps=1, copy_bytes=1 << 20,
         train_extra=[],
         plan_extra=[],
     ),
@@ -168,9 +170,14 @@ def markdown(doc: dict) -> str:
                                                  "step_ms", "bitwise_equal_to_megatron"])
     if s.get("offload", {}).get("cases"):
         lines += ["", "## Activation offload, PP=1", ""]
-        lines += _table(s["offload"]["cases"], ["model", "modules", "dtype", "peak_off_bytes", "peak_on_bytes",
-                                                "saved_bytes", "theoretical_bytes", "R", "bytes_offloaded_per_step",
-                                                "step_ms_off", "step_ms_on", "step_overhead", "grads_bitwise_equal"])
+        cases = [dict(r, layers=r["shape"]["layers"]) for r in s["offload"]["cases"]]
+        lines += _table(cases, ["model", "layers", "modules", "peak_off_bytes", "peak_on_bytes", "saved_bytes",
+                                "theoretical_bytes", "R", "bytes_offloaded_per_step", "step_ms_off", "step_ms_on",
+                                "step_overhead", "step_overhead_spread", "predicted_overhead", "grads_bitwise_equal"])
+        lines += ["", "theoretical_bytes: offload/theory.py's saving with the peak inside a layer's backward "
+                  "(resident: the last layer, never copied, and the prefetch window); step times: medians of "
+                  "interleaved off/on repetitions, spread = [min, max] of the overhead; predicted_overhead: "
+                  "planner/steptime.py from the bytes, the measured host link and layer compute."]
         lines += ["", "Host link: " + ", ".join(f"{k} {_fmt(v)}" for k, v in s["offload"]["host_link"].items())]
     if s.get("planner", {}).get("rows"):
         lines += ["", "## Planner: predicted vs measured peak, PP=1", ""]

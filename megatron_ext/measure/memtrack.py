@@ -5,9 +5,10 @@ It does not read the offload code's counters. On CPU (where "device" and "host" 
 keeps a weak reference to each distinct storage it sees; after every op it drops the storages that
 died and sums the live ones. Storages named in ``exclude`` (parameters, gradient buffers, the host
 pool) and storages already alive when tracking starts (found through the garbage collector: the
-step's input batches, for instance) are not counted, so what is left is the activations and
-temporaries the step itself allocates. On CUDA :class:`CudaPeak` measures the same thing with the
-caching allocator's own counters (``torch.cuda.max_memory_allocated``, reset per measured step).
+step's input batches, for instance: ``live_tensors``) are not counted, so what is left is the
+activations and temporaries the step itself allocates. On CUDA :class:`CudaPeak` measures the same
+thing with the caching allocator's own counters (``torch.cuda.max_memory_allocated``, reset per
+measured step).
 """
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+def live_tensors() -> list:
+    """Every tensor the garbage collector tracks: the repository's one walk over ``gc.get_objects()``.
+    An object's class is read from its type, never through the object: ``isinstance`` asks the object
+    for ``__class__``, which a dead ``weakref.proxy`` answers with ``ReferenceError`` (a CUDA process
+    holds one) and a lazily imported module with an import or a deprecation warning."""
+    import gc
+
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -30,14 +41,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.baseline: dict = {}
 
     def __enter__(self):
-        import gc
-        import warnings
-
         self.baseline = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # isinstance() pokes deprecated module attributes
-            objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for obj in objects:
+        for obj in live_tensors():
             try:
                 if obj.device.type == self.device_type and obj.layout == torch.strided:
                     st = obj.untyped_storage()

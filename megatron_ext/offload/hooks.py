@@ -245,6 +245,7 @@ class Hooks:
                     t0 = time.perf_counter()
                     rec.h2d_event.wait(streams.Stream.current())
                     self._exposed("exposed_h2d_s", t0)
+                    self._reloaded(rec)
                 rec.waited = True
             storage = rec.reloaded
         else:

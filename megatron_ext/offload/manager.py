@@ -115,7 +115,7 @@ class OffloadManager(Hooks):
         self._pending: Group | None = None
         self._offloading: list = []  # groups whose D2H was issued since the last tick
         self._last_d2h = None  # the D2H stream's latest event: waiting for it covers every earlier copy
-        self._alive: list = []  # CUDA reload buffers (h2d event, record, buffer) until the compute stream waited
+        self._alive: list = []  # reload buffers (h2d event, record, buffer), in issue order, until the compute stream waited
         self._pushed = 0
         self._saving: list = []  # (module name, sub-module path) of each pushed hook, innermost last
         self._faults: set = set()  # tests only: skip_h2d_wait, early_release, early_slot_return, reload_in_flight
@@ -226,8 +226,18 @@ class OffloadManager(Hooks):
                 if g.state == "offloading":
                     self._release(g)
             self._offloading = []
-        if self._alive:
-            self._alive = [a for a in self._alive if not a[1].waited and not a[0].query()]
+        if self._alive:  # reload buffers whose H2D is done may go (their record decides)
+            self._alive = [a for a in self._alive if not a[0].query()]
+
+    def _reloaded(self, rec) -> None:
+        """The compute stream now waits for ``rec``'s H2D, and so for every H2D issued before it (the
+        H2D stream runs in order): those buffers live as long as their records, no longer. Held
+        until the next hook instead, a layer's consumed reloads (the 1 GiB attention probabilities
+        of the local spec) stayed allocated through the rest of its backward, at its peak."""
+        for i, a in enumerate(self._alive):
+            if a[1] is rec:
+                del self._alive[: i + 1]
+                return
 
     def _exposed(self, key: str, t0: float) -> None:
         if self._timed:
@@ -261,8 +271,9 @@ class OffloadManager(Hooks):
                 self.h2d.run(functools.partial(self._copy_in, dst, rec.nbytes, rec.slots), rec.nbytes)
                 rec.h2d_event = self.h2d.record()
                 rec.reloaded, rec.state = dst.untyped_storage(), RELOADING
-                if streams.cuda():  # should the record die unconsumed, the block stays ours until the H2D is done
-                    self._alive.append((rec.h2d_event, rec, dst))
+                # should the record die before the compute stream waited for its H2D, the buffer stays
+                # ours until the copy is done (``_reloaded``); the first wait lets it go at once
+                self._alive.append((rec.h2d_event, rec, dst))
                 if "early_slot_return" in self._faults:
                     self.pool.give(rec.slots)  # no fence: poisoned (debug) and reusable at once
                 else:

@@ -1,15 +1,20 @@
 """A bounded, reusable host pool of fixed-size chunks (pinned on CUDA).
 
-One host allocation of ``capacity_bytes`` made once, cut into ``chunk_bytes`` slots. A tensor's bytes
+Host memory of ``capacity_bytes`` allocated once, cut into ``chunk_bytes`` slots. A tensor's bytes
 move through as many slots as it needs; when too few are free the caller keeps the tensor on the
 device. A slot comes back with a fence, the event that ends the last copy out of it; whoever takes it
 makes its own stream wait for that fence before writing it (stream order, no host poll).
+
+The memory is allocated in segments of at most ``SEGMENT_BYTES``: torch's pinned-memory allocator
+rounds every allocation up to a power of two (ATen/core/CachingHostAllocator.h, ``allocate``), so one
+allocation of a 9.9 GB pool pins 16 GiB of host memory; segments waste less than one segment.
 """
 from __future__ import annotations
 
 from megatron_ext.platform import streams
 
 POISON = 0xFF  # every float format reads 0xFF..FF as NaN
+SEGMENT_BYTES = 1 << 30
 
 
 class HostPool:
@@ -19,14 +24,15 @@ class HostPool:
         self.chunk_bytes = int(chunk_bytes)
         self.num_slots = int(capacity_bytes) // self.chunk_bytes
         self.debug = debug
-        self.buffer = streams.host_empty(self.num_slots * self.chunk_bytes)
+        per_segment = max(1, SEGMENT_BYTES // self.chunk_bytes)
+        self.segments = [streams.host_empty(min(per_segment, self.num_slots - i) * self.chunk_bytes)
+                         for i in range(0, self.num_slots, per_segment)]
         # debug: a slot is poisoned before its first use rather than the whole buffer up front (the
         # default pool is 1 GiB: filling it cost ~0.7 s and its memory per run on CPU). A slot is read
         # only after it is taken, so it reads the same NaN bytes either way.
         self._unpoisoned = set(range(self.num_slots)) if debug else set()
-        self.slots = [
-            self.buffer[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(self.num_slots)
-        ]
+        self.slots = [seg[j * self.chunk_bytes : (j + 1) * self.chunk_bytes]
+                      for seg in self.segments for j in range(seg.numel() // self.chunk_bytes)]
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._fence = [None] * self.num_slots
         self.high_water = 0
@@ -78,4 +84,4 @@ class HostPool:
             self.slots[i].fill_(POISON)
 
     def storage_ptrs(self) -> set:
-        return {self.buffer.untyped_storage().data_ptr()} if self.num_slots else set()
+        return {seg.untyped_storage().data_ptr() for seg in self.segments}

@@ -1,47 +1,134 @@
-"""What offload should save, from the model's shapes and the schedule alone (no measurement).
+"""What offload saves, from the model's shapes and the schedule alone (no measurement), and what
+stays on the device by design.
 
-``group_bytes``: bytes one layer's chosen modules save for backward, per micro-batch, for the
-configuration the tests and the benchmark use: local layer spec, multi-head attention (no GQA, no
-rotary: q/k/v stay views of the fused QKV output), no attention dropout, non-gated GELU experts
-(SequentialMLP, probabilities applied after the activation), dropless routing with TP=EP=1.
-Only the local layer spec: with the transformer-engine spec (fused attention keeps no softmax
-probabilities; TE modules choose what they save) these counts do not hold, so R is not computed for it.
+**Group bytes** (``group_bytes``): what one layer's chosen modules save for backward per
+micro-batch, one function per module (``MODULE_BYTES``), each taking the attention kind. The shapes
+are the local layer spec as the tests, the benchmark and scripts/gpu_check.py build it: multi-head
+attention (no GQA, no rotary: q/k/v stay views of the fused QKV output), no attention dropout,
+non-gated GELU experts (SequentialMLP, probabilities applied after the activation), dropless routing
+with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's DotProductAttention (baddbmm,
+masked softmax, bmm), which keeps the [b, heads, s, s] probabilities (in fp32 too when the softmax
+runs in fp32 on 16-bit inputs, as megatron's ``attention_softmax_in_fp32`` default does under
+--bf16). A fused kind keeps no s x s tensor: add it as one more branch of ``core_attention_bytes``.
+With the transformer-engine spec these counts do not hold (TE modules choose what they save).
 
-``inflight_passes``: (chunk, micro-batch) forward passes whose activations are all alive when the
-first backward of the step starts on a PP rank (megatron-core's schedules: no pipelining 1;
-1F1B min(pp - rank, M); interleaved warm-up (pp - rank - 1) * 2 + (vpp - 1) * pp, plus one).
+**Passes in flight** (``inflight_passes``): (chunk, micro-batch) forward passes whose activations are
+all alive when the first backward of the step starts on a PP rank (megatron-core's schedules: no
+pipelining 1; 1F1B min(pp - rank, M); interleaved warm-up (pp - rank - 1) * 2 + (vpp - 1) * pp, plus one).
 
-``theoretical_saving`` = group_bytes x (in-flight passes x layers per chunk - K), K the groups that
-must be on the device at the peak: on the last PP stage the peak is the loss/logits gradient, when
-only the last layer of the pass being back-propagated is resident (it is never offloaded, K = 1); on
-other stages the peak is inside the first layer's backward, when that layer and the prefetch window
-are resident again (K = 1 + prefetch depth).
+**Resident at the peak** (``resident_at_peak``): the groups on the device at the step's peak, each
+named with the reason the engine keeps it (``Resident``). Where the peak falls decides them:
+
+- ``layer_backward``: inside a layer's backward, where a layer's backward working set peaks (the
+  unfused attention's s x s gradients at real shapes). On the last stage (and PP=1) that layer is
+  the last of its pass, never copied (its backward follows its forward at once; upstream never
+  offloads the last layer either), and the prefetch window (``prefetch_depth`` earlier layers) was
+  reloaded when its backward began, so that the copies overlap it. On other stages the peak is in the
+  first layer's backward of a pass: that layer, reloaded, and the prefetch window.
+- ``loss_backward``: the logits gradient of the last stage, when the vocabulary outweighs a layer's
+  backward: only the last layer of the pass (never copied) is resident; no prefetch has begun.
+- ``layer_forward``: inside the forward of the last layer before the first backward: that layer and
+  the previous one, whose copy to the host is in flight until the layer ends (release one hook behind).
+
+``release`` names how the engine frees a reloaded layer's buffers: ``last_use`` (now: when autograd
+releases the last saved tensor that used them, after the compute stream waited for their copy) or
+``next_hook`` (the engine at 4d4d546 on CUDA: held until the next layer's backward began, so the
+layer's consumed reloads stayed through the rest of its backward; on the H200 that was the 1 GiB of
+attention probabilities at the attention-score gradient's peak of the next layer: ``next_hook_saving``
+is that exact saving, ``resident_at_peak`` counts one more group as its bound).
+
+``theoretical_saving`` = group x (in-flight passes x layers per chunk - resident groups): what the
+engine saves at least when the peak falls where ``peak`` says; R = measured saving / it (the
+definition of Megatron-LM PR #1752).
 """
 from __future__ import annotations
 
+import dataclasses
 
-def module_bytes(name: str, *, seq, mbs, hidden, heads, topk=0, moe_ffn=0, shared_ffn=0, dtype_bytes=4) -> int:
-    t = seq * mbs
-    b = dtype_bytes
-    table = {
-        "qkv_linear": t * hidden * b,                                    # linear_qkv input
-        "core_attention": t * 3 * hidden * b + mbs * heads * seq * seq * b,  # fused qkv + softmax probs
-        "attn_proj": t * hidden * b,                                     # linear_proj input
-        "router_fc1": t * topk * hidden * b,                             # permuted tokens
-        "moe_act": 2 * t * topk * moe_ffn * b,                           # gelu input + gelu output (x probs)
-        "router_fc2": t * topk * moe_ffn * b,                            # fc2 input
-        "shared_experts": 2 * t * shared_ffn * b,                        # fc1 output + fc2 input
-    }
-    return table[name]
+ATTENTION = ("unfused",)
+PEAKS = ("layer_backward", "loss_backward", "layer_forward")
+RELEASES = ("last_use", "next_hook")
 
 
-def group_bytes(modules, moe: bool, **shape) -> int:
-    moe_only = {"router_fc1", "moe_act", "router_fc2", "shared_experts"}
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A layer's shape: tokens T = seq x mbs; ``dtype_bytes`` of the activations."""
+    seq: int
+    mbs: int
+    hidden: int
+    heads: int
+    topk: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
+    dtype_bytes: int = 4
+    softmax_fp32: bool = False  # the unfused attention's softmax in fp32 on 16-bit inputs
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.mbs
+
+
+def qkv_linear_bytes(s: Shape, attention: str = "unfused") -> int:
+    return s.tokens * s.hidden * s.dtype_bytes  # linear_qkv's input
+
+
+def attention_scores_bytes(s: Shape, attention: str = "unfused") -> int:
+    """The [b, heads, s, s] probabilities core attention keeps (0 for a kind that keeps none)."""
+    _known(attention)
+    probs = s.mbs * s.heads * s.seq * s.seq
+    fp32 = probs * 4 if s.softmax_fp32 and s.dtype_bytes < 4 else 0  # the fp32 softmax output too
+    return probs * s.dtype_bytes + fp32
+
+
+def core_attention_bytes(s: Shape, attention: str = "unfused") -> int:
+    # the fused QKV output (q, k, v are views of it) and the probabilities
+    return s.tokens * 3 * s.hidden * s.dtype_bytes + attention_scores_bytes(s, attention)
+
+
+def attn_proj_bytes(s: Shape, attention: str = "unfused") -> int:
+    return s.tokens * s.hidden * s.dtype_bytes  # linear_proj's input
+
+
+def router_fc1_bytes(s: Shape, attention: str = "unfused") -> int:
+    return s.tokens * s.topk * s.hidden * s.dtype_bytes  # the permuted tokens
+
+
+def moe_act_bytes(s: Shape, attention: str = "unfused") -> int:
+    return 2 * s.tokens * s.topk * s.moe_ffn * s.dtype_bytes  # GELU input and output (x probs)
+
+
+def router_fc2_bytes(s: Shape, attention: str = "unfused") -> int:
+    return s.tokens * s.topk * s.moe_ffn * s.dtype_bytes  # fc2's input
+
+
+def shared_experts_bytes(s: Shape, attention: str = "unfused") -> int:
+    return 2 * s.tokens * s.shared_ffn * s.dtype_bytes  # fc1 output and fc2 input
+
+
+MODULE_BYTES = {
+    "qkv_linear": qkv_linear_bytes, "core_attention": core_attention_bytes, "attn_proj": attn_proj_bytes,
+    "router_fc1": router_fc1_bytes, "moe_act": moe_act_bytes, "router_fc2": router_fc2_bytes,
+    "shared_experts": shared_experts_bytes,
+}
+MOE_ONLY = ("router_fc1", "moe_act", "router_fc2", "shared_experts")
+
+
+def _known(attention: str) -> None:
+    if attention not in ATTENTION:
+        raise ValueError(f"attention kind {attention!r}: known {', '.join(ATTENTION)}")
+
+
+def module_bytes(name: str, *, attention: str = "unfused", **shape) -> int:
+    return MODULE_BYTES[name](Shape(**shape), attention)
+
+
+def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
+    s = Shape(**shape)
     total = 0
     for m in modules:
-        if m in moe_only and (not moe or (m == "shared_experts" and not shape.get("shared_ffn"))):
+        if m in MOE_ONLY and (not moe or (m == "shared_experts" and not s.shared_ffn)):
             continue
-        total += module_bytes(m, **shape)
+        total += MODULE_BYTES[m](s, attention)
     return total
 
 
@@ -54,8 +141,67 @@ def inflight_passes(pp: int, vpp: int | None, pp_rank: int, microbatches: int) -
     return min(warmup + 1, microbatches * vpp)
 
 
-def theoretical_saving(group: int, pp: int, vpp: int | None, pp_rank: int, microbatches: int,
-                       layers_per_chunk: int, prefetch_depth: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """Groups (one layer's offloaded modules, one micro-batch) on the device at the peak, and why."""
+    what: str
+    groups: int
+    why: str
+
+
+def resident_at_peak(pp: int, vpp: int | None, pp_rank: int, microbatches: int, layers_per_chunk: int,
+                     prefetch_depth: int, peak: str = "layer_backward", release: str = "last_use") -> list:
+    """What stays on the device at the step's peak by design (see the module's docstring)."""
+    if peak not in PEAKS or release not in RELEASES:
+        raise ValueError(f"peak {peak!r} (known {PEAKS}), release {release!r} (known {RELEASES})")
     passes = inflight_passes(pp, vpp, pp_rank, microbatches)
-    resident = 1 if pp_rank == pp - 1 else 1 + prefetch_depth
-    return group * max(0, passes * layers_per_chunk - resident)
+    total = passes * layers_per_chunk
+    last_stage = pp_rank == pp - 1
+    out = []
+    if peak == "layer_forward":
+        out.append(Resident("the layer computing", 1, "its saved tensors are being made"))
+        out.append(Resident("the previous layer", 1, "its copy to the host is in flight: released in stream "
+                            "order when this layer's forward ends (one hook behind)"))
+        return _capped(out, total)
+    if last_stage:
+        out.append(Resident("the last layer of the pass", 1, "never copied: its backward follows its forward "
+                            "at once, so offloading it could not lower the peak (upstream keeps it too)"))
+    else:
+        out.append(Resident("the layer being back-propagated", 1, "reloaded: backward reads it"))
+    if peak == "layer_backward" or not last_stage:
+        out.append(Resident("the prefetch window", prefetch_depth, "reloaded when the layer after them began "
+                            "its backward, so that their copies overlap it (upstream reloads one ahead too)"))
+        if release == "next_hook":
+            out.append(Resident("the consumed reloads of the layer before", 1, "at most: a reloaded layer's "
+                                "buffers were held until the next layer's backward began (4d4d546 on CUDA)"))
+    return _capped(out, total)
+
+
+def _capped(resident: list, total: int) -> list:
+    """No more groups resident than the pass holds."""
+    out, left = [], total
+    for r in resident:
+        n = min(r.groups, left)
+        if n > 0:
+            out.append(dataclasses.replace(r, groups=n))
+        left -= n
+    return out
+
+
+def theoretical_saving(group: int, pp: int, vpp: int | None, pp_rank: int, microbatches: int,
+                       layers_per_chunk: int, prefetch_depth: int, peak: str = "layer_backward",
+                       release: str = "last_use") -> int:
+    passes = inflight_passes(pp, vpp, pp_rank, microbatches)
+    resident = resident_at_peak(pp, vpp, pp_rank, microbatches, layers_per_chunk, prefetch_depth, peak, release)
+    return group * max(0, passes * layers_per_chunk - sum(r.groups for r in resident))
+
+
+def next_hook_saving(group: int, layers: int, layer_saved: int, consumed: int, prefetch_depth: int = 1) -> int:
+    """PP=1, release ``next_hook``, the peak inside a layer's backward: the exact saving. At the last
+    layer's peak ``layers - 1 - depth`` groups are off the device; at the peak of the layer before it
+    (the same working set, ``layer_saved`` bytes of the last layer gone) one group fewer is, and the
+    ``consumed`` bytes of its reloaded group (those whose last use came before that peak) are still
+    held: the larger of the two peaks decides."""
+    last = group * (layers - 1 - prefetch_depth)
+    before = group * (layers - 2 - prefetch_depth) + layer_saved - consumed
+    return max(0, min(last, before))

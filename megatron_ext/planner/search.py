@@ -5,8 +5,10 @@ Options per layout: recompute none / selective (core attention) / full; offload:
 alone and the modules in order of the bytes they remove (largest first, growing sets), each at
 prefetch depth 1 and 2; combinations megatron_ext.offload refuses (a recomputed module offloaded,
 offload under full recompute) are left out. A candidate fits when every stage's predicted peak is
-within the budget; fitting candidates are ranked by predicted step time, the others by their peak.
-A candidate is its settings (``megatron_ext.planner.settings``): the run as given is evaluated once,
+within the budget; fitting candidates are ranked by predicted step time, the others by their peak, and
+a fitting candidate whose offload copies the host link cannot hide (``exposes_copies``) comes after
+every fitting one whose copies hide or that offloads nothing: the search never picks an offload that
+stalls the compute stream while another configuration fits. A candidate is its settings (``megatron_ext.planner.settings``): the run as given is evaluated once,
 as itself, and its flags are those that differ from the run's.
 
 When nothing fits, the nearest ways to fit (``nearest``), ranked by how far over the budget their
@@ -267,7 +269,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         if st.key(c.settings) not in seen:
             seen.add(st.key(c.settings))
             unique.append(c)
-    unique.sort(key=lambda c: not c.fits)  # stable: the fitting ones, in the order above
+    unique.sort(key=_rank)  # stable: the fitting ones whose copies hide, in the order above
     nearest, refusal = [], None
     if not unique[0].fits:
         nearest = _nearest(unique, given_settings, top)
@@ -283,6 +285,17 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
                 as_given=given_candidate, given_settings=given_settings, nearest=nearest, refusal=refusal,
                 trace_divisor=given["divisor"])
+
+
+def exposes_copies(c: Candidate) -> bool:
+    """The host link cannot hide the candidate's offload copies (predicted exposed time)."""
+    return c.time.get("offload_exposed_s", 0.0) > 0.0
+
+
+def _rank(c: Candidate) -> tuple:
+    """Fitting first; among those, the ones whose offload copies hide: an offload that stalls the
+    compute stream is never chosen while another configuration fits the budget."""
+    return (not c.fits, c.fits and exposes_copies(c))
 
 
 def _evaluate_split(a, evaluate: dict) -> list:

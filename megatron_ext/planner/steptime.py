@@ -20,9 +20,13 @@
   parameter all-gather; overlapped with backward when --overlap-grad-reduce (only what exceeds the
   compute is exposed);
 - pipeline: one send forward and one backward per micro-batch per model chunk;
-- offload: each layer's group is copied to the host during the next layer's forward and back during
-  backward (a layer's backward takes about twice its forward): the copy time beyond that compute is
-  exposed. So the host link bounds what can be offloaded per forward without slowing the step.
+- offload (``offload_exposed``): a copied layer's group goes to the host while the next layer's
+  forward runs and must be there when that forward ends (the engine releases in stream order one hook
+  behind), and comes back while the backward of the layer after it runs (prefetch); the copy time
+  beyond the compute it overlaps stalls the compute stream. The last layer of a pass whose backward
+  follows at once (every pass of the last stage) is never copied. So the host link bounds what can be
+  offloaded per forward without slowing the step. The same function predicts gpu_check's offload
+  overhead from the compute measured there (scripts/gpu_check_sections/offload.py).
 """
 from __future__ import annotations
 
@@ -65,6 +69,25 @@ def peak_flops(args, gpu: dict) -> float:
     return gpu["peak_fp8_flops"] if getattr(args, "fp8", None) else gpu["peak_flops"]
 
 
+def offload_exposed(copy_bytes: float, copies: float, link: float, layer_forward_s: float,
+                    layer_backward_s: float, link_h2d: float | None = None) -> dict:
+    """Host-link seconds per step that compute does not hide, for ``copies`` layer groups of
+    ``copy_bytes`` each, on a link of ``link`` bytes/s device to host (``link_h2d`` back; the same if
+    not given): per copy, the D2H beyond the next layer's forward and the H2D beyond the backward it
+    overlaps."""
+    d2h_copy = copy_bytes / link if copy_bytes else 0.0
+    h2d_copy = copy_bytes / (link_h2d or link) if copy_bytes else 0.0
+    d2h = copies * max(0.0, d2h_copy - layer_forward_s)
+    h2d = copies * max(0.0, h2d_copy - layer_backward_s)
+    return dict(copy_s=d2h_copy, d2h_s=d2h, h2d_s=h2d, exposed_s=d2h + h2d)
+
+
+def copied_groups(layers: float, passes: float, last_stage: bool) -> float:
+    """Layer groups a stage copies per step: every layer of every pass, but the last layer of each pass
+    whose backward follows its forward at once (PP=1 and the last stage: never copied)."""
+    return max(0.0, (layers - 1) * passes) if last_stage else layers * passes
+
+
 def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gpu: dict, efficiency: float,
               host_link: float, recompute: str) -> dict:
     """Seconds per step of the slowest part, by term (each ``*_s`` key is added into ``step_time_s``).
@@ -102,10 +125,9 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     # one layer's forward on this rank, per micro-batch (model FLOPs are 3 forwards)
     layer_fwd = base / 3 / (layout.dp * m) / max(1, args.num_layers) / layout.tp / rate
     offload = 0.0
-    for group in offload_bytes_per_layer:
-        copy = group / host_link if group else 0.0
-        exposed = max(0.0, copy - layer_fwd) + max(0.0, copy - 2 * layer_fwd)
-        offload = max(offload, exposed * layers * m)
+    for stage, group in enumerate(offload_bytes_per_layer):
+        copies = copied_groups(layers, m, stage == len(offload_bytes_per_layer) - 1)
+        offload = max(offload, offload_exposed(group, copies, host_link, layer_fwd, 2 * layer_fwd)["exposed_s"])
     terms = dict(gemm_s=gemm, recompute_s=gemm * extra, bubble_s=bubble, moe_memory_s=moe, tp_s=tp, ep_s=ep,
                  dp_exposed_s=dp, pp_s=pp, offload_exposed_s=offload)
     total = sum(terms.values())

@@ -156,11 +156,26 @@ def theory_group_bytes(modules, c) -> int:
     )
 
 
-def theoretical_bytes(c, group: int, pp_rank: int, prefetch_depth: int) -> int:
+def theoretical_bytes(c, group: int, pp_rank: int, prefetch_depth: int, peak: str = "layer_backward") -> int:
+    """The saving offload/theory.py models for this rank, with the step's peak where ``peak`` says."""
     from megatron_ext.offload import theory
 
-    per_chunk = c["layers"] // (c["pp"] * (c["vpp"] or 1))
-    return theory.theoretical_saving(group, c["pp"], c["vpp"], pp_rank, c["microbatches"], per_chunk, prefetch_depth)
+    return theory.theoretical_saving(group, c["pp"], c["vpp"], pp_rank, c["microbatches"], _per_chunk(c),
+                                     prefetch_depth, peak)
+
+
+def resident(c, pp_rank: int, prefetch_depth: int, peak: str = "layer_backward") -> list:
+    """What offload/theory.py says stays on the device at that peak: [{"what", "groups", "why"}]."""
+    import dataclasses
+
+    from megatron_ext.offload import theory
+
+    return [dataclasses.asdict(r) for r in theory.resident_at_peak(
+        c["pp"], c["vpp"], pp_rank, c["microbatches"], _per_chunk(c), prefetch_depth, peak)]
+
+
+def _per_chunk(c) -> int:
+    return c["layers"] // (c["pp"] * (c["vpp"] or 1))
 
 
 class LayerClock:
@@ -197,6 +212,67 @@ class LayerClock:
             h.remove()
 
 
+class LayerEventClock:
+    """Time of every TransformerLayer's forward and backward that records for backward, from events on
+    the compute stream (CUDA events; on CPU the platform's stand-ins, host time): the compute an
+    offload copy overlaps. A layer's backward runs from the gradient of its output to the gradient of
+    its input. Counts only while ``active``."""
+
+    def __init__(self, chunks):
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        self.active = False
+        self.forward: list = []  # (start, end) events
+        self.backward: list = []
+        self._handles = []
+        for ch in chunks:
+            for m in ch.modules():
+                if isinstance(m, TransformerLayer):
+                    self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                    self._handles.append(m.register_forward_hook(self._post))
+
+    @staticmethod
+    def _event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _pre(self, m, args, kwargs):
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        x = args[0] if args else kwargs.get("hidden_states")
+        call = dict(start=self._event())
+        m._clock_call = call
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda g, call=call: self._backward_end(call))
+
+    def _post(self, m, _args, out):
+        call = getattr(m, "_clock_call", None)
+        if call is None:
+            return
+        del m._clock_call
+        self.forward.append((call["start"], self._event()))
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            y.register_hook(lambda g, call=call: call.__setitem__("bwd_start", self._event()))
+
+    def _backward_end(self, call):
+        if "bwd_start" in call:
+            self.backward.append((call.pop("bwd_start"), self._event()))
+
+    def medians_s(self) -> tuple:
+        """(median layer forward, median layer backward) in seconds, over every layer timed so far."""
+        import statistics
+
+        f = [a.elapsed_time(b) / 1e3 for a, b in self.forward]
+        b = [a.elapsed_time(e) / 1e3 for a, e in self.backward]
+        return (statistics.median(f) if f else 0.0), (statistics.median(b) if b else 0.0)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def link(gbps: float | None):
     """Run the CPU copy engine at ``gbps`` (None: leave the setting as it is)."""
@@ -224,11 +300,14 @@ def _link_gbps(spec, group: int, layer_s: float):
 
 
 def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 2, offload_kw=None,
-            faults=(), track: bool = False, timeline: bool = False, links=(None,), **model_kw):
+            faults=(), track: bool = False, timeline: bool = False, links=(None,), peak: str = "layer_backward",
+            **model_kw):
     """Offload off vs on for `steps` steps: bitwise losses and grads, stats, resident-bytes peaks.
 
     One model build, one run with offload off, then one run with offload on per entry of ``links``
-    (see ``_link_gbps``). Returns the first run's results at top level and every run in ``runs``."""
+    (see ``_link_gbps``). Returns the first run's results at top level and every run in ``runs``.
+    ``peak``: where the step's peak falls, for the theoretical saving R divides by (offload/theory.py:
+    inside a layer's backward, or the logits gradient when the vocabulary outweighs a layer)."""
     from megatron.core import parallel_state
 
     from megatron_ext import platform
@@ -259,7 +338,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
         layer_s = clock.median()
         group = theory_group_bytes(modules, c)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        theo = theoretical_bytes(c, group, pp_rank, opts.prefetch_depth)
+        theo = theoretical_bytes(c, group, pp_rank, opts.prefetch_depth, peak)
         runs = []
         for spec in links:
             gbps = _link_gbps(spec, group, layer_s)
@@ -299,6 +378,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             pp_rank=pp_rank, pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             losses_off=[b[0] for b in base], peak_off=t_off.peak if track else None,
             timeline_off=t_off.timeline if track else None, theory_group_bytes=group, theoretical_bytes=theo,
+            resident=resident(c, pp_rank, opts.prefetch_depth, peak),
             layer_forward_s=layer_s, config=c, runs=runs,
         )
         return dict(runs[0], **result)
