@@ -122,7 +122,8 @@ def as_given_json(c) -> dict:
     """The run exactly as its flags say: per stage peak, step time and throughput (predicted)."""
     return dict(peak_bytes_per_stage=[round(p) for p in c.peak_bytes_per_stage], step_time_s=c.step_time_s,
                 tokens_per_s_per_gpu=c.time["tokens_per_s_per_gpu"], model_tflops_per_gpu=c.time["model_tflops_per_gpu"],
-                fits=c.fits, time={k: v for k, v in c.time.items() if k.endswith("_s")})
+                fits=c.fits, time={k: v for k, v in c.time.items() if k.endswith("_s")},
+                attention=c.time.get("attention"), slowest_stage=c.time.get("slowest_stage"))
 
 
 def time_line(t: dict) -> str:
@@ -206,7 +207,7 @@ def _run(argv: list, prefix: str, parse_run, refuse: bool, tracer) -> tuple:
                                components={k: round(v) for k, v in s["components"].items()},
                                in_flight=s["in_flight"], at=s["at"], chunks=[_chunk_json(ch) for ch in s["chunks"]])
                           for s in result["stages"]],
-                  candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"],
+                  candidates=[c.as_json() for c in result["candidates"]], gpu=result["gpu"], kernels=result["kernels"],
                   budget_bytes=round(result["budget_bytes"]), layout=result["layout"],
                   as_given=as_given_json(result["as_given"]),
                   launch=launch.as_json(result["launch"]) if result["launch"] else None,
@@ -240,8 +241,8 @@ def _print_plan(opts: dict, result: dict) -> None:
     from megatron_ext.planner import launch
 
     print(f"{result['layout']} on {opts['gpu']}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
-          f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s, efficiency {result['efficiency']:.0%} of peak "
-          "(predicted; not measured on GPU)")
+          f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s; {result['kernels']} (predicted; the run itself "
+          "not measured on GPU)")
     g = result["as_given"]
     print(f"\nAs given: {'fits' if g.fits else 'does not fit'}; {g.step_time_s:.3f} s per step = "
           f"{time_line(g.time)} s; {g.time['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "

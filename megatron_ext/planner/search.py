@@ -26,7 +26,7 @@ import math
 import sys
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.planner import memory, steptime
+from megatron_ext.planner import memory, profiles, steptime
 from megatron_ext.planner import settings as st
 from megatron_ext.planner import trace as tr
 from megatron_ext.planner.run import recompute_of, target_config
@@ -196,7 +196,7 @@ def _why(peaks: list, budget: float) -> tuple:
                   if fits else f"stage {worst} needs {peaks[worst] / GIB:.1f} GiB > {budget / GIB:.1f} GiB")
 
 
-def _evaluate(args, tracer: Tracer, budget: float, gpu: dict, link: float, efficiency: float, given: dict,
+def _evaluate(args, tracer: Tracer, budget: float, dev: profiles.Device, link: float, given: dict,
               recomputes=RECOMPUTE) -> list:
     """Every recompute / offload option on the split ``args``, except the run as given (``given``:
     its settings), which is its own candidate."""
@@ -217,7 +217,7 @@ def _evaluate(args, tracer: Tracer, budget: float, gpu: dict, link: float, effic
                 if st.key(chosen) == st.key(given):
                     continue
                 group = _group_bytes(scaled, stages, off)
-                t = steptime.step_time(args, layout, stages, group, gpu, efficiency, link, recompute)
+                t = steptime.step_time(args, layout, stages, group, dev, link, recompute)
                 peaks = [s["peak_bytes"] for s in stages]
                 fits, why = _why(peaks, budget)
                 if t["offload_exposed_s"] > 0:
@@ -233,17 +233,20 @@ def _evaluate(args, tracer: Tracer, budget: float, gpu: dict, link: float, effic
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
          search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
          flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None,
-         refuse: bool = True, gpus_per_node: int = 8) -> dict:
+         refuse: bool = True, gpus_per_node: int = 8, profile="stored") -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...,
     "given_settings", "nearest": the nearest ways to fit when nothing fits, "refusal": that one-line
     message or None}. Raises ConfigError naming the flag for an unknown GPU, and with ``refuse`` for a
     budget nothing meets. ``reparse`` (argv -> parsed arguments) validates the layouts of
-    ``search_parallelism`` and of more GPUs (without it, no more-GPUs hint)."""
+    ``search_parallelism`` and of more GPUs (without it, no more-GPUs hint). Step times use the GPU's
+    stored hardware profile where there is one (``profile``: "stored", a profile dict, or None for
+    the datasheet model only; ``profiles.device``); "kernels" says which."""
     if gpu not in GPUS:
         raise ConfigError(f"{flag_prefix}gpu={gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
     g = GPUS[gpu]
     budget = memory_gb * GIB if memory_gb else g["memory_gib"] * GIB * RESERVE
-    link = host_link_gbps * 1e9 if host_link_gbps else g["host_link"]
+    dev = profiles.device(gpu, profile, gemm_efficiency=efficiency)  # the stored profile, else the datasheet
+    link = host_link_gbps * 1e9 if host_link_gbps else dev.host_link
     tracer = tracer or Tracer()
     given = tracer(args, None)  # the run as given
     given_settings = st.of_args(args)
@@ -251,13 +254,13 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     scaled = tr.scaled(args, given)
     as_given = memory.predict(args, target_config(args), scaled)
     off = memory.Offload.from_args(args)
-    t = steptime.step_time(args, layout, as_given, _group_bytes(scaled, as_given, off), g, efficiency, link,
-                           recompute_of(args))
+    t = steptime.step_time(args, layout, as_given, _group_bytes(scaled, as_given, off), dev, link,
+                           (recompute_of(args), getattr(args, "recompute_modules", None)))
     peaks = [s["peak_bytes"] for s in as_given]
     fits, why = _why(peaks, budget)
     given_candidate = Candidate([], fits, peaks, t["step_time_s"], "as given: " + why, as_given, t,
                                 layout.describe(), as_given=True, settings=given_settings)
-    evaluate = dict(tracer=tracer, budget=budget, gpu=g, link=link, efficiency=efficiency, given=given_settings,
+    evaluate = dict(tracer=tracer, budget=budget, dev=dev, link=link, given=given_settings,
                     recomputes=recomputes)
     splits = layouts(args, reparse) if search_parallelism else [args]
     candidates = [c for a in splits for c in _evaluate_split(a, evaluate)]
@@ -281,7 +284,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         refusal = _refusal(nearest, budget, flag_prefix, memory_gb, gpu, gpus_per_node)
         if refuse:
             raise ConfigError(refusal)
-    return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency,
+    return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency, kernels=dev.describe(),
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
                 as_given=given_candidate, given_settings=given_settings, nearest=nearest, refusal=refusal,
                 trace_divisor=given["divisor"])

@@ -1,39 +1,51 @@
-"""Predicted step time of one rank: compute from FLOPs, communication on the link models of
-``megatron_ext.schedules.costmodel``, and the host-link time of offload that compute does not hide.
+"""Predicted step time: each pipeline stage's kernels at the shapes the run computes, timed by the
+device's kernel model (``megatron_ext.planner.profiles.Device``: a measured profile where stored, else
+the datasheet model of ``megatron_ext.planner.hardware``), the communication on the link models of
+``megatron_ext.schedules.costmodel``, and the schedule.
 
-- gemm: megatron's model FLOPs of the global batch (``megatron.training.training.
-  num_floating_point_operations``, the formula of its model TFLOP/s) / world size / (the GEMMs' peak,
-  FP8 with --fp8-format, x efficiency); recompute: one forward of what it re-runs (full: a third of
-  the step; selective: the attention-score part, s / (s + 6h) of it); bubble: (gemm + recompute) x
-  (PP - 1) / (VPP x micro-batches);
-- moe_memory: per MoE layer and micro-batch, the memory-bound work around the expert GEMMs
-  (permutation, gating, activation and their gradients): routed rows x hidden x a calibrated bytes
-  factor / HBM bandwidth, plus a calibrated fixed time per MoE layer and micro-batch (the router,
-  the dispatcher's host-side steps and the many small kernels a MoE layer launches);
-- tensor parallel: per layer and micro-batch, two all-reduce-sized collectives forward and two backward
-  of the layer's activations (all-gather + reduce-scatter under sequence parallelism carry the same
-  bus bytes), on NVLink inside a node;
-- expert parallel: per MoE layer and micro-batch, dispatch and combine all-to-alls forward and
-  backward of top-k routed tokens: the share for ranks in this node over NVLink, the rest over
-  InfiniBand, concurrently;
-- data parallel: gradient reduce-scatter (or all-reduce) and, with the distributed optimizer, the
-  parameter all-gather; overlapped with backward when --overlap-grad-reduce (only what exceeds the
-  compute is exposed);
-- pipeline: one send forward and one backward per micro-batch per model chunk;
-- offload (``offload_exposed``): a copied layer's group goes to the host while the next layer's
-  forward runs and must be there when that forward ends (the engine releases in stream order one hook
-  behind), and comes back while the backward of the layer after it runs (prefetch); the copy time
-  beyond the compute it overlaps stalls the compute stream. The last layer of a pass whose backward
-  follows at once (every pass of the last stage) is never copied. So the host link bounds what can be
-  offloaded per forward without slowing the step. The same function predicts gpu_check's offload
-  overhead from the compute measured there (scripts/gpu_check_sections/offload.py).
+Per micro-batch, on one rank of each stage, each component megatron places there (the embedding, its
+decoder layers, the output layer and loss, MTP layers: ``memory.chunk_components``), forward and
+backward:
+
+- ``gemm``: every linear layer as three matrix products at its shape (forward [T, K] x [K, N], the
+  input gradient, the weight gradient accumulated into the main gradient), T the micro-batch's tokens,
+  N and K split by tensor parallelism; FP8 where the run's transformer-engine linears are;
+- ``grouped_gemm``: the experts as grouped products, experts / EP groups of (tokens per rank x top-k
+  / local experts) rows each (balanced routing), each expert's weights read once per pass: at a few
+  hundred rows per expert the weight gradient's main-gradient traffic binds;
+- ``attention``: the core attention the run will use (``attention_kind``): transformer-engine's fused
+  or torch SDPA (flash-class: FLOPs of the causal or windowed pairs), or megatron's unfused attention
+  (memory-bound on its s x s scores whatever the window);
+- ``memory``: element-wise work at the HBM rate, bytes counted per op (norms, residual adds, RoPE,
+  activation, the MoE permutation and the all-to-all dispatcher's re-sorting, FP8 casts, the
+  embedding's gradient, the loss over the vocabulary), fused or not as the run's flags say;
+- ``recompute``: the forward work that recompute re-runs (full: the layer; selective: the modules);
+- ``moe_fixed``: per MoE layer, time that does not scale with the tokens (``hardware.MOE_LAYER_S``);
+- ``tp``, ``ep``, ``pp``: tensor-parallel collectives (two per attention and MLP block per direction,
+  NVLink), the expert all-to-alls (dispatch and combine, forward and backward: the share for ranks in
+  this node over NVLink, the rest over InfiniBand), the pipeline's sends.
+
+The step: m micro-batches at the pace of the slowest stage plus the pipeline's fill and drain,
+(PP - 1) / VPP of the average stage's time per micro-batch (1F1B; with equal stages this is the
+bubble (PP - 1) / (VPP x m) of the step); data parallelism's gradient reduce-scatter and parameter
+all-gather beyond the compute they overlap (``dp_exposed``); and the offload copies the compute does
+not hide (``offload_exposed``): a copied layer's group goes to the host while the next layer's forward
+runs and must be there when that forward ends (the engine releases in stream order one hook behind),
+and comes back while the backward of the layer after it runs (prefetch); the copy time beyond the
+compute it overlaps stalls the compute stream. The last layer of a pass whose backward follows at once
+(every pass of the last stage) is never copied. The same function predicts gpu_check's offload
+overhead from the compute measured there (scripts/gpu_check_sections/offload.py).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from megatron_ext.planner.run import layer_kinds
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, _factor
 
 GPUS_PER_NODE = 8
+TERMS = ("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "moe_fixed_s", "tp_s", "ep_s",
+         "pp_s", "bubble_s", "dp_exposed_s", "offload_exposed_s")
 
 
 def _coll(link, op: str, n: int, nbytes: float, count: float) -> float:
@@ -54,6 +66,32 @@ def _all_to_all(ep: int, etp: int, nbytes: float, count: float) -> float:
     return count * ((INFINIBAND if ep > local else NVLINK).latency + max(nvlink, ib))
 
 
+def _dispatch_s(args, layout, tokens: int, count: float) -> float:
+    """``count`` expert exchanges (dispatch or combine, each way) of ``tokens`` tokens per rank. The
+    all-to-all dispatchers send each of a token's top-k rows to its expert's rank: the share for ranks
+    in this node over NVLink, the rest over InfiniBand (``_all_to_all``). The flex dispatcher
+    (DeepEP / HybridEP) sends a token once to each other node holding one of its experts and forwards
+    it inside that node over NVLink: over InfiniBand, the expected number of distinct other nodes among
+    its top-k (the router's group limit bounding the nodes it can reach); over NVLink, its rows."""
+    topk, h = args.moe_router_topk or 1, args.hidden_size
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    ep, etp = layout.ep, layout.etp
+    if ep <= 1 or count <= 0:
+        return 0.0
+    if getattr(args, "moe_token_dispatcher_type", "alltoall") != "flex":
+        return _all_to_all(ep, etp, tokens * topk * h * elem, count)
+    local = max(1, min(ep, GPUS_PER_NODE // max(1, etp)))
+    nodes = ep // local
+    reach = nodes
+    groups, group_topk = getattr(args, "moe_router_num_groups", None), getattr(args, "moe_router_group_topk", None)
+    if groups and group_topk:  # experts of a group lie on groups / nodes consecutive nodes (or share one)
+        reach = min(nodes, group_topk * max(1, nodes // groups))
+    distinct = reach * (1 - (1 - 1 / reach) ** topk)
+    ib = tokens * distinct * (nodes - 1) / nodes * h * elem / INFINIBAND.bus_bandwidth
+    nvlink = tokens * topk * (local - 1) / local * h * elem / NVLINK.bus_bandwidth
+    return count * ((INFINIBAND if nodes > 1 else NVLINK).latency + max(ib, nvlink))
+
+
 def model_flops(args) -> float:
     import contextlib
     import io
@@ -64,9 +102,20 @@ def model_flops(args) -> float:
         return float(num_floating_point_operations(args, args.global_batch_size))
 
 
-def peak_flops(args, gpu: dict) -> float:
-    """The GEMMs' peak: FP8 where --fp8-format asks for it (transformer-engine), else BF16."""
-    return gpu["peak_fp8_flops"] if getattr(args, "fp8", None) else gpu["peak_flops"]
+def attention_kind(args) -> str:
+    """The core attention the run's layer spec builds: "transformer_engine" (its fused attention),
+    "sdpa" (torch's scaled_dot_product_attention) or "unfused" (megatron's DotProductAttention).
+    Read from --transformer-impl and --attention-backend as megatron_ext.attention resolves them
+    when that package is present; without it the local spec runs megatron's unfused attention."""
+    try:
+        from megatron_ext import attention
+    except ImportError:
+        attention = None
+    if attention is not None and hasattr(attention, "kernel"):
+        return attention.kernel(args)
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        return "transformer_engine"
+    return "unfused"
 
 
 def offload_exposed(copy_bytes: float, copies: float, link: float, layer_forward_s: float,
@@ -88,30 +137,321 @@ def copied_groups(layers: float, passes: float, last_stage: bool) -> float:
     return max(0.0, (layers - 1) * passes) if last_stage else layers * passes
 
 
-def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gpu: dict, efficiency: float,
-              host_link: float, recompute: str) -> dict:
-    """Seconds per step of the slowest part, by term (each ``*_s`` key is added into ``step_time_s``).
-    ``offload_bytes_per_layer``: per stage, the bytes one layer's offloaded group copies (per
-    micro-batch)."""
-    from megatron_ext.planner.hardware import MOE_BYTES_PER_ROW_ELEMENT, MOE_LAYER_S
+# ---------------------------------------------------------------------------------------- the shapes
+@dataclasses.dataclass
+class Shapes:
+    """What one rank computes per micro-batch."""
+    tokens: int          # T: the micro-batch's tokens (sequence x micro-batch / CP)
+    norm_tokens: int     # tokens of the norms and residual adds (T / TP under sequence parallelism)
+    moe_tokens: int      # tokens a MoE layer routes from this rank (T / TP with TP > 1)
+    tp: int
+    etp: int
+    ep: int
+    elem: int            # activation bytes
+    grad_elem: int       # main-gradient bytes (the weight gradients accumulate into it)
+    fp8: bool            # the layer linears in FP8 (transformer-engine)
+    attention: str
 
+
+def shapes(args, layout, attention: str | None = None) -> Shapes:
+    """``attention``: the core attention's kind in place of the run's (``attention_kind``)."""
+    from megatron_ext.planner.run import fp8_gemms
+
+    tokens = args.seq_length * args.micro_batch_size // max(1, layout.cp)
+    sp = getattr(args, "sequence_parallel", False)
     elem = 2 if (args.bf16 or args.fp16) else 4
-    rate = peak_flops(args, gpu) * efficiency
-    base = model_flops(args)
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-    extra = {"full": 1 / 3, "selective": (s / (s + 6 * h)) / 3}.get(recompute, 0.0)
-    vpp = layout.vpp or 1
-    m = layout.microbatches
-    gemm = base / layout.world / rate
-    bubble = gemm * (1 + extra) * (layout.pp - 1) / (vpp * m)
-    layers = args.num_layers / layout.pp
-    moe_layers = layers * (sum(1 for k in layer_kinds(args) if k == "moe") / max(1, args.num_layers))
-    act = s * b * h * elem
-    tp = _coll(NVLINK, "all_reduce", layout.tp, act, 4 * layers * m)
+    grad_elem = 4 if (getattr(args, "accumulate_allreduce_grads_in_fp32", False) or elem == 4) else elem
+    return Shapes(tokens=tokens, norm_tokens=tokens // layout.tp if sp else tokens,
+                  moe_tokens=tokens // layout.tp if layout.tp > 1 else tokens, tp=layout.tp, etp=layout.etp,
+                  ep=layout.ep, elem=elem, grad_elem=grad_elem, fp8=fp8_gemms(args),
+                  attention=attention or attention_kind(args))
+
+
+class _Work:
+    """Seconds by term for forward and backward of one component; ``fwd_of`` marks forward work that a
+    recompute of that module repeats."""
+
+    def __init__(self):
+        self.fwd: dict = {}
+        self.bwd: dict = {}
+        self.modules: dict = {}  # module -> forward seconds (for recompute)
+
+    def add(self, term: str, fwd: float, bwd: float, module: str | None = None):
+        self.fwd[term] = self.fwd.get(term, 0.0) + fwd
+        self.bwd[term] = self.bwd.get(term, 0.0) + bwd
+        if module:
+            self.modules[module] = self.modules.get(module, 0.0) + fwd
+
+    def forward_s(self) -> float:
+        return sum(self.fwd.values())
+
+    def total(self) -> dict:
+        return {k: self.fwd.get(k, 0.0) + self.bwd.get(k, 0.0) for k in {*self.fwd, *self.bwd}}
+
+
+def _linear(w: _Work, dev, sh: Shapes, m: float, n: float, k: float, module: str, fp8: bool | None = None,
+            groups: int = 0):
+    """A linear layer's three products (forward, input gradient, weight gradient into the main
+    gradient), as a grouped product over ``groups`` experts (m rows each) when given; FP8 adds the
+    casts of its input and of its output gradient (16-bit read, FP8 and its transpose written: 4 bytes
+    per element; transformer-engine takes the amax in the kernel before)."""
+    fp8 = sh.fp8 if fp8 is None else fp8
+    term = "grouped_gemm_s" if groups else "gemm_s"
+    g = groups or 1
+    gemm = dev.grouped_gemm_s if groups else (lambda _g, *a, **kw: dev.gemm_s(*a, **kw))
+    fwd = gemm(g, m, n, k, fp8=fp8, out_elem=sh.elem)
+    bwd = gemm(g, m, k, n, fp8=fp8, out_elem=sh.elem) + gemm(g, n, k, m, fp8=fp8, out_elem=sh.grad_elem,
+                                                              accumulate=True)
+    w.add(term, fwd, bwd, module)
+    if fp8:
+        w.add("memory_s", dev.memory_s(4 * g * m * k), dev.memory_s(4 * g * m * n), module)
+
+
+def _norm(w: _Work, dev, sh: Shapes, width: float, module="layernorm"):
+    """RMSNorm / LayerNorm: forward reads x, writes y; backward reads x and dy, writes dx."""
+    n = sh.norm_tokens * width * sh.elem
+    w.add("memory_s", dev.memory_s(2 * n), dev.memory_s(3 * n), module)
+
+
+def _residual(w: _Work, dev, sh: Shapes, width: float):
+    """A residual add (bias-dropout-add): two reads and a write each way."""
+    n = sh.norm_tokens * width * sh.elem
+    w.add("memory_s", dev.memory_s(3 * n), dev.memory_s(3 * n))
+
+
+def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, weighted: bool = False):
+    """The MLP activation on ``elements`` outputs: a fused gated unit reads both halves and writes one
+    (backward: reads them and the gradient, writes two); unfused, the separate ops about twice that.
+    ``weighted``: the routing probabilities applied too."""
+    glu = getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False) or bool(
+        getattr(args, "quick_geglu", False))
+    fused = (getattr(args, "bias_swiglu_fusion", False) if getattr(args, "swiglu", False)
+             else getattr(args, "bias_activation_fusion", False) or getattr(args, "bias_gelu_fusion", False))
+    fwd, bwd = (3, 5) if glu else (2, 3)
+    if not fused:
+        fwd, bwd = 2 * fwd, 2 * bwd
+    if weighted:
+        fwd, bwd = fwd + 2, bwd + 3
+    n = elements * sh.elem
+    w.add("memory_s", dev.memory_s(fwd * n), dev.memory_s(bwd * n), module)
+
+
+def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
+    tp, T = sh.tp, sh.tokens
+    h = args.hidden_size
+    heads = args.num_attention_heads // tp
+    _norm(w, dev, sh, h)
+    if getattr(args, "multi_latent_attention", False):
+        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+        dv = args.v_head_dim
+        q_rank, kv_rank = args.q_lora_rank, args.kv_lora_rank
+        if q_rank:
+            _linear(w, dev, sh, T, q_rank, h, "mla_down_proj")
+            _linear(w, dev, sh, T, heads * qk, q_rank, "mla_up_proj")
+            _norm(w, dev, sh, q_rank, "mla_norm")
+        else:
+            _linear(w, dev, sh, T, heads * qk, h, "qkv")
+        _linear(w, dev, sh, T, kv_rank + args.qk_pos_emb_head_dim, h, "mla_down_proj")
+        _norm(w, dev, sh, kv_rank, "mla_norm")
+        _linear(w, dev, sh, T, heads * (args.qk_head_dim + dv), kv_rank, "mla_up_proj")
+        rope = T * (heads + 1) * args.qk_pos_emb_head_dim
+    else:
+        d = args.kv_channels
+        groups = max(1, args.num_query_groups // tp) if getattr(args, "group_query_attention", False) else heads
+        qk = dv = d
+        _linear(w, dev, sh, T, (heads + 2 * groups) * d, h, "qkv")
+        rope = T * (heads + groups) * d if args.position_embedding_type in ("rope", "yarn", "mrope") else 0
+    if rope:
+        fused = getattr(args, "apply_rope_fusion", False)
+        w.add("memory_s", dev.memory_s((2 if fused else 10) * rope * sh.elem),
+              dev.memory_s((2 if fused else 8) * rope * sh.elem))
+    s, b = args.seq_length // max(1, getattr(args, "context_parallel_size", 1)), args.micro_batch_size
+    full_pairs = s * (s + 1) / 2
+    window = _window(args)
+    pairs = full_pairs
+    if window is not None and window_share:
+        wp = s * (window + 1) - window * (window + 1) / 2 if window < s else full_pairs
+        pairs = (1 - window_share) * full_pairs + window_share * wp
+    att = dict(fwd=dev.attention_s(sh.attention, b, heads, s, qk, dv, pairs, "fwd"),
+               bwd=dev.attention_s(sh.attention, b, heads, s, qk, dv, pairs, "bwd"))
+    w.add("attention_s", att["fwd"], att["bwd"], "core_attn")
+    _linear(w, dev, sh, T, h, heads * dv, "attn_proj")
+    _residual(w, dev, sh, h)
+
+
+def _window(args):
+    ws = getattr(args, "window_size", None)
+    if not ws:
+        return None
+    left = ws[0] if isinstance(ws, (tuple, list)) else ws
+    return None if left is None or left < 0 else int(left)
+
+
+def window_share(args) -> float:
+    """Share of the decoder layers that attend in a sliding window (megatron's is_layer_window_attention)."""
+    if _window(args) is None:
+        return 0.0
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    n = args.num_layers
+    skip = getattr(args, "window_attn_skip_freq", None)
+    return sum(is_layer_window_attention(args.window_size, skip, i + 1) for i in range(n)) / n
+
+
+def _mlp(w: _Work, dev, args, sh: Shapes, ffn: int, tokens: int, module: str = "mlp"):
+    glu = 2 if (getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False)
+                or getattr(args, "quick_geglu", False)) else 1
+    _linear(w, dev, sh, tokens, glu * ffn // sh.tp, args.hidden_size, module)
+    _activation(w, dev, args, sh, tokens * ffn // sh.tp, module)
+    _linear(w, dev, sh, tokens, args.hidden_size, ffn // sh.tp, module)
+
+
+def _moe_block(w: _Work, dev, args, sh: Shapes):
+    h = args.hidden_size
+    E, topk = args.num_experts, args.moe_router_topk or 1
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
+    glu = 2 if (getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False)
+                or getattr(args, "quick_geglu", False)) else 1
+    Tm = sh.moe_tokens
+    _linear(w, dev, sh, Tm, E, h, "router", fp8=False)
+    w.add("memory_s", dev.memory_s(6 * Tm * E * 4), dev.memory_s(4 * Tm * E * 4), "router")  # scores, top-k (fp32)
+    rows = Tm * topk * sh.etp  # rows this rank's experts compute (balanced routing)
+    local = max(1, E // sh.ep)
+    permute = (rows + Tm) * h * sh.elem * (1 if getattr(args, "moe_permute_fusion", False) else 2)
+    w.add("memory_s", dev.memory_s(2 * permute), dev.memory_s(2 * permute))  # permute and unpermute
+    if sh.ep > 1 and local > 1:  # the all-to-all dispatcher re-sorts what it receives by expert, and back
+        w.add("memory_s", dev.memory_s(4 * rows * h * sh.elem), dev.memory_s(4 * rows * h * sh.elem))
+    per_expert = rows / local
+    _linear(w, dev, sh, per_expert, glu * ffn // sh.etp, h, "moe", groups=local)
+    _activation(w, dev, args, sh, rows * ffn // sh.etp, "moe_act", weighted=True)
+    _linear(w, dev, sh, per_expert, h, ffn // sh.etp, "moe", groups=local)
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None)
+    if shared:
+        _mlp(w, dev, args, sh, shared, sh.tokens, "shared_experts")
+
+
+def component_work(args, sh: Shapes, dev, comp) -> _Work:
+    """Forward and backward seconds by term of one component per micro-batch."""
+    w = _Work()
+    h = args.hidden_size
+    if comp == "embedding":
+        rows = sh.norm_tokens * h * sh.elem
+        vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+        # gather forward; backward: the dense [vocab / TP, h] gradient written, then added into the main one
+        w.add("memory_s", dev.memory_s(2 * rows), dev.memory_s(vocab // sh.tp * h * (sh.grad_elem * 3)))
+        return w
+    if comp == "head":
+        vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+        _norm(w, dev, sh, h, "final_norm")
+        _linear(w, dev, sh, sh.tokens, vocab // sh.tp, h, "output", fp8=False)
+        logits = sh.tokens * vocab // sh.tp
+        fused = getattr(args, "cross_entropy_loss_fusion", False)
+        # per logit: fused, read forward, read and write backward; unfused, the fp32 copy, max, exp,
+        # sum, the softmax kept, and its gradient cast back
+        w.add("memory_s", dev.memory_s(logits * (2 if fused else 38)), dev.memory_s(logits * (4 if fused else 22)))
+        return w
+    _, kind = comp
+    _attention_block(w, dev, args, sh, window_share(args))
+    _norm(w, dev, sh, h)
+    if kind == "moe":
+        _moe_block(w, dev, args, sh)
+    else:
+        _mlp(w, dev, args, sh, args.ffn_hidden_size, sh.tokens)
+    _residual(w, dev, sh, h)
+    return w
+
+
+def _recomputed(args, recompute) -> tuple:
+    """(granularity, modules) of a recompute given as a string ("selective" = core attention) or as
+    (granularity, modules)."""
+    if isinstance(recompute, tuple):
+        g, mods = recompute
+        return g, tuple(mods or (("core_attn",) if g == "selective" else ()))
+    return recompute, ("core_attn",) if recompute == "selective" else ()
+
+
+def _recompute_s(work: _Work, comp, recompute) -> float:
+    granularity, modules = recompute
+    if not isinstance(comp, tuple):
+        return 0.0
+    if granularity == "full":
+        return work.forward_s()
+    if granularity != "selective":
+        return 0.0
+    names = {"core_attn": ("core_attn",), "layernorm": ("layernorm",), "moe_act": ("moe_act",),
+             "mla_up_proj": ("mla_up_proj",), "mlp": ("mlp",), "moe": ("moe", "moe_act", "router"),
+             "shared_experts": ("shared_experts",)}
+    return sum(work.modules.get(x, 0.0) for m in modules for x in names.get(m, ()))
+
+
+def stage_times(args, layout, dev, recompute="none", attention: str | None = None) -> list:
+    """Per pipeline stage: seconds per micro-batch by term (forward, backward, recompute and the
+    stage's own communication), its MoE layers, and its layers' mean forward."""
+    from megatron_ext.planner import memory
+    from megatron_ext.planner.run import target_config
+
+    sh = shapes(args, layout, attention)
+    config = target_config(args)
+    rec = _recomputed(args, recompute)
+    cache: dict = {}
     topk = getattr(args, "moe_router_topk", 0) or 0
-    rows = s * b / layout.tp * topk  # routed rows per rank and MoE layer
-    ep = _all_to_all(layout.ep, layout.etp, rows * h * elem, 4 * moe_layers * m)
-    moe = moe_layers * m * (rows * h * MOE_BYTES_PER_ROW_ELEMENT / gpu["hbm"] + MOE_LAYER_S) if topk else 0.0
+    h = args.hidden_size
+    act = sh.tokens * h * sh.elem
+    out = []
+    for p in range(layout.pp):
+        terms = dict.fromkeys(("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "moe_fixed_s",
+                               "tp_s", "ep_s", "pp_s"), 0.0)
+        fwd_layers, moe_layers = [], 0
+        for v in range(layout.vpp or 1):
+            for comp in memory.chunk_components(args, config, layout, p, v):
+                if comp not in cache:
+                    cache[comp] = component_work(args, sh, dev, comp)
+                work = cache[comp]
+                for k, s in work.total().items():
+                    terms[k] += s
+                terms["recompute_s"] += _recompute_s(work, comp, rec)
+                if isinstance(comp, tuple):
+                    fwd_layers.append(work.forward_s())
+                    moe = comp[1] == "moe"
+                    mlp_collectives = 0 if (moe and sh.etp == 1 and not args.moe_shared_expert_intermediate_size) else 2
+                    collectives = 2 + mlp_collectives + (2 if rec[0] == "full" else 0)
+                    terms["tp_s"] += _coll(NVLINK, "all_reduce", layout.tp, act, collectives)
+                    if moe and topk:
+                        ep = _dispatch_s(args, layout, sh.moe_tokens, 4)
+                        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+                            # megatron's combined 1F1B: one micro-batch's exchanges run under another's
+                            # compute of the same layer; what exceeds it stays exposed
+                            ep = max(0.0, ep - sum(work.total().values()))
+                        terms["ep_s"] += ep
+                        terms["moe_fixed_s"] += dev.moe_layer_s
+                        moe_layers += 1
+                elif comp == "head":
+                    terms["tp_s"] += _coll(NVLINK, "all_reduce", layout.tp, act, 1)
+            if layout.pp > 1:
+                pp_link = NVLINK if layout.tp * layout.pp <= GPUS_PER_NODE else INFINIBAND
+                terms["pp_s"] += 2 * (pp_link.latency + act / layout.tp / pp_link.bus_bandwidth)
+        out.append(dict(terms=terms, total_s=sum(terms.values()), moe_layers=moe_layers,
+                        layer_forward_s=sum(fwd_layers) / len(fwd_layers) if fwd_layers else 0.0))
+    return out
+
+
+def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, dev, host_link: float,
+              recompute="none", attention: str | None = None) -> dict:
+    """Seconds per step by term (each ``*_s`` key is added into ``step_time_s``). ``dev``: the GPU's
+    kernel model (``profiles.device``); ``stage_preds``: the memory model's stages (their parameter
+    bytes size the data-parallel collectives); ``offload_bytes_per_layer``: per stage, the bytes one
+    layer's offloaded group copies (per micro-batch); ``recompute``: "none" / "full" / "selective"
+    (core attention), or (granularity, modules); ``attention``: a core attention kind in place of the
+    run's (``attention_kind``)."""
+    sh = shapes(args, layout, attention)
+    stages = stage_times(args, layout, dev, recompute, sh.attention)
+    m, vpp = layout.microbatches, layout.vpp or 1
+    slowest = max(range(len(stages)), key=lambda i: stages[i]["total_s"])
+    terms = {k: m * v for k, v in stages[slowest]["terms"].items()}
+    mean = sum(s["total_s"] for s in stages) / len(stages)
+    terms["bubble_s"] = (layout.pp - 1) / vpp * mean
+    compute = m * stages[slowest]["total_s"]
+    elem = 2 if (args.bf16 or args.fp16) else 4
     param_bytes = max(p["components"]["parameters"] for p in stage_preds)
     dp_link = NVLINK if layout.tp * layout.pp * layout.dp <= GPUS_PER_NODE else INFINIBAND
     grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else elem
@@ -119,19 +459,22 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, gp
     if getattr(args, "use_distributed_optimizer", False):
         dp += _coll(dp_link, "all_gather", layout.dp, param_bytes, 1)
     if getattr(args, "overlap_grad_reduce", False):
-        dp = max(0.0, dp - gemm)
-    pp_link = NVLINK if layout.tp * layout.pp <= GPUS_PER_NODE else INFINIBAND
-    pp = 2 * vpp * m * (pp_link.latency + act / layout.tp / pp_link.bus_bandwidth) if layout.pp > 1 else 0.0
-    # one layer's forward on this rank, per micro-batch (model FLOPs are 3 forwards)
-    layer_fwd = base / 3 / (layout.dp * m) / max(1, args.num_layers) / layout.tp / rate
+        dp = max(0.0, dp - compute)
+    terms["dp_exposed_s"] = dp
+    layers = args.num_layers / layout.pp
     offload = 0.0
     for stage, group in enumerate(offload_bytes_per_layer):
+        fwd = stages[min(stage, len(stages) - 1)]["layer_forward_s"]
         copies = copied_groups(layers, m, stage == len(offload_bytes_per_layer) - 1)
-        offload = max(offload, offload_exposed(group, copies, host_link, layer_fwd, 2 * layer_fwd)["exposed_s"])
-    terms = dict(gemm_s=gemm, recompute_s=gemm * extra, bubble_s=bubble, moe_memory_s=moe, tp_s=tp, ep_s=ep,
-                 dp_exposed_s=dp, pp_s=pp, offload_exposed_s=offload)
+        offload = max(offload, offload_exposed(group, copies, host_link, fwd, 2 * fwd,
+                                               dev.host_link_h2d if host_link == dev.host_link else None)["exposed_s"])
+    terms["offload_exposed_s"] = offload
+    terms = {k: terms[k] for k in TERMS}
     total = sum(terms.values())
-    tokens = args.global_batch_size * s
-    return dict(terms, step_time_s=total, layer_forward=layer_fwd, model_flops=base,
+    base = model_flops(args)
+    tokens = args.global_batch_size * args.seq_length
+    return dict(terms, step_time_s=total, layer_forward=stages[slowest]["layer_forward_s"], model_flops=base,
+                slowest_stage=slowest, stage_seconds=[s["total_s"] for s in stages],
                 tokens_per_s_per_gpu=tokens / total / layout.world,
-                model_tflops_per_gpu=base / total / layout.world / 1e12)
+                model_tflops_per_gpu=base / total / layout.world / 1e12,
+                attention=sh.attention, kernels=dev.describe())
