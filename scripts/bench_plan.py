@@ -2,6 +2,7 @@
 side with megatron's theoretical estimate.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py [--json] [--cases NAME ...]
+    PYTHONPATH=. .venv/bin/python scripts/bench_plan.py --published-fit [--json]   # step time vs published runs
 
 Each case is a recipe with flags, run through train.py's own builders on a local world (gloo on CPU):
 one warm step, one measured step (scripts/bench/plan). Measured peak per rank = parameters +
@@ -11,6 +12,11 @@ megatron_ext.planner, which traces a tiny copy of the model at a smaller shape (
 16, vocabulary 64) and scales it to the case's. megatron's estimate (its first stage, its formula,
 scripts/estimate_memory.py) is given for the same arguments. The table goes to stderr; --json prints
 only {"cases": [...]} on stdout.
+
+--published plans the published H100 runs (megatron_ext.planner.published) as given, one fresh process
+per case (the trace included: peaks and throughput); --published-fit runs the step-time fit over the
+calibration runs and predicts every published run's throughput (no trace, seconds): the table of
+published against predicted tokens/s/GPU, with each run's role (calibration / held out).
 """
 from __future__ import annotations
 
@@ -109,10 +115,44 @@ def published_case(name: str) -> dict:
     finally:
         if faithful is not None:
             os.environ["MEGATRON_EXT_CUDA_FAITHFUL"] = faithful
+    from megatron_ext.planner.published import CASES as PUBLISHED
+
+    row["role"] = PUBLISHED[name]["role"]
+    row["error"] = row["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"] - 1
     print(f"{name}: peak {row['predicted_peak_gib']:.1f} GiB (published {row['published_peak_gib']}), "
           f"{row['predicted_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (published "
           f"{row['published_tokens_per_s_per_gpu']:.0f})", file=sys.stderr, flush=True)
     return row
+
+
+def published_fit() -> dict:
+    """The step-time fit over the calibration runs, the constants in use, and every published run's
+    predicted throughput with them (published.throughput)."""
+    import arguments
+
+    from megatron_ext.planner import hardware, published
+
+    def parse(argv):
+        return published.parse(argv, arguments.parse)
+
+    fit = published.fit(parse)
+    rows = published.throughput(parse)
+    constants = dict(gemm_efficiency=hardware.GEMM_EFFICIENCY, moe_layer_s=hardware.MOE_LAYER_S)
+    return dict(fit=fit, constants=constants,
+                constants_are_the_fit=(fit["gemm_efficiency"], fit["moe_layer_s"]) == tuple(constants.values()),
+                rows=rows)
+
+
+def published_table(rows: list) -> str:
+    lines = [("run", "role", "published tokens/s/GPU", "predicted", "error", "attention", "slowest stage")]
+    for r in rows:
+        lines.append((r["case"], r["role"], f"{r['published_tokens_per_s_per_gpu']:.0f}",
+                      f"{r['predicted_tokens_per_s_per_gpu']:.0f}", f"{100 * r['error']:+.1f}%", r.get("attention", "-"),
+                      str(r.get("slowest_stage", "-"))))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    out.insert(1, "-|-".join("-" * w for w in widths))
+    return "\n".join(out)
 
 
 def table(rows: list) -> str:
@@ -141,17 +181,21 @@ def main(argv=None) -> int:
     parser.add_argument("--published", nargs="*", default=None, metavar="CASE",
                         help="also plan the published H100 runs (megatron_ext.planner.published; all without "
                         "names) and compare with their published peak and throughput; JSON key \"published\"")
+    parser.add_argument("--published-fit", action="store_true",
+                        help="fit the step time's constants over the calibration runs and predict every published "
+                        "run's throughput (no trace); JSON key \"published_fit\"")
     opts = parser.parse_args(argv)
     os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
     from megatron_ext import platform
 
     platform.setup()
     rows = []
-    for name in ([] if opts.published is not None and opts.cases == list(CASES) else opts.cases):
+    only_published = (opts.published is not None or opts.published_fit) and opts.cases == list(CASES)
+    for name in ([] if only_published else opts.cases):
         rows += run_case(name)
         print(f"{name}: done", file=sys.stderr, flush=True)
-    print(table(rows), file=sys.stderr)
     if rows:
+        print(table(rows), file=sys.stderr)
         worst = max(abs(r["error"]) for r in rows)
         print(f"largest |error| of the peak: {100 * worst:.1f}% over {len(rows)} stage rows", file=sys.stderr)
     out = {"cases": rows}
@@ -169,6 +213,16 @@ def main(argv=None) -> int:
               f"{v['measured_without'] / mib:.2f} MiB without offload", file=sys.stderr)
     if opts.published is not None:
         out["published"] = [published_case(name) for name in (opts.published or _published_names())]
+        print(published_table(out["published"]), file=sys.stderr)
+    if opts.published_fit:
+        f = out["published_fit"] = published_fit()
+        fit, kept = f["fit"], f["constants"]
+        print(f"\nfit over {len(fit['cases'])} calibration runs: GEMM efficiency {fit['gemm_efficiency']:.2f}, "
+              f"{1e3 * fit['moe_layer_s']:.1f} ms per MoE layer and micro-batch (largest |error| "
+              f"{100 * fit['largest_abs_error']:.1f}%); in use (hardware.py): {kept['gemm_efficiency']:.2f}, "
+              f"{1e3 * kept['moe_layer_s']:.1f} ms{'' if f['constants_are_the_fit'] else ' -- NOT the fit: update hardware.py'}",
+              file=sys.stderr)
+        print(published_table(f["rows"]), file=sys.stderr)
     if opts.json:
         print(json.dumps(out, indent=1))
     return 0

@@ -81,6 +81,11 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         if v:
             setattr(a, f, v // divisor)
     a.pipeline_model_parallel_size = a.expert_model_parallel_size = 1
+    # without expert parallelism: megatron's all-to-all dispatcher (the flex one needs EP; the exchange's
+    # buffers are counted from the dispatcher's rules, memory.py) and no EP communication to overlap
+    if getattr(a, "moe_token_dispatcher_type", None) == "flex":
+        a.moe_token_dispatcher_type = "alltoall"
+    a.overlap_moe_expert_parallel_comm = a.delay_wgrad_compute = False
     a.context_parallel_size = 1
     a.virtual_pipeline_model_parallel_size = None
     a.num_layers_per_virtual_pipeline_stage = None

@@ -61,18 +61,10 @@ def published_throughput():
     (no trace needed: its terms do not depend on the activations)."""
     import arguments
 
-    from megatron_ext.planner import cli, memory, published, steptime
-    from megatron_ext.planner.hardware import EFFICIENCY, GPUS
+    from megatron_ext.planner import published
 
-    rows = []
-    for name, c in published.CASES.items():
-        _, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
-        layout = memory.Layout.from_args(args)
-        gpu = GPUS[c["gpu"]]
-        t = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], gpu, EFFICIENCY,
-                               gpu["host_link"], "none")
-        rows.append((name, t["tokens_per_s_per_gpu"], c["tokens_per_s_per_gpu"]))
-    return rows
+    return [(r["case"], r["predicted_tokens_per_s_per_gpu"], r["published_tokens_per_s_per_gpu"])
+            for r in published.throughput(lambda argv: published.parse(argv, arguments.parse))]
 
 
 def plan_as_given(argv):
