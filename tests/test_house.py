@@ -14,8 +14,10 @@ FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters"),
     ("megatron_ext.platform",),
     ("megatron_ext.seams", "megatron_ext.config"),
-    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora"),
-    ("megatron_ext.seams.schedules", "megatron_ext.seams.registry"),  # seams bound to the capabilities
+    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
+     "megatron_ext.attention"),
+    # seams bound to the capabilities
+    ("megatron_ext.seams.schedules", "megatron_ext.seams.attention", "megatron_ext.seams.registry"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),

@@ -6,6 +6,12 @@ rotary: q/k/v stay views of the fused QKV output), no attention dropout, non-gat
 (SequentialMLP, probabilities applied after the activation), dropless routing with TP=EP=1.
 Only the local layer spec: with the transformer-engine spec (fused attention keeps no softmax
 probabilities; TE modules choose what they save) these counts do not hold, so R is not computed for it.
+``attention`` is the local spec's core attention (megatron_ext.attention.kernel): ``unfused`` (megatron's
+DotProductAttention) keeps the fused QKV output and the [mbs, heads, s, s] softmax probabilities;
+``sdpa`` (torch's scaled_dot_product_attention) keeps the fused QKV output and the fp32 log-sum-exp per
+head and query (mbs x heads x s): O(s x hidden), no s x s term. It keeps its output too, which is
+linear_proj's input, one storage: it moves with core_attention and attn_proj offloaded together (it is
+attn_proj's bytes), and attn_proj alone moves nothing (core attention still holds that storage).
 
 ``inflight_passes``: (chunk, micro-batch) forward passes whose activations are all alive when the
 first backward of the step starts on a PP rank (megatron-core's schedules: no pipelining 1;
@@ -20,12 +26,19 @@ are resident again (K = 1 + prefetch depth).
 from __future__ import annotations
 
 
-def module_bytes(name: str, *, seq, mbs, hidden, heads, topk=0, moe_ffn=0, shared_ffn=0, dtype_bytes=4) -> int:
+def core_attention_bytes(attention: str, *, t, mbs, seq, hidden, heads, b) -> int:
+    if attention == "sdpa":
+        return t * 3 * hidden * b + mbs * heads * seq * 4                  # fused qkv + fp32 lse
+    return t * 3 * hidden * b + mbs * heads * seq * seq * b                # fused qkv + softmax probs
+
+
+def module_bytes(name: str, *, seq, mbs, hidden, heads, topk=0, moe_ffn=0, shared_ffn=0, dtype_bytes=4,
+                 attention="unfused") -> int:
     t = seq * mbs
     b = dtype_bytes
     table = {
         "qkv_linear": t * hidden * b,                                    # linear_qkv input
-        "core_attention": t * 3 * hidden * b + mbs * heads * seq * seq * b,  # fused qkv + softmax probs
+        "core_attention": core_attention_bytes(attention, t=t, mbs=mbs, seq=seq, hidden=hidden, heads=heads, b=b),
         "attn_proj": t * hidden * b,                                     # linear_proj input
         "router_fc1": t * topk * hidden * b,                             # permuted tokens
         "moe_act": 2 * t * topk * moe_ffn * b,                           # gelu input + gelu output (x probs)
@@ -41,6 +54,8 @@ def group_bytes(modules, moe: bool, **shape) -> int:
     for m in modules:
         if m in moe_only and (not moe or (m == "shared_experts" and not shape.get("shared_ffn"))):
             continue
+        if m == "attn_proj" and shape.get("attention") == "sdpa" and "core_attention" not in modules:
+            continue  # its input is SDPA's saved output: on the device while core attention keeps it
         total += module_bytes(m, **shape)
     return total
 

@@ -19,7 +19,7 @@ data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) -> after_model. The 1F1B ove
 attach: it is the schedule the step picks (schedules.get_forward_backward_func)."""
 from __future__ import annotations
 
-from megatron_ext import lora, moe, offload, schedules, sft
+from megatron_ext import attention, lora, moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
 
 # The order every hook runs in. lora first: its adapters and the frozen base exist before the
@@ -29,8 +29,10 @@ from megatron_ext.training import hooks as training
 # the overlap schedule pairs passes whose saved tensors offload already manages; sft before training:
 # it sets --calculate-per-token-loss before megatron validates, and training's data checks
 # (training/data.py) read the chat data it accepted; training last (its checks read what the others
-# settled).
-CAPABILITIES = (lora, moe, offload, schedules, sft, training)
+# settled). attention first of all: it resolves --attention-backend for the layer spec the platform
+# settled, before megatron validates (which asserts on it) and before training's data checks read the
+# data loader's mask it may switch off; it attaches nothing (its seam is installed with the others).
+CAPABILITIES = (attention, lora, moe, offload, schedules, sft, training)
 
 
 def _hooks(name):
