@@ -82,7 +82,9 @@ def unfused_vs_sdpa() -> dict:
                 results.append((output.detach(), grads))
             (ref_out, ref_grads), (got_out, got_grads) = results
             out[name] = dict(output=_rel(got_out, ref_out), shape=tuple(got_out.shape) == tuple(ref_out.shape),
-                             grads=[_rel(a, b) for a, b in zip(got_grads, ref_grads)])
+                             grads=[_rel(a, b) for a, b in zip(got_grads, ref_grads)],
+                             same_keys=sorted(reference.state_dict()) == sorted(ours.state_dict()),
+                             keys=sorted(ours.state_dict()))
         out["dropout"] = _dropout(TorchCoreAttention, TransformerConfig, AttnMaskType)
         return out
     finally:

@@ -28,9 +28,11 @@ def _compared() -> dict:
 @pytest.mark.parametrize("case", [c[0] for c in jobs.CASES])
 def test_matches_megatrons_unfused_attention_in_fp32(case):
     """Output and every gradient (queries, keys, values, the learnable sinks) within 1e-5 of megatron's
-    own DotProductAttention, relative to the reference's norm."""
+    own DotProductAttention, relative to the reference's norm; the same state (a checkpoint of either
+    loads into the other: the learnable sinks under their key)."""
     r = _compared()[case]
     assert r["shape"]
+    assert r["same_keys"] and r["keys"] == (["softmax_offset"] if case.startswith("sinks") else [])  # checkpoints
     assert r["output"] <= 1e-5, r
     assert len(r["grads"]) == (4 if case.startswith("sinks") else 3)
     assert max(r["grads"]) <= 1e-5, r
