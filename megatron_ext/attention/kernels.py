@@ -96,8 +96,9 @@ def _sink_inputs(q, k, v, sink, scale):
     b, h, s, d = q.shape
     g = k.shape[1]
     width = -(-(d + 2) // ALIGN) * ALIGN
-    high = (sink / scale).to(q.dtype)
-    low = ((sink - high.to(sink.dtype) * scale) / scale).to(q.dtype)
+    exact = sink.float()  # the split in fp32: the low part is what the input dtype lost of the high one
+    high = (exact / scale).to(q.dtype)
+    low = ((exact - high.float() * scale) / scale).to(q.dtype)
     extra = F.pad(torch.stack([high, low], dim=-1), (0, width - d - 2))  # [h, width - d]
     q = torch.cat([q, extra.view(1, h, 1, -1).expand(b, h, s, -1)], dim=-1)
     q = torch.cat([q.new_zeros(b, h, 1, width), q], dim=2)
