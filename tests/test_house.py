@@ -14,8 +14,10 @@ WALKED = (("megatron_ext", ROOT), (os.path.join("scripts", "bench"), os.path.joi
 FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters"),
     ("megatron_ext.platform",),
+    ("megatron_ext.attention.kernels",),  # pure torch, below the seam that runs it (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
-    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora"),
+    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
+     "megatron_ext.attention"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),

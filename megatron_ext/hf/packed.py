@@ -4,7 +4,9 @@ The sequences go into one row, one after the other, then padding to a length the
 multiple of the tensor-parallel size: sequence parallelism splits the row). Positions restart at 0 at
 each sequence (and at the padding), and the attention is the supervised fine-tuning's packed attention
 on the local spec (megatron_ext/sft/attention.py): causal inside each sequence, closed between them,
-the padding a segment of its own, with the mask seam that keeps it on every layer. So each sequence's
+the padding a segment of its own. Torch's attention (--attention-backend auto / flash) takes the mask
+on every layer (flex_attention's document mask from its segment ids on CUDA); megatron's unfused one
+through the mask seam that keeps it on every layer. So each sequence's
 logits are the ones it has alone; this is how packed attention is checked against transformers running
 each sequence by itself. One sequence without padding runs with megatron's own causal attention.
 A run trained with LoRA runs with its adapters (the base its checkpoint records, then the adapters).
