@@ -108,4 +108,6 @@ def for_run(args) -> tuple:
     before megatron validated)."""
     if getattr(args, "transformer_impl", "local") != "local":
         return ()
-    return (TE_ENVIRONMENT, TORCH_ATTENTION) if args.attention_kernel == "sdpa" else (TE_ENVIRONMENT,)
+    # arguments not parsed here carry no choice: megatron's default, --attention-backend auto
+    kernel = getattr(args, "attention_kernel", "sdpa")
+    return (TE_ENVIRONMENT, TORCH_ATTENTION) if kernel == "sdpa" else (TE_ENVIRONMENT,)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_ext import arguments
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.attention import jobs
 from tests.dist import run_distributed
