@@ -72,10 +72,6 @@ def validate(args) -> None:
             "parameters uninitialised (torch.empty_like) for a DDP model, and megatron-core's torch FSDP2 "
             "wrapper never materialises them; it is for Megatron-FSDP, which initialises each shard"
         )
-    if args.dry_run and args.load:
-        from megatron_ext.training import checkpoint_keys
-
-        checkpoint_keys.check_load(args)  # every checkpoint key placed in this run's model, built on the meta device
     if args.layout_invariant_init and args.init_model_with_meta_device:
         raise ConfigError(
             "--layout-invariant-init with --init-model-with-meta-device: the weights are drawn before "
