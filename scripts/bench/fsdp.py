@@ -35,6 +35,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import UNFUSED
 from .gather import OpCounter, is_collective
 
 DEFAULTS = dict(hidden=32, heads=4, ffn=64, moe_ffn=32, topk=2, layers=2, seq=16, mbs=2, seed=1234)
@@ -87,10 +88,7 @@ def build_stack(experts: int, c: dict):
              "--hidden-dropout", "0", "--use-cpu-initialization", "--transformer-impl", "local",
              "--position-embedding-type", "learned_absolute", "--seq-length", c["seq"],
              "--max-position-embeddings", c["seq"], "--tokenizer-type", "NullTokenizer", "--vocab-size", 1,
-             "--make-vocab-size-divisible-by", 1, "--seed", c["seed"],
-             # the same kernels on every machine: megatron's unfused ones
-             "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
-             "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+             "--make-vocab-size-divisible-by", 1, "--seed", c["seed"], *UNFUSED]
     run = Run.for_model([str(f) for f in flags])
     (model,) = run.build()
     return Stack(list(model.decoder.layers)), run.config

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from . import UNFUSED
+
 DEFAULTS = dict(
     model="dense", pp=1, vpp=None, tp=1, ep=1, layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
     experts=4, topk=2, moe_ffn=64, shared=0, recompute=None, recompute_layers=1, microbatches=4, seed=1234,
@@ -53,7 +55,7 @@ def model_flags(c: dict) -> list[str]:
              "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer", "--vocab-size", c["vocab"],
              "--make-vocab-size-divisible-by", 1,
              "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
-             "--expert-model-parallel-size", c["ep"], "--seed", c["seed"]]
+             "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
     if c["vpp"]:
         flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
     if moe:
