@@ -175,20 +175,20 @@ class Run:
                     self.config.perform_initialization = False  # nothing to draw without storage
                     self.model = models.built(models.build_chunks(args, self.config, meta=True))
                 else:
-                    self.model = self._with_capabilities(wrap)
+                    # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and
+                    # initialises each parameter on the device, its shard only (megatron's get_model,
+                    # training.py:1768); validate allows it with --use-megatron-fsdp only
+                    self.model = self._with_capabilities(wrap, meta=args.init_model_with_meta_device and wrap)
             self._at("after_build")
         return self.model
 
-    def _with_capabilities(self, wrap: bool) -> list:
+    def _with_capabilities(self, wrap: bool, meta: bool) -> list:
         """The chunks with the capabilities attached, in features.py's order."""
         from megatron_ext.training import features, model as models
 
         args = self.args
         features.before_model(args, self.config)
-        # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and
-        # initialises each parameter on the device, its shard only (megatron's get_model,
-        # training.py:1768); validate allows it with --use-megatron-fsdp only
-        chunks = models.build_chunks(args, self.config, meta=args.init_model_with_meta_device and wrap)
+        chunks = models.build_chunks(args, self.config, meta=meta)
         features.before_wrap(args, chunks)  # frozen weights have no gradient buffer
         if wrap:
             with self._around("around_wrap"):
