@@ -252,8 +252,8 @@ def test_one_bring_up():
 
 
 def test_one_bring_up_sees_a_second_construction(tmp_path):
-    """The guard's negative control: a model, a config, a layer spec and process groups built by hand
-    (scripts/bench/offload.py's and training/checkpoint_keys.py's own bring-ups did this) are each found."""
+    """The guard's negative control: process groups, a config, a layer spec, a model and the builder's
+    private step, each made by hand in a script, are each found."""
     folder = tmp_path / "scripts"
     folder.mkdir()
     (folder / "by_hand.py").write_text(
