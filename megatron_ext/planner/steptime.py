@@ -103,19 +103,13 @@ def model_flops(args) -> float:
 
 
 def attention_kind(args) -> str:
-    """The core attention the run's layer spec builds: "transformer_engine" (its fused attention),
-    "sdpa" (torch's scaled_dot_product_attention) or "unfused" (megatron's DotProductAttention).
-    Read from --transformer-impl and --attention-backend as megatron_ext.attention resolves them
-    when that package is present; without it the local spec runs megatron's unfused attention."""
-    try:
-        from megatron_ext import attention
-    except ImportError:
-        attention = None
-    if attention is not None and hasattr(attention, "kernel"):
-        return attention.kernel(args)
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        return "transformer_engine"
-    return "unfused"
+    """The core attention the run's layer spec builds, as megatron_ext.attention resolves
+    --transformer-impl and --attention-backend: "transformer_engine" (its fused attention), "sdpa"
+    (torch's scaled_dot_product_attention: auto / flash on the local spec) or "unfused" (megatron's
+    DotProductAttention: unfused / local)."""
+    from megatron_ext import attention
+
+    return attention.kernel(args)
 
 
 def offload_exposed(copy_bytes: float, copies: float, link: float, layer_forward_s: float,

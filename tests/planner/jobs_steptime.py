@@ -34,11 +34,14 @@ def attention_kinds(seqs=(4096, 8192)):
         out[seq] = {kind: steptime.step_time(args, layout, stub, [0.0], dev, dev.host_link, attention=kind)
                     for kind in ("unfused", "sdpa", "transformer_engine")}
     te = _parse([*DENSE_8B, "--seq-length", "4096", "--max-position-embeddings", "4096"])
-    local = _parse([*DENSE_8B, "--seq-length", "4096", "--max-position-embeddings", "4096", "--transformer-impl", "local",
-                    "--assume-no-te", "--attention-backend", "unfused"])
+    local = [*DENSE_8B, "--seq-length", "4096", "--max-position-embeddings", "4096", "--transformer-impl", "local",
+             "--assume-no-te"]
     return dict(times={s: {k: {n: v for n, v in t.items() if n.endswith("_s")} for k, t in kinds.items()}
                        for s, kinds in out.items()},
-                resolved=dict(transformer_engine=steptime.attention_kind(te), local_unfused=steptime.attention_kind(local)))
+                resolved=dict(transformer_engine=steptime.attention_kind(te),
+                              local_unfused=steptime.attention_kind(_parse([*local, "--attention-backend", "unfused"])),
+                              local_auto=steptime.attention_kind(_parse(local)),
+                              local_flash=steptime.attention_kind(_parse([*local, "--attention-backend", "flash"]))))
 
 
 def profile_changes_the_prediction():

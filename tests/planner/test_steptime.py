@@ -39,10 +39,11 @@ def test_the_attention_kind_changes_the_step_time(kinds):
     """One dense run (Llama-3-8B's shape, BF16) with each core attention: megatron's unfused attention,
     memory-bound on its s x s scores, costs more than a flash-class kernel (torch SDPA, transformer-engine's
     fused), by more at a longer sequence; nothing but the attention term differs. The run's flags
-    resolve the kind: transformer-engine's target runs its fused attention, the local spec with
-    --attention-backend unfused megatron's."""
+    resolve the kind: transformer-engine's target runs its fused attention, the local spec torch's SDPA
+    with --attention-backend auto (megatron's default) or flash, megatron's with unfused."""
     times, resolved = kinds["times"], kinds["resolved"]
-    assert resolved == dict(transformer_engine="transformer_engine", local_unfused="unfused")
+    assert resolved == dict(transformer_engine="transformer_engine", local_unfused="unfused", local_auto="sdpa",
+                            local_flash="sdpa")
     for seq, t in times.items():
         unfused, sdpa, te = t["unfused"], t["sdpa"], t["transformer_engine"]
         assert unfused["attention_s"] > 5 * sdpa["attention_s"], (seq, unfused, sdpa)
