@@ -9,9 +9,10 @@ measures, with CUDA events (median of ``reps`` after a warm-up):
   m (the tokens: 128 to 32768) x n x k (1024 to 16384) and the shapes of the published models;
 - grouped products (``torch._grouped_mm``, the experts' kernel here) at small rows per expert (64 to
   4096) for two expert widths;
-- core attention forward + backward per kind at a few sequence lengths (32 heads of 128, causal, BF16):
-  megatron's unfused ``DotProductAttention`` (the local spec's), torch SDPA, and transformer-engine's
-  fused attention where it imports;
+- core attention forward + backward per kind at a few sequence lengths (32 heads of 128, causal, BF16),
+  each taken from a one-layer model the run's model-only bring-up builds: megatron's unfused
+  ``DotProductAttention`` (the local spec's, --attention-backend unfused), torch SDPA (the local spec's
+  with --attention-backend flash), and transformer-engine's fused attention where it imports;
 - HBM (a device copy) and the host link (pinned copies each way).
 
 and writes the profile for the GPU kind it recognises (h100, h200, a100, b200, gb200), replacing a
@@ -105,22 +106,19 @@ def grouped_rows(s: dict) -> list:
     return rows
 
 
-def _unfused(heads: int, head_dim: int):
-    """megatron-core's DotProductAttention (the local spec's core attention), causal, BF16."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+def _local_core_attention(kind: str, heads: int, head_dim: int, seq: int):
+    """The core attention the local spec builds for ``kind`` ("unfused": megatron's DotProductAttention;
+    "sdpa": torch's, --attention-backend flash), taken from a one-layer model that the run's model-only
+    bring-up builds (bench/offload.py's model, BF16, causal): the kernels a run uses."""
+    from bench.offload import build
+
+    chunks, _, _ = build(layers=1, hidden=heads * head_dim, heads=heads, ffn=4 * heads * head_dim, seq=seq,
+                         attention=kind, dtype="bfloat16")
+    model = getattr(chunks[0], "module", chunks[0])  # inside megatron's BF16 wrapper
+    attn = model.decoder.layers[0].self_attention.core_attention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads, bf16=True,
-                               params_dtype=torch.bfloat16, attention_dropout=0.0, masked_softmax_fusion=False)
-    attn = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     return lambda q, k, v: attn(q, k, v, None, AttnMaskType.causal)
-
-
-def _sdpa(q, k, v):
-    # [s, b, h, d] -> [b, h, s, d] and back, as a core attention hands it on
-    out = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
-    return out.permute(2, 0, 1, 3)
 
 
 def _transformer_engine(heads: int, head_dim: int):
@@ -132,37 +130,43 @@ def _transformer_engine(heads: int, head_dim: int):
     return lambda q, k, v: attn(q, k, v)
 
 
+def _time_attention(fn, s: dict, kind: str, seqs) -> list:
+    dev, heads, d, rows = _device(), s["heads"], s["head_dim"], []
+    for seq in seqs:
+        q, k, v = (torch.randn(seq, 1, heads, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(seq, 1, heads * d, device=dev, dtype=torch.bfloat16)
+
+        def step():
+            fn(q, k, v).reshape(seq, 1, heads * d).backward(grad)
+
+        rows.append(dict(kind=kind, batch=1, seq=seq, heads=heads, head_dim=d, causal=True,
+                         fwd_bwd_ms=_ms(step, s["reps"])))
+        del q, k, v, grad
+        sync()
+    return rows
+
+
 def attention_rows(s: dict) -> tuple:
-    """(rows, skipped kinds with why)."""
+    """(rows, skipped kinds with why): forward + backward of each core attention kind."""
+    import arguments
+
     from megatron_ext.training import parallel
+    from megatron_ext.training.run import use_arguments
 
-    dev, heads, d = _device(), s["heads"], s["head_dim"]
-    parallel.initialize()
-    try:
-        kinds = {"unfused": _unfused(heads, d), "sdpa": _sdpa}
-        te = _transformer_engine(heads, d) if cuda() else None
-        if te is not None:
-            kinds["transformer_engine"] = te
-        rows = []
-        for kind, fn in kinds.items():
-            for seq in (s["unfused_seq"] if kind == "unfused" else s["attention_seq"]):
-                q, k, v = (torch.randn(seq, 1, heads, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                           for _ in range(3))
-                grad = torch.randn(seq, 1, heads * d, device=dev, dtype=torch.bfloat16)
+    use_arguments(arguments.parse)  # gpu_check is this process's entry point: the models parse with it
 
-                def step():
-                    out = fn(q, k, v).reshape(seq, 1, heads * d)
-                    out.backward(grad)
-
-                rows.append(dict(kind=kind, batch=1, seq=seq, heads=heads, head_dim=d, causal=True,
-                                 fwd_bwd_ms=_ms(step, s["reps"])))
-                del q, k, v, grad
-                sync()
-        skipped = {} if "transformer_engine" in kinds else {
-            "transformer_engine": "skipped: no CUDA" if not cuda() else "skipped: transformer-engine not importable"}
-        return rows, skipped
-    finally:
-        parallel.destroy()
+    rows = []
+    for kind, seqs in (("unfused", s["unfused_seq"]), ("sdpa", s["attention_seq"])):
+        try:
+            rows += _time_attention(_local_core_attention(kind, s["heads"], s["head_dim"], max(seqs)), s, kind, seqs)
+        finally:
+            parallel.destroy()
+    te = _transformer_engine(s["heads"], s["head_dim"]) if cuda() else None
+    if te is not None:
+        rows += _time_attention(te, s, "transformer_engine", s["attention_seq"])
+        return rows, {}
+    return rows, {"transformer_engine": NO_CUDA if not cuda() else "skipped: transformer-engine not importable"}
 
 
 def hbm(s: dict) -> float:

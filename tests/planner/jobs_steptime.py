@@ -96,8 +96,9 @@ def fit_with_a_poisoned_held_out_case():
 
 
 def unfused_bytes_per_score(seqs=(64, 128), heads=2, head_dim=8):
-    """Bytes megatron's unfused DotProductAttention reads and writes, forward and backward, counted op
-    by op (every aten op that moves data: its tensors' bytes in and out; views move none), at two
+    """Bytes megatron's unfused DotProductAttention (the local spec's core attention with
+    --attention-backend unfused, BF16, softmax in fp32) reads and writes, forward and backward, counted
+    op by op (every aten op that moves data: its tensors' bytes in and out; views move none), at two
     sequence lengths: the coefficient of heads x s^2 (the linear terms cancel)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -120,13 +121,12 @@ def unfused_bytes_per_score(seqs=(64, 128), heads=2, head_dim=8):
                 self.nbytes += sum(t.numel() * t.element_size() for t in tensors if t.numel() > 1)
             return out
 
-    from gpu_check_sections.kernel_profile import _unfused
+    from gpu_check_sections.kernel_profile import _local_core_attention
 
-    parallel.initialize()
     try:
+        attn = _local_core_attention("unfused", heads, head_dim, max(seqs))  # as gpu_check measures it
         counts = {}
         for s in seqs:
-            attn = _unfused(heads, head_dim)
             q, k, v = (torch.randn(s, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             c = Count()
             with c:
