@@ -143,6 +143,44 @@ def published_fit() -> dict:
                 rows=rows)
 
 
+# gpu_check's dense model (scripts/bench/offload.py model_flags, BF16): the local spec, megatron's unfused
+# attention, LayerNorm, a GELU MLP, no biases, learned positions, no fused kernels
+_RECORD_MODEL = ["--position-embedding-type", "learned_absolute", "--disable-bias-linear", "--bf16",
+                 "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local", "--assume-no-te",
+                 "--attention-backend", "unfused", "--micro-batch-size", "1", "--global-batch-size", "1",
+                 "--world-size", "1", "--lr", "1e-4", "--train-iters", "1", "--num-workers", "0",
+                 "--attention-dropout", "0", "--hidden-dropout", "0", "--no-masked-softmax-fusion",
+                 "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+
+
+def device_record() -> list:
+    """Per measured step of a stored profile's "layers" block (the H200's: gpu_check's dense model
+    without offload, forward and backward of one micro-batch), the step time predicted with that
+    profile and with the datasheet model alone, beside the measured one."""
+    import arguments
+
+    from megatron_ext.planner import memory, profiles, published, steptime
+
+    rows = []
+    for gpu in profiles.known():
+        stored = profiles.load(gpu)
+        for r in (stored.get("layers") or {}).get("rows", []):
+            argv = ["--num-layers", r["layers"], "--hidden-size", r["hidden"], "--ffn-hidden-size", r["ffn"],
+                    "--num-attention-heads", r["heads"], "--seq-length", r["seq"], "--max-position-embeddings", r["seq"],
+                    "--vocab-size", r["vocab"], *_RECORD_MODEL]
+            args = published.parse([str(a) for a in argv], arguments.parse, gpu=gpu)
+            layout = memory.Layout.from_args(args)
+            predicted = {}
+            for name, profile in (("profile", "stored"), ("datasheet", None)):
+                dev = profiles.device(gpu, profile)
+                predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
+                                                     dev.host_link)["step_time_s"] * 1e3
+            rows.append(dict(gpu=gpu, device=stored["device"], date=stored["date"], model=r["model"], layers=r["layers"],
+                             measured_ms=r["step_ms"], predicted_ms=predicted["profile"],
+                             predicted_datasheet_ms=predicted["datasheet"]))
+    return rows
+
+
 def published_table(rows: list) -> str:
     lines = [("run", "role", "published tokens/s/GPU", "predicted", "error", "attention", "slowest stage")]
     for r in rows:
@@ -223,6 +261,13 @@ def main(argv=None) -> int:
               f"{1e3 * kept['moe_layer_s']:.1f} ms{'' if f['constants_are_the_fit'] else ' -- NOT the fit: update hardware.py'}",
               file=sys.stderr)
         print(published_table(f["rows"]), file=sys.stderr)
+        record = f["device_record"] = device_record()
+        print("\nThe stored profiles' measured steps (forward + backward of one micro-batch), predicted:", file=sys.stderr)
+        for r in record:
+            print(f"{r['device']} {r['date']}, {r['model']} x {r['layers']} layers: measured {r['measured_ms']:.1f} ms, "
+                  f"predicted {r['predicted_ms']:.1f} ms with the profile ({100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}%), "
+                  f"{r['predicted_datasheet_ms']:.1f} ms with the datasheet model "
+                  f"({100 * (r['predicted_datasheet_ms'] / r['measured_ms'] - 1):+.0f}%)", file=sys.stderr)
     if opts.json:
         print(json.dumps(out, indent=1))
     return 0

@@ -6,9 +6,9 @@ its hardware profile (``megatron_ext/planner/profiles/<gpu>.json``, schema in th
 
 measures, with CUDA events (median of ``reps`` after a warm-up):
 - matrix products in BF16 (and FP8 through ``torch._scaled_mm`` where the device has it) over a grid of
-  m (the tokens: 128 to 32768) x n x k (1024 to 16384) and the shapes of the published models;
-- grouped products (``torch._grouped_mm``, the experts' kernel here) at small rows per expert (64 to
-  4096) for two expert widths;
+  m (the tokens: 128 to 32768) x n x k (1024 to 16384);
+- grouped products (``torch._grouped_mm``, the experts' kernel here) of 16 experts at small rows per
+  expert (64 to 4096) for three expert shapes (gpt-oss's FC1 and FC2, Qwen3-30B-A3B's FC1);
 - core attention forward + backward per kind at a few sequence lengths (32 heads of 128, causal, BF16),
   each taken from a one-layer model the run's model-only bring-up builds: megatron's unfused
   ``DotProductAttention`` (the local spec's, --attention-backend unfused), torch SDPA (the local spec's
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, sync
+from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, sync, timed_ms
 
 SIZES = {
     "gpu": dict(
@@ -53,21 +53,15 @@ def gpu_kind(device_name: str) -> str | None:
 
 
 def _ms(fn, reps: int) -> float:
-    """Median milliseconds of fn: CUDA events on a GPU, the host clock on CPU (the smoke)."""
+    """Median milliseconds of fn: CUDA events on a GPU (common.timed_ms), the host clock on CPU (the smoke)."""
+    if cuda():
+        return timed_ms(fn, reps)
     fn()
     times = []
     for _ in range(reps):
-        if cuda():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(times), 5)
 
 
