@@ -162,8 +162,8 @@ def shapes(args, layout, attention: str | None = None) -> Shapes:
 
 
 class _Work:
-    """Seconds by term for forward and backward of one component; ``fwd_of`` marks forward work that a
-    recompute of that module repeats."""
+    """Seconds by term of one component's forward and backward, and each module's forward seconds
+    (what a recompute of that module repeats)."""
 
     def __init__(self):
         self.fwd: dict = {}
