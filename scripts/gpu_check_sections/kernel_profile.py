@@ -182,10 +182,10 @@ def host_link(s: dict) -> dict:
     return dict(d2h_bytes_per_s=n / (d2h * 1e-3), h2d_bytes_per_s=n / (h2d * 1e-3))
 
 
-def measure(smoke: bool | None = None) -> dict:
-    """The profile of this device (``smoke``: tiny sizes; default: on CPU)."""
+def measure(smoke: bool | None = None, sizes: dict | None = None) -> dict:
+    """The profile of this device (``smoke``: tiny sizes; default: on CPU), at SIZES updated by ``sizes``."""
     smoke = (not cuda()) if smoke is None else smoke
-    s = SIZES["smoke" if smoke else "gpu"]
+    s = dict(SIZES["smoke" if smoke else "gpu"], **(sizes or {}))
     name = torch.cuda.get_device_name() if cuda() else "cpu (smoke)"
     here = "kernel_profile.py (gpu_check)"
     attention, skipped = attention_rows(s)
@@ -222,16 +222,19 @@ def write(profile: dict, path: str | None = None) -> str:
 
 
 def section_kernel_profile(size, claims, write_profile: bool = True) -> dict:
-    """gpu_check's entry: measure; on a GPU write the profile and claim the planner reads it back."""
+    """gpu_check's entry: measure (``size["kernel_profile"]``, if the harness's size has it, updates
+    SIZES); on a GPU write the profile and claim the planner reads it back."""
     from megatron_ext.planner import profiles
     from megatron_ext.planner.hardware import GPUS
 
+    sizes = (size or {}).get("kernel_profile")
+
     if not cuda():
-        smoke = measure(smoke=True)
+        smoke = measure(smoke=True, sizes=sizes)
         # the measured blocks go through the planner's reader as a profile would (CPU numbers, not kept)
         device = profiles.Device("h100", GPUS["h100"], smoke)
         return {"status": NO_CUDA, "cpu_smoke": smoke, "cpu_smoke_read_by_planner": device.measured}
-    profile = measure(smoke=False)
+    profile = measure(smoke=False, sizes=sizes)
     out = {"status": "ok", "profile": profile}
     if write_profile and profile["gpu"]:
         out["written"] = os.path.relpath(write(profile), ROOT)
