@@ -353,7 +353,8 @@ class Checkpointer:
         same_layout = common["layout"] == ckpt_state.layout(args)
         # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
         with_rng = same_layout and not args.no_load_rng and not args.finetune and common.get("has_rng", False)
-        with_optimizer = optim.loads_state(args) and not args.finetune and "optimizer" in common
+        with_optimizer = (not args.no_load_optim and optim.has_state(args) and not args.finetune
+                          and "optimizer" in common)
         self._note_no_optimizer_state(path, "optimizer" in common)
         template = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration,
@@ -412,7 +413,7 @@ class Checkpointer:
         without optimizer state (--no-save-optim, or --freeze-all-layers, where nothing trained):
         its optimizer starts fresh, which the user should see."""
         args = self.args
-        if not saved and optim.loads_state(args) and not args.finetune:
+        if not saved and not args.no_load_optim and optim.has_state(args) and not args.finetune:
             self._print(f"note: {path} holds no optimizer state (saved with --no-save-optim or "
                         "--freeze-all-layers): the optimizer starts fresh")
 
@@ -466,7 +467,7 @@ class Checkpointer:
             else:
                 state = sharded_state_dict(
                     args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
-                    with_optimizer=optim.saves_state(args), with_rng=not args.no_save_rng,
+                    with_optimizer=not args.no_save_optim and optim.has_state(args), with_rng=not args.no_save_rng,
                     part=ckpt_lora.save_part(args),
                 )
                 request = dist_checkpointing.save(

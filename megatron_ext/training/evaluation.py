@@ -65,8 +65,8 @@ def at_interval(args, iterators, model: list, config, iteration: int, writer=Non
     """The evaluation of an --eval-interval boundary: the next --eval-iters batches of the validation split."""
     read = data.consumed_valid_samples(args, iteration)  # this evaluation's included
     first = read - args.eval_iters * args.eval_global_batch_size
-    label = f"iteration {iteration} (at --eval-interval {args.eval_interval}: validation samples {_samples(args, first)})"
-    run(args, label, iterators.valid, model, config, iteration, writer)
+    run(args, f"iteration {iteration} (at --eval-interval {args.eval_interval}: validation samples "
+              f"{_samples(args, first)})", iterators.valid, model, config, iteration, writer)
 
 
 def after_training(args, iterators, model: list, config, iteration: int, writer=None) -> None:

@@ -62,14 +62,6 @@ def has_state(args) -> bool:
     return not args.freeze_all_layers
 
 
-def saves_state(args) -> bool:
-    return not args.no_save_optim and has_state(args)
-
-
-def loads_state(args) -> bool:
-    return not args.no_load_optim and has_state(args)
-
-
 class _NoOptimizer:
     param_groups = [{}]
 
