@@ -14,8 +14,10 @@ WALKED = (("megatron_ext", ROOT), (os.path.join("scripts", "bench"), os.path.joi
 FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters"),
     ("megatron_ext.platform",),
+    ("megatron_ext.attention.kernels",),  # pure torch, below the seam that runs it (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
-    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora"),
+    ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
+     "megatron_ext.attention"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),
@@ -225,33 +227,72 @@ def test_no_sys_path_insert():
 
 
 # the steps of a run's bring-up: only training/run.py (Run) calls them
-BRING_UP = ("build_chunks", "transformer_config", "initialize_model_parallel",
+BRING_UP = ("build_chunks", "transformer_config", "initialize_model_parallel", "layer_spec", "_gpt_model",
             "build_optimizer", "build_iterators", "Checkpointer")
+# megatron-core's model and its configuration, made only by the builder (training/model.py: the config,
+# the layer specs, GPTModel; training/parallel.py: the process groups), which the run calls
+MEGATRON_BUILDS = ("GPTModel", "TransformerConfig", "MLATransformerConfig", "core_transformer_config_from_args",
+                   "get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec",
+                   "get_gpt_decoder_block_spec", "get_gpt_decoder_layer_specs", "get_gpt_mtp_block_spec",
+                   "initialize_model_parallel")
+BUILDER = {os.path.join("megatron_ext", "training", "model.py"): MEGATRON_BUILDS[:-1] + ("_gpt_model", "layer_spec"),
+           os.path.join("megatron_ext", "training", "parallel.py"): ("initialize_model_parallel",)}
+
+
+def _calls(path: str):
+    """(name, line) of every call: ``f(...)`` and ``x.f(...)`` by the name f."""
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Call):
+            yield (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")), node.lineno
+
+
+def _second_bring_ups(allowed: dict, root: str = ROOT, folders=("megatron_ext", "scripts")) -> list:
+    """file:line name of every bring-up step or megatron-core construction a file is not allowed."""
+    found = []
+    for folder in folders:
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    rel = os.path.relpath(path, root)
+                    found += [f"{rel}:{line} {name}" for name, line in _calls(path)
+                              if name in BRING_UP + MEGATRON_BUILDS and name not in allowed.get(rel, ())]
+    return found
 
 
 def test_one_bring_up():
-    """No second copy of the bring-up in the package or the scripts: every run goes through Run."""
-    copies = []
+    """No second copy of the bring-up in the package or the scripts: every run, and every model-only use
+    (conversion, the dry-run's key check, the planner's trace, the benchmarks), goes through Run, and
+    only the builder constructs megatron-core's model, its config, its layer specs or process groups."""
     allowed = {os.path.join("megatron_ext", "training", "run.py"): BRING_UP,
-               os.path.join("megatron_ext", "training", "parallel.py"): ("initialize_model_parallel",),
-               # the dry-run's key check builds the whole model (one stage, every global key) on the meta
-               # device to place a checkpoint's keys: a model, not a run (no optimizer, data or loop)
-               os.path.join("megatron_ext", "training", "checkpoint_keys.py"): ("transformer_config", "initialize_model_parallel"),
+               **BUILDER,
                # loading before Megatron-FSDP shards the model is the checkpointer's own step
-               os.path.join("megatron_ext", "training", "checkpointing.py"): ("Checkpointer",)}
-    for folder in ("megatron_ext", "scripts"):
-        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                path = os.path.join(dirpath, f)
-                rel = os.path.relpath(path, ROOT)
-                for node in ast.walk(ast.parse(open(path).read())):
-                    if isinstance(node, ast.Call):
-                        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                        if called in BRING_UP and called not in allowed.get(rel, ()):
-                            copies.append(f"{rel}:{node.lineno} {called}")
-    assert copies == []
+               os.path.join("megatron_ext", "training", "checkpointing.py"): ("Checkpointer",),
+               # the configs megatron builds from the flags, made at parse time so that their own checks
+               # refuse before any compute (no model)
+               os.path.join("megatron_ext", "arguments.py"): ("core_transformer_config_from_args",),
+               # the planner reads the target's layer layout from its config (no model: a cluster's run)
+               os.path.join("megatron_ext", "planner", "run.py"): ("core_transformer_config_from_args",),
+               # the sync audit builds one MoE layer (the layer spec's MLP submodule), not a model
+               os.path.join("megatron_ext", "moe", "audit.py"): ("TransformerConfig", "get_gpt_layer_local_spec")}
+    assert _second_bring_ups(allowed) == []
+
+
+def test_one_bring_up_sees_a_second_construction(tmp_path):
+    """The guard's negative control: process groups, a config, a layer spec, a model and the builder's
+    private step, each made by hand in a script, are each found."""
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "by_hand.py").write_text(
+        "from megatron.core import parallel_state\n"
+        "parallel_state.initialize_model_parallel()\n"
+        "config = TransformerConfig(num_layers=1)\n"
+        "spec = gpt_layer_specs.get_gpt_layer_local_spec()\n"
+        "model = GPTModel(config=config, transformer_layer_spec=spec)\n"
+        "chunk = model._gpt_model(args, config, spec, None)\n")
+    found = _second_bring_ups({}, root=str(tmp_path), folders=("scripts",))
+    assert [f.split(" ")[1] for f in found] == ["initialize_model_parallel", "TransformerConfig",
+                                                 "get_gpt_layer_local_spec", "GPTModel", "_gpt_model"], found
 
 
 def test_planner_does_not_import_the_measurement_package():

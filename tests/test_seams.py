@@ -21,6 +21,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buff
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.models.common import fine_grained_callables
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.utils import ScheduleNode
@@ -64,7 +65,7 @@ TARGETS = {
     "MLASelfAttention": multi_latent_attention.MLASelfAttention,
     "FusedScaleMaskSoftmax": FusedScaleMaskSoftmax,
     "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils, "gpt_layer_specs": gpt_layer_specs,
-    "megatron.core.utils": megatron_utils,
+    "megatron.core.utils": megatron_utils, "LanguageModule": LanguageModule,
 }
 
 
@@ -123,8 +124,10 @@ def test_run_installs_what_its_flags_need_and_teardown_restores(pristine):
     held = active()  # for the process: the torch-norm seam on CPU (its CPU shim)
     assert held == ({"training.torch_norm_sequence_parallel"} if not torch.cuda.is_available() else set())
     seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    # megatron's defaults: the local spec with --attention-backend auto, torch's attention
     assert active() - held == {"sharded_params.post_param_sync", "sharded_params.forward_pre_hook",
-                               "sharded_params.own_buffers_param_sync"}
+                               "sharded_params.own_buffers_param_sync", "attention.torch_attention",
+                               "attention.te_environment"}
     seams.install(argparse.Namespace(overlap_tp_comm_1f1b=True))
     assert {"schedules.tp_collectives", "schedules.lane_memory_buffers"} <= active()
     assert "torch.distributed.all_reduce" in changed(pristine)

@@ -122,7 +122,7 @@ honoured(TC, """
     wgrad_deferral_limit overlap_p2p_comm_warmup_flush microbatch_group_size_per_vp_stage mtp_standalone
     cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers num_layers mtp_num_layers
     mtp_loss_scaling_factor mtp_use_repeated_layer mtp_detach_heads account_for_embedding_in_pipeline_split
-    account_for_loss_in_pipeline_split hidden_size num_attention_heads attention_backend
+    account_for_loss_in_pipeline_split hidden_size num_attention_heads
     flash_attention_version softmax_type num_query_groups ffn_hidden_size kv_channels hidden_dropout
     attention_dropout fp32_residual_connection layernorm_epsilon layernorm_zero_centered_gamma add_bias_linear
     add_qkv_bias glu_linear_offset activation_func_clamp_value normalization qk_layernorm qk_l2_norm
@@ -214,6 +214,9 @@ refused("a layer-spec choice megatron's GPT builder (megatron/training/models/gp
         "transformer-engine's spec, which this loop's layer specs do not take",
         "use_transformer_engine_op_fuser use_kitchen_attention use_te_activation_func use_grouped_gemm_for_dense_mlp "
         "mla_down_proj_fusion")
+# the local spec's core attention (torch SDPA or megatron's DotProductAttention, megatron_ext/attention/);
+# transformer-engine's spec passes it on to transformer-engine (megatron's LanguageModule)
+honoured("megatron_ext.attention:backend_name", "attention_backend")
 no_effect(only_with("--use-kitchen-attention"), "kitchen_attention_backend")
 refused("a kitchen quantization recipe is chosen by megatron's GPT builder, not by this loop's layer specs",
         "kitchen_config_file kitchen_recipe_number")

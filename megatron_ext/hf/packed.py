@@ -4,7 +4,9 @@ The sequences go into one row, one after the other, then padding to a length the
 multiple of the tensor-parallel size: sequence parallelism splits the row). Positions restart at 0 at
 each sequence (and at the padding), and the attention is the supervised fine-tuning's packed attention
 on the local spec (megatron_ext/sft/attention.py): causal inside each sequence, closed between them,
-the padding a segment of its own, with the mask seam that keeps it on every layer. So each sequence's
+the padding a segment of its own. Torch's attention (--attention-backend auto / flash) takes the mask
+on every layer (flex_attention's document mask from its segment ids on CUDA); megatron's unfused one
+through the mask seam that keeps it on every layer. So each sequence's
 logits are the ones it has alone; this is how packed attention is checked against transformers running
 each sequence by itself. One sequence without padding runs with megatron's own causal attention.
 A run trained with LoRA runs with its adapters (the base its checkpoint records, then the adapters).
@@ -47,23 +49,22 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_ext.hf import convert
+    from megatron_ext.hf import checkpoint, world
     from megatron_ext.seams import registry, sft as sft_seams
     from megatron_ext.sft.attention import block_causal_mask, segment_ids
 
     sequences = [list(ids)] if ids and not isinstance(ids[0], (list, tuple)) else [list(s) for s in ids]
     if not sequences or any(not s for s in sequences):
         raise ConfigError("--input-ids: every sequence needs a token (sequences are separated by ';')")
-    if convert.layout_flag(extra, "--context-parallel-size") > 1:
+    if world.layout_flag(extra, "--context-parallel-size") > 1:
         raise ConfigError("--context-parallel-size: logits runs the packed row on one context-parallel rank")
-    tokens, positions, cu_seqlens = row(sequences, convert.layout_flag(extra, "--tensor-model-parallel-size"))
+    tokens, positions, cu_seqlens = row(sequences, world.layout_flag(extra, "--tensor-model-parallel-size"))
     total, seq = sum(len(s) for s in sequences), tokens.shape[1]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    with convert.loaded_model(load, recipe, ["--seq-length", str(seq), "--world-size", str(world), "--global-batch-size",
-                                             str(convert.parallel_dp(world, extra)), *extra]) as run:
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    with checkpoint.loaded(checkpoint.find(load, recipe), ["--seq-length", str(seq), *extra]) as run:
         args, model = run.args, run.model
         device = platform.current().device
-        vocab = convert.loaded_hf_config(args, load)[1]["vocab_size"]
+        vocab = checkpoint.hf_config(args, load)[1]["vocab_size"]
         tokens, positions = tokens.to(device), positions.to(device)
         mask = None
         if cu_seqlens.shape[1] > 2 or seq > total:  # several segments: attention stays inside each
@@ -92,7 +93,7 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
             full = gather_from_tensor_model_parallel_region(collected[0].float())  # [1, seq, vocab]
             result = full[0, :total, :vocab].cpu().contiguous()
         # the lowest rank of the last pipeline stage sends them to global rank 0
-        holder = torch.tensor([torch.distributed.get_rank() if result is not None else world], device=device)
+        holder = torch.tensor([torch.distributed.get_rank() if result is not None else processes], device=device)
         torch.distributed.all_reduce(holder, op=torch.distributed.ReduceOp.MIN)
         src = int(holder.item())
         if src != 0:

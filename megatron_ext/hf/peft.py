@@ -3,7 +3,6 @@
     import_peft(hf_dir, peft_dir, save)   the base imported into SAVE/base, the adapters into an adapter
                                           checkpoint at SAVE (its recipe: the base's plus the LoRA flags)
     export_peft(load, out)                a LoRA run's adapters -> a directory PeftModel.from_pretrained loads
-    recorded_lora_flags(load)             the LoRA flags an adapter checkpoint under LOAD was trained with
 
 peft names an adapter by the Hugging Face module it adapts (``base_model.model.`` + the module path +
 ``.lora_A.weight`` / ``.lora_B.weight``), and those names come from the family's weight table
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.hf import convert, families
+from megatron_ext.hf import checkpoint, families, hfdir, importer, outputs, table
 from megatron_ext.lora import targets
 
 CONFIG_FILE = "adapter_config.json"
@@ -126,7 +125,7 @@ def _suffix(name: str) -> str:
 
 
 def sites(model_type: str, c: families.Config, rows) -> list[Site]:
-    """Every adapter the model's rows allow (convert.expand's rows: megatron names, HF names, kind)."""
+    """Every adapter the model's rows allow (table.expand's rows: megatron names, HF names, kind)."""
     out, stacks, base = [], {}, {}
     moved = _PEFT_MOVES.get(model_type, set())
     for mgs, hfs, kind in rows:
@@ -231,8 +230,8 @@ _PLAIN_INITS = (True, False, "gaussian")
 def read_config(peft_dir: str) -> dict:
     """adapter_config.json, every field either understood or off; refusals name the field."""
     flag = f"--peft={peft_dir}"
-    cfg = convert.read_json(flag, peft_dir, CONFIG_FILE, "a peft adapter directory",
-                            required=((WEIGHTS_FILE, "only safetensors adapters are read"),))
+    cfg = hfdir.read_json(flag, peft_dir, CONFIG_FILE, "a peft adapter directory",
+                          required=((WEIGHTS_FILE, "only safetensors adapters are read"),))
 
     def refuse(key, why):
         return ConfigError(f"{flag}: {CONFIG_FILE}: {key}={cfg.get(key)!r}: {why}")
@@ -281,19 +280,12 @@ class Adapter:
 # import
 # ---------------------------------------------------------------------------------------------
 def _base_shapes(hf_dir: str) -> dict:
-    from safetensors import safe_open
-
-    shapes = {}
-    for name in convert.shard_files(hf_dir):
-        with safe_open(os.path.join(hf_dir, name), "pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
+    return {name: shape for name, (_, shape, _) in hfdir.tensors(hf_dir).items()}
 
 
 def _hf_rows(model_type: str, c: families.Config, shapes: dict) -> list:
     """The family's table filled in for the layers and experts whose HF tensors the base has."""
-    return [row for row in convert.table_rows(model_type, c) if all(h in shapes for h in row[1])]
+    return [row for row in table.rows(model_type, c) if all(h in shapes for h in row[1])]
 
 
 def _keys(site: Site, stacked_targets: dict) -> list[tuple[str, str]]:
@@ -465,7 +457,7 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
 
     from megatron_ext import platform
 
-    model_type, c = convert.read_hf_config(hf_dir)
+    model_type, c = hfdir.read_config(hf_dir)
     adapter, covered, fused = read_adapter(peft_dir, model_type, c, hf_dir)
     platform.setup()  # before megatron-core is imported
     from megatron_ext.training import ckpt_dirs
@@ -473,22 +465,22 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
     if ckpt_dirs.committed_iterations(save):
         raise ConfigError(f"--save={save}: holds checkpoints already; an adapter import writes a new directory")
     base_dir = os.path.join(save, BASE)
-    base_recipe = convert.import_hf(hf_dir, base_dir)
+    base_recipe = importer.import_hf(hf_dir, base_dir)
     rows = _hf_rows(model_type, c, _base_shapes(hf_dir))
     paths = [targets.target_path(m[0][: -len(".weight")]) for m, _, _ in rows if m[0].endswith(".weight")]
     flags = {"lora_rank": adapter.rank, "lora_alpha": adapter.alpha, "lora_rslora": adapter.rslora,
              "lora_dropout": adapter.dropout, "lora_target_modules": target_names(covered, paths)}
     if fused:
         flags["lora_fused_adapters"] = ["experts.linear_fc1"]
-    recipe = os.path.join(save, convert.RECIPE)
+    recipe = os.path.join(save, checkpoint.RECIPE)
     with open(base_recipe) as f:
         text = f.read()
     with open(recipe, "w") as f:
         f.write(text + f"\n# LoRA adapters imported from peft ({os.path.basename(os.path.normpath(peft_dir))}); "
                        f"the base model is {BASE}/\n")
         yaml.safe_dump(flags, f, sort_keys=False)
-    with convert.loaded_model(base_dir, recipe, ["--save", save, "--save-interval", "1", "--no-save-optim",
-                                                 "--no-save-rng", "--world-size", "1"]) as run:
+    with checkpoint.loaded(checkpoint.find(base_dir, recipe), ["--save", save, "--save-interval", "1", "--no-save-optim",
+                                                               "--no-save-rng", "--world-size", "1"]) as run:
         from megatron_ext import seams
 
         params = dict(seams.unwrapped(run.model[0]).named_parameters())
@@ -524,31 +516,6 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
-def recorded_lora_flags(load: str) -> list[str]:
-    """The LoRA flags of the newest checkpoint under ``load`` if it holds adapters, else []."""
-    record = _record(load)
-    if record is None:
-        return []
-    from megatron_ext.training import ckpt_lora  # (after _record's platform setup)
-
-    return ckpt_lora.flags(record).split()
-
-
-def _record(load: str):
-    from megatron_ext import platform
-
-    platform.setup()  # before megatron-core is imported
-    from megatron.core import dist_checkpointing
-
-    from megatron_ext.training import ckpt_dirs
-
-    iterations = ckpt_dirs.complete_iterations(load) if os.path.isdir(load) else []
-    if not iterations:
-        return None
-
-    return dist_checkpointing.load_common_state_dict(ckpt_dirs.checkpoint_dir(load, iterations[-1])).get("lora")
-
-
 def _inert(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not a.any() and not b.any()
 
@@ -559,20 +526,21 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
     returns the peft keys written."""
     from safetensors.torch import save_file
 
-    convert._check_fresh("--peft", out, overwrite, "an adapter export")
-    record = _record(load)
+    outputs.check_fresh("--peft", out, overwrite, "an adapter export")
+    found = checkpoint.find(load, recipe)
+    record = found.lora
     if record is None:
         raise ConfigError(f"--load={load}: its newest checkpoint holds no LoRA adapters (a full or imported "
                           "model): export it with --hf")
-    with convert.loaded_model(load, recipe, ["--world-size", "1"]) as run:
+    with checkpoint.loaded(found, ["--world-size", "1"]) as run:
         args = run.args
-        model_type, c = convert.loaded_hf_config(args, load)
+        model_type, c = checkpoint.hf_config(args, load)
         from megatron_ext import seams
 
         chunk = seams.unwrapped(run.model[0])
         params = {n: p.detach().cpu() for n, p in chunk.named_parameters() if ".lora." in n}
-        base = {n: t for n, t in convert.model_tensors(chunk).items() if ".lora." not in n}
-        rows = convert.expand(model_type, c, base)
+        base = {n: t for n, t in checkpoint.model_tensors(chunk).items() if ".lora." not in n}
+        rows = table.expand(model_type, c, base)
         rank, alpha, rslora = args.lora_rank, record["alpha"], bool(args.lora_rslora)
         tensors, module_names, parameter_names, patterns = {}, [], [], {}
         for site in sites(model_type, c, rows):
@@ -609,7 +577,7 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
                   "a peft adapter: peft runs with the base's; export --hf for the model as trained")
         config = _config(rank, alpha, rslora, record.get("dropout", 0.0), module_names, parameter_names, all_sites,
                          patterns)
-        with convert._fresh_directory(out, staged=True) as target:  # swapped in once complete
+        with outputs.fresh_directory(out, staged=True) as target:  # swapped in once complete
             save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, os.path.join(target, WEIGHTS_FILE),
                       metadata={"format": "pt"})
             with open(os.path.join(target, CONFIG_FILE), "w") as f:
@@ -630,8 +598,7 @@ def _export_linear(site: Site, params: dict, c: families.Config):
         if a is None:
             return None
         parts = _PARTS[site.kind]
-        b = convert.to_hf(site.kind, [fused_b], c, convert.hf_shapes(site.kind, [fused_b.shape], c))[
-            parts.index(site.part)]
+        b = table.converted_to_hf(site.kind, [fused_b], c)[parts.index(site.part)]
     if a is None or _inert(a, b):
         return None
     return a.clone(), b.contiguous().clone()

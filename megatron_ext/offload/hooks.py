@@ -225,6 +225,10 @@ class Hooks:
             module = self._saving[-1] if self._saving else None
             rec = group.records[ptr] = Record(storage, t.device, group, module)
             self._count(rec, "saved")
+        elif self._saving and self._saving[-1] != rec.module:
+            # a storage another hooked module saved first (torch attention's output is linear_proj's
+            # input): this module's hooks saw it too; its bytes count once, under the first
+            self.module_stats.setdefault(self._saving[-1], {"saved": 0, "offloaded": 0})
         return _Saved(rec, t)
 
     def _unpack(self, saved):

@@ -9,7 +9,11 @@ finds, by the names of the flag --activation-offload-modules:
     its backward begins when the gradient of the layer's output (:1012, make_viewless_tensor)
     arrives: a Tensor.register_hook on that output.
   core_attention  layer.self_attention.core_attention      transformer/attention.py:382
-                  (local: DotProductAttention, transformer/dot_product_attention.py:142)
+                  (local: DotProductAttention, transformer/dot_product_attention.py:142, keeping the
+                  s x s probabilities; or, --attention-backend auto / flash, torch's attention
+                  (megatron_ext/seams/attention.py TorchCoreAttention), keeping queries, keys, values,
+                  its output and the log-sum-exp; that output is linear_proj's input, one storage:
+                  it counts under core_attention, and moves with attn_proj only when both are listed)
   qkv_linear      layer.self_attention.linear_qkv          transformer/attention.py:1681
                   and the query/key norms of --qk-layernorm (q_layernorm, k_layernorm, :1722);
                   multi-latent attention (MLASelfAttention, transformer/multi_latent_attention.py

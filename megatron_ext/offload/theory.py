@@ -9,7 +9,11 @@ non-gated GELU experts (SequentialMLP, probabilities applied after the activatio
 with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's DotProductAttention (baddbmm,
 masked softmax, bmm), which keeps the [b, heads, s, s] probabilities (in fp32 too when the softmax
 runs in fp32 on 16-bit inputs, as megatron's ``attention_softmax_in_fp32`` default does under
---bf16). A fused kind keeps no s x s tensor: add it as one more branch of ``core_attention_bytes``.
+--bf16); ``sdpa``, torch's scaled_dot_product_attention (megatron_ext.attention.kernel), which keeps
+the fused QKV output and the fp32 log-sum-exp per head and query (mbs x heads x s): O(s x hidden), no
+s x s term. It keeps its output too, which is linear_proj's input, one storage: it moves with
+core_attention and attn_proj offloaded together (it is attn_proj's bytes), and attn_proj alone moves
+nothing (core attention still holds that storage).
 With the transformer-engine spec these counts do not hold (TE modules choose what they save).
 
 **Passes in flight** (``inflight_passes``): (chunk, micro-batch) forward passes whose activations are
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTION = ("unfused",)
+ATTENTION = ("unfused", "sdpa")
 PEAKS = ("layer_backward", "loss_backward", "layer_forward")
 RELEASES = ("last_use", "next_hook")
 
@@ -73,15 +77,17 @@ def qkv_linear_bytes(s: Shape, attention: str = "unfused") -> int:
 
 
 def attention_scores_bytes(s: Shape, attention: str = "unfused") -> int:
-    """The [b, heads, s, s] probabilities core attention keeps (0 for a kind that keeps none)."""
+    """The [b, heads, s, s] probabilities core attention keeps; for sdpa the fp32 log-sum-exp instead."""
     _known(attention)
+    if attention == "sdpa":
+        return s.mbs * s.heads * s.seq * 4
     probs = s.mbs * s.heads * s.seq * s.seq
     fp32 = probs * 4 if s.softmax_fp32 and s.dtype_bytes < 4 else 0  # the fp32 softmax output too
     return probs * s.dtype_bytes + fp32
 
 
 def core_attention_bytes(s: Shape, attention: str = "unfused") -> int:
-    # the fused QKV output (q, k, v are views of it) and the probabilities
+    # the fused QKV output (q, k, v are views of it) and the probabilities (sdpa: the log-sum-exp)
     return s.tokens * 3 * s.hidden * s.dtype_bytes + attention_scores_bytes(s, attention)
 
 
@@ -128,6 +134,8 @@ def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
     for m in modules:
         if m in MOE_ONLY and (not moe or (m == "shared_experts" and not s.shared_ffn)):
             continue
+        if m == "attn_proj" and attention == "sdpa" and "core_attention" not in modules:
+            continue  # its input is SDPA's saved output: on the device while core attention keeps it
         total += MODULE_BYTES[m](s, attention)
     return total
 

@@ -185,7 +185,9 @@ def run_once(args, kinds, seed: int = 1234) -> dict:
     args.seed = seed  # the tiny copy's own arguments (planner/tiny.py trace_args)
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
     attention = transformer_engine_saves() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
-    with Run(args) as run, routing, attention, _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
+    # the run's model-only bring-up: the tiny copy's model, no optimizer or data (training/run.py)
+    with Run(args, model_only=True) as run, routing, attention, \
+            _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
         return _run_built(run, kinds, seed)
 
 
@@ -215,7 +217,7 @@ def _run_built(run, kinds, seed: int) -> dict:
     from megatron_ext.seams.planner import buffer_requests
 
     args = run.args
-    chunks = run.build(wrap=False)
+    chunks = run.build()  # the bare chunks: no data-parallel wrapper
     model = chunks[0]
     root = unwrapped(model)
     for p in model.parameters():

@@ -1,20 +1,22 @@
 """The seams a run installs: every reversible record of megatron_ext/seams/ in one registry
 (SEAMS), the records a run's flags need installed before its model is built (install(args), from
 training/model.py build_chunks) and removed by its teardown (uninstall()). It sits above the
-capability packages: schedules.py's records bind megatron-core to the overlap's lanes."""
+capability packages: schedules.py's records bind megatron-core to the overlap's lanes, attention.py's
+its core attention to the attention package's kernels (installed after architectures.py's, whose
+multi-latent core attention it builds on)."""
 from __future__ import annotations
 
 from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, moe, planner, schedules, sft, sharded_params,
-    te_spec, training,
+    architectures, attention, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, moe, planner, schedules, sft,
+    sharded_params, te_spec, training,
 )
 
 _CAPABILITIES = (
-    training, architectures, schedules, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch, planner, sft,
-    lora, te_spec,
+    training, architectures, attention, schedules, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
+    planner, sft, lora, te_spec,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them

@@ -9,13 +9,19 @@ sequences (transformer/dot_product_attention.py:153): an explicit attention mask
 may not see a key, causal inside each conversation (and inside the padding) and closed between them.
 Positions restart in ``position_ids``; rotary embeddings are relative (the score of query i and key j
 depends on i - j), so a conversation at an offset in the row scores as it does alone. The mask is
-[micro-batch, 1, S, S] booleans, built on the device from the row's segment boundaries.
+[micro-batch, 1, S, S] booleans, built on the device from the row's segment boundaries. It carries
+the segment ids it was made from (megatron_ext.attention.kernels.mark_documents): where the local
+spec's core attention is torch's (--attention-backend auto / flash) on CUDA, flex_attention builds its
+block mask from them (a document mask); elsewhere the mask itself is what every kernel reads (torch
+SDPA's, megatron's unfused softmax).
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import flatten_batch_for_packed_sequences, get_attr_wrapped_model
+
+from megatron_ext.attention.kernels import mark_documents
 
 PACKED_KEYS = ("cu_seqlens", "max_seqlen")
 
@@ -31,10 +37,10 @@ def segment_ids(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
 
 
 def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[b, 1, S, S] bool, True = masked: another segment, or a later position."""
+    """[b, 1, S, S] bool, True = masked: another segment, or a later position (carrying ``segments``)."""
     length = segments.shape[1]
     later = torch.ones(length, length, dtype=torch.bool, device=segments.device).triu(1)
-    return (segments[:, None, :, None] != segments[:, None, None, :]) | later
+    return mark_documents((segments[:, None, :, None] != segments[:, None, None, :]) | later, segments)
 
 
 def packed_inputs(batch: dict, model, device) -> tuple[dict, dict]:

@@ -1,11 +1,12 @@
 """``--dry-run --load C``: every key of C's newest checkpoint placed in this run's model before any compute,
-by its own name or the other layer spec's (training/te_names.py), on any machine: the model is built on
-the meta device, transformer-engine's spec with megatron_ext/seams/te_spec.py's stand-ins where
-transformer-engine is not installed here (`--dry-run --platform cuda --assume-te` on a CPU machine).
+by its own name or the other layer spec's (training/te_names.py), on any machine. The run's whole model
+(:func:`whole_model_args`) is built by the run's model-only bring-up on the meta device
+(training/run.py ``check_load``), transformer-engine's spec with megatron_ext/seams/te_spec.py's
+stand-ins where transformer-engine is not installed here (`--dry-run --platform cuda --assume-te` on a
+CPU machine); this module finds the checkpoint and places its keys in that model's sharded state dict.
 A key with no place is refused by name, as the load would refuse it."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 from megatron_ext.training import te_names
@@ -26,49 +27,6 @@ def whole_model_args(args):
     whole.pipeline_model_parallel_layout = None
     whole.apply_rope_fusion = False  # a kernel, no parameter: megatron's config asks this machine for it
     return whole
-
-
-@contextlib.contextmanager
-def whole_model(args, device: str = "meta"):
-    """This run's whole model (``whole_model_args``) on ``device`` with the run's layer spec;
-    transformer-engine's with the stand-ins of megatron_ext/seams/te_spec.py where it is not installed
-    here. Every rank of a running world enters it together; without one it makes a world of this
-    process alone. Yields the model chunk, with megatron's process groups of that layout."""
-    import torch
-    from megatron.core import parallel_state
-
-    from megatron_ext.platform import target
-    from megatron_ext.seams import registry, te_spec
-    from megatron_ext.training import model, parallel
-
-    whole = whole_model_args(args)
-    standing_in = whole.transformer_impl == "transformer_engine" and not target.te_importable()
-    own_world = not torch.distributed.is_initialized()
-    if own_world:
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
-        with te_spec.standing_in() if standing_in else contextlib.nullcontext():
-            config = model.transformer_config(whole)
-            config.perform_initialization = device != "meta"  # nothing to draw on the meta device
-            registry.install(whole)
-            if config.perform_initialization:
-                parallel.set_seed(whole.seed)
-            with torch.device(device):
-                chunk = model._gpt_model(whole, config, model.layer_spec(whole, config, None), None)
-            yield chunk
-    finally:
-        parallel.destroy()  # the capabilities' teardown (the run's seams too), megatron's groups
-        if own_world:
-            torch.distributed.destroy_process_group()
-
-
-def model_state_dict(args) -> dict:
-    """The sharded state dict of this run's whole model, built on the meta device."""
-    from megatron_ext.training import ckpt_state
-
-    with whole_model(args) as chunk:
-        return chunk.sharded_state_dict(metadata=ckpt_state.sharding_metadata(whole_model_args(args)))
 
 
 def checkpoint_to_load(args):
@@ -100,18 +58,14 @@ def _has_optimizer(metadata: dict) -> bool:
     return any(te_names.is_optimizer_key(k) for k in metadata)
 
 
-def check_load(args) -> None:
-    """--dry-run with --load: every key of the checkpoint the run loads, when it is torch_dist (an
-    import, a DDP run's; Megatron-FSDP loads one before it shards the model), placed in this run's
-    model, by its name or the other spec's; refused by name otherwise, as the load refuses. Records what
-    was found on args (printed with the configuration)."""
+def place(args, path: str, metadata: dict, model_state: dict) -> None:
+    """--dry-run with --load: every key of the checkpoint the run loads (``checkpoint_to_load``: a torch_dist
+    one, an import's or a DDP run's; Megatron-FSDP loads one before it shards the model) placed in the
+    sharded state dict of this run's whole model, by its name or the other spec's; refused by name
+    otherwise, as the load refuses. Records what was found on args (printed with the configuration)."""
     from megatron_ext.errors import ConfigError
 
-    found = checkpoint_to_load(args)
-    if found is None:
-        return  # nothing to load (the load says so), or another format
-    path, metadata = found
-    placement = te_names.onto_checkpoint(model_state_dict(args), metadata)
+    placement = te_names.onto_checkpoint(model_state, metadata)
     spec = te_names.spec_name(args)
     loads_optimizer = not (args.finetune or args.no_load_optim)  # as the load decides (and a checkpoint with one)
     line = placement.refusal(args.load, spec, args.dist_ckpt_strictness, loads_optimizer and _has_optimizer(metadata))

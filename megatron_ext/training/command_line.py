@@ -164,7 +164,7 @@ def finalize(args, parser) -> None:
     """Everything megatron's validate_args and config classes check, plus ours, before any compute,
     in stages (Problems): every problem of the first stage that finds any is reported. ``parser``:
     the one that parsed ``args`` (its actions name the flags refusals name)."""
-    from megatron_ext.training import checkpoint_keys, data
+    from megatron_ext.training import data
 
     actions = flag_actions(parser)
     given = Problems()  # the values as given: each check on its own
@@ -204,9 +204,6 @@ def finalize(args, parser) -> None:
     settled = Problems()  # what reads every package's settled values (the tokenizer, the iterations)
     with settled.check():
         data.validate(args)  # every split's data, through the package that brings it (features.py datasets)
-    if args.dry_run and args.load:
-        with settled.check():  # every key of the checkpoint placed in this run's model, built on the meta device
-            checkpoint_keys.check_load(args)
     settled.raise_any()
     args.config_sources.setdefault("padded_vocab_size", "derived (the tokenizer's vocabulary, padded)")
     if args.config_sources.get("padded_vocab_size") == "default":

@@ -36,17 +36,20 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_ext import lora, moe, offload, schedules, sft
+from megatron_ext import attention, lora, moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
 
-# The order every hook runs in. lora first: its adapters and the frozen base exist before the
-# data-parallel wrapper is built (before_wrap), so every package after it finds the adapted linears
-# (the grouped experts run their adapters, offload hooks the same modules). Then moe: it replaces
-# the token dispatcher and the experts, and offload (next) hooks the expert modules moe put in place;
-# the overlap schedule pairs passes whose saved tensors offload already manages; sft before training:
-# it sets --calculate-per-token-loss before megatron validates, and its datasets stand in for the
-# GPT datasets training would read; training last (its checks read what the others settled).
-CAPABILITIES = (lora, moe, offload, schedules, sft, training)
+# The order every hook runs in. attention first: it resolves --attention-backend for the layer spec
+# the platform settled, before megatron validates (which asserts on it) and before training's data
+# checks read the data loader's mask it may switch off; it attaches nothing (its seam is installed with
+# the others). Then lora: its adapters and the frozen base exist before the data-parallel wrapper is
+# built (before_wrap), so every package after it finds the adapted linears (the grouped experts run
+# their adapters, offload hooks the same modules). Then moe: it replaces the token dispatcher and the
+# experts, and offload (next) hooks the expert modules moe put in place; the overlap schedule pairs
+# passes whose saved tensors offload already manages; sft before training: it sets
+# --calculate-per-token-loss before megatron validates, and its datasets stand in for the GPT datasets
+# training would read; training last (its checks read what the others settled).
+CAPABILITIES = (attention, lora, moe, offload, schedules, sft, training)
 
 
 def _hooks(name):

@@ -139,7 +139,8 @@ def build_chunks(args, config: TransformerConfig, meta: bool = False) -> list:
         chunks.append(chunk)
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    if args.layout_invariant_init:  # before wrapping: DDP copies the weights into its buffers, FSDP shards them
+    # before wrapping: DDP copies the weights into its buffers, FSDP shards them (a meta model has none to draw)
+    if args.layout_invariant_init and not meta:
         from megatron_ext.training.init import layout_invariant_init
 
         layout_invariant_init(chunks, args.init_method_std, args.seed)

@@ -1,9 +1,19 @@
 """One run of a model, from the command line to teardown: the bring-up every entry point shares
-(train.py, scripts/convert.py, the planner's trace, the benchmarks).
+(train.py, scripts/convert.py, the planner's trace, the dry-run's key check, the benchmarks).
 
     run.use_arguments(arguments.parse)      # the entry point's argument layer (top-level arguments.py)
     with Run.from_argv(argv) as run:        # platform set up, every flag checked (--dry-run exits)
         run.train()                         # build -> optimizer -> load -> data -> loop -> save/eval
+
+    with Run.for_model(argv) as run:        # a model-only run: the model's flags, no training flags
+        model = run.build()                 # the bare model chunks; load() / save() their weights
+
+A model-only run (``Run.for_model(argv)``, or ``Run(args, model_only=True)`` of parsed arguments) has no
+optimizer, data or loop: those stages refuse. It builds the model in the world the platform sets up
+(torchrun's, or one of this process); on the meta device (``meta=True``: the whole model of
+``--dry-run --load``, every global key and shape, no storage) it builds megatron-core's model alone,
+without the capabilities' changes (what a checkpoint holds), in the running world or, where there is
+none, a world of this process alone held in memory (nothing is communicated on the meta device).
 
 Partial uses call the stages they need; each runs once, the ones it needs first:
 
@@ -62,22 +72,64 @@ def parse(argv: list[str] | None = None, **kwargs):
     return _ARGUMENTS[0](argv, **kwargs)
 
 
+# What megatron's validate_args asks of every run and a model-only run never reads: data, a batch, a
+# length of training and a learning rate. Given before the caller's flags (which win) and left out of
+# what a checkpoint records of how the run was launched.
+_MODEL_ONLY = {"--mock-data": None, "--micro-batch-size": "1", "--train-iters": "1", "--lr": "0", "--min-lr": "0",
+               "--lr-warmup-iters": "0", "--num-workers": "0"}
+
+
 class Run:
-    def __init__(self, args, probes=()):
+    def __init__(self, args, probes=(), *, model_only: bool = False, meta: bool = False):
         self.args = args
         self.probes = list(probes)
+        self.model_only = model_only or meta
+        self.meta = meta
         self.config = self.model = self.optimizer = self.scheduler = None
         self.checkpointer = self.iterators = self.forward_backward = None
         self.iteration = 0  # the last completed iteration (the loaded one before the loop)
-        self._initialized = False
+        self._initialized = self._own_world = False
         self._at("after_parse")
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, probes=(), *, exit_on_dry_run: bool = True) -> "Run":
         """Platform set up, then the flags parsed and checked by the argument layer the entry point
-        handed in (use_arguments)."""
-        platform.setup()  # CPU shims or this rank's GPU, before megatron-core is imported
-        return cls(parse(argv, exit_on_dry_run=exit_on_dry_run), probes)
+        handed in (use_arguments); --dry-run --load then places the checkpoint's keys in the run's whole
+        model (:func:`check_load`)."""
+        import io
+        import sys
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        shown = io.StringIO()  # a dry-run's configuration, held back until the key check has passed
+        with contextlib.redirect_stdout(shown) if "--dry-run" in argv else contextlib.nullcontext():
+            args = _parse(argv)
+        if args.dry_run:
+            if args.load:
+                check_load(args)  # a refusal is the one line printed
+            sys.stdout.write(shown.getvalue())
+            if getattr(args, "checkpoint_keys", None):
+                print(f"  checkpoint_keys {args.checkpoint_keys!r}  [{args.config_sources['checkpoint_keys']}]")
+            if exit_on_dry_run:
+                raise SystemExit(0)
+        return cls(args, probes)
+
+    @classmethod
+    def for_model(cls, argv: list[str], probes=()) -> "Run":
+        """A model-only run of these flags: the model's (a recipe, or the one --load's checkpoint
+        records; the architecture, the layout, --load / --save and how they load and save), no training
+        flags. It builds, loads and saves the model; it has no optimizer, data or loop."""
+        import os
+
+        # one micro-batch per process: a multiple of any data-parallel size of this world
+        stand_ins = {flag: value for flag, value in {**_MODEL_ONLY, "--global-batch-size": os.environ.get(
+            "WORLD_SIZE", "1")}.items() if flag not in argv}
+        args = _parse([*(part for flag, value in stand_ins.items() for part in (flag, value) if part is not None),
+                       *argv])
+        for flag in stand_ins:
+            dest = flag.removeprefix("--").replace("-", "_")
+            getattr(args, "recorded_recipe", {}).get("run", {}).pop(dest, None)
+            args.config_sources[dest] = "model-only run (not read)"
+        return cls(args, probes, model_only=True)
 
     # ---- points ---------------------------------------------------------------------------------
     def _at(self, point: str, *a) -> None:
@@ -111,6 +163,11 @@ class Run:
         if self._initialized:
             return
         args = self.args
+        if self.meta and not torch.distributed.is_initialized():
+            # nothing is communicated on the meta device: this process alone, its store in memory
+            # (a --dry-run on any machine: no rendezvous, no port)
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+            self._own_world = True
         platform.init_distributed(args.distributed_timeout_minutes * 60)
         logging.getLogger("megatron").setLevel(args.logging_level or logging.WARNING)
         from megatron.core import config
@@ -124,34 +181,63 @@ class Run:
         self._initialized = True
         log_restart(args)
 
-    def build(self, wrap: bool = True) -> list:
+    def build(self, wrap: bool | None = None) -> list:
         """The model chunks (one per virtual pipeline stage), wrapped for data parallelism unless
-        ``wrap`` is False (conversion and tracing use the bare modules)."""
+        ``wrap`` is False (default: a training run wraps, a model-only run does not)."""
         if self.model is None:
-            from megatron_ext.training import features, model as models
+            from megatron_ext.training import model as models
 
             self.initialize()
             args = self.args
-            with self._around("around_build"):
+            wrap = not self.model_only if wrap is None else wrap
+            with self._around("around_build"), self._standing_in():
                 self.config = models.transformer_config(args)
-                features.before_model(args, self.config)
-                # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and
-                # initialises each parameter on the device, its shard only (megatron's get_model,
-                # training.py:1768); validate allows it with --use-megatron-fsdp only
-                chunks = models.build_chunks(args, self.config, meta=args.init_model_with_meta_device and wrap)
-                features.before_wrap(args, chunks)  # frozen weights have no gradient buffer
-                if wrap:
-                    with self._around("around_wrap"):
-                        chunks = models.wrap(args, self.config, chunks)
-                features.after_model(args, chunks)
-                self.model = models.built(chunks)
+                if self.meta:
+                    self.config.perform_initialization = False  # nothing to draw without storage
+                    self.model = models.built(models.build_chunks(args, self.config, meta=True))
+                else:
+                    # --init-model-with-meta-device: built without storage; Megatron-FSDP materialises and
+                    # initialises each parameter on the device, its shard only (megatron's get_model,
+                    # training.py:1768); validate allows it with --use-megatron-fsdp only
+                    self.model = self._with_capabilities(wrap, meta=args.init_model_with_meta_device and wrap)
             self._at("after_build")
         return self.model
+
+    def _with_capabilities(self, wrap: bool, meta: bool) -> list:
+        """The chunks with the capabilities attached, in features.py's order."""
+        from megatron_ext.training import features, model as models
+
+        args = self.args
+        features.before_model(args, self.config)
+        chunks = models.build_chunks(args, self.config, meta=meta)
+        features.before_wrap(args, chunks)  # frozen weights have no gradient buffer
+        if wrap:
+            with self._around("around_wrap"):
+                chunks = models.wrap(args, self.config, chunks)
+        features.after_model(args, chunks)
+        return models.built(chunks)
+
+    def _standing_in(self):
+        """A model-only run of transformer-engine's spec where transformer-engine is not installed
+        (``--platform cuda --assume-te`` on a CPU machine) builds with megatron_ext/seams/te_spec.py's
+        stand-ins; a training run without transformer-engine is refused before it gets here."""
+        from megatron_ext.platform import target
+
+        if self.model_only and self.args.transformer_impl == "transformer_engine" and not target.te_importable():
+            from megatron_ext.seams import te_spec
+
+            return te_spec.standing_in()
+        return contextlib.nullcontext()
+
+    def _training(self, stage: str) -> None:
+        if self.model_only:
+            raise RuntimeError(f"a model-only run (Run.for_model) has no {stage}")
 
     def optimize(self):
         if self.optimizer is None:
             from megatron_ext.training import optimizer as optim
 
+            self._training("optimizer")
             model = self.build()
             self.optimizer, self.scheduler = optim.build_optimizer(self.args, model)
             optim.configure_schedule_hooks(self.args, self.config, model, self.optimizer)
@@ -192,6 +278,7 @@ class Run:
         if self.iterators is None:
             from megatron_ext.training import data
 
+            self._training("data")
             # after the load: a resumed run reads exactly the data an uninterrupted one would
             self.iterators = data.build_iterators(self.args, len(self.build()), iteration=self.iteration)
             if self.checkpointer is not None:
@@ -267,6 +354,9 @@ class Run:
         if self._initialized:
             self._initialized = False
             parallel.destroy()
+        if self._own_world:
+            self._own_world = False
+            torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None, parse_run) -> list[dict]:
@@ -287,3 +377,25 @@ def log_restart(args) -> None:
                        if os.environ.get(name))
     where = f"the newest intact checkpoint under --load={args.load}" if args.load else "iteration 0 (no --load)"
     print(f"[restart] restart {restarts} of this job ({counts}): resuming from {where}", flush=True)
+
+
+def _parse(argv: list[str]):
+    """The platform set up (CPU shims or this rank's GPU, before megatron-core is imported), then the
+    flags parsed and checked; a --dry-run does not exit here (Run.from_argv)."""
+    platform.setup()
+    return parse(argv, exit_on_dry_run=False)
+
+
+def check_load(args) -> None:
+    """--dry-run with --load: every key of the checkpoint the run would load placed in the run's whole
+    model, built here on the meta device (training/checkpoint_keys.py says how a key is placed, or
+    refuses it by name). Records what it found on args."""
+    from megatron_ext.training import checkpoint_keys, ckpt_state
+
+    found = checkpoint_keys.checkpoint_to_load(args)
+    if found is None:
+        return  # nothing to load (the load says so), or another format
+    with Run(checkpoint_keys.whole_model_args(args), meta=True) as whole:
+        (chunk,) = whole.build()
+        state = chunk.sharded_state_dict(metadata=ckpt_state.sharding_metadata(whole.args))
+    checkpoint_keys.place(args, *found, state)

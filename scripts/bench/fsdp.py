@@ -2,7 +2,7 @@
 of experts: what stock Megatron-FSDP and torch FSDP2 do on every forward + backward.
 
 A stack of megatron-core MoE TransformerLayers (local spec, SequentialMLP experts, EP1 so every
-expert is local) is wrapped by the stock wrapper and run forward + backward (+ the gradient sync the
+expert is local; the decoder layers of the run's model-only bring-up) is wrapped by the stock wrapper and run forward + backward (+ the gradient sync the
 training loop calls after the last micro-batch). Counted, for one step after a warm-up:
 
   collectives       c10d collectives dispatched (all-gathers, reduce-scatters, ...)
@@ -35,6 +35,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import UNFUSED
 from .gather import OpCounter, is_collective
 
 DEFAULTS = dict(hidden=32, heads=4, ffn=64, moe_ffn=32, topk=2, layers=2, seq=16, mbs=2, seed=1234)
@@ -76,24 +77,21 @@ class Stack(torch.nn.Module):
 
 
 def build_stack(experts: int, c: dict):
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The decoder layers of the run's model-only bring-up (megatron_ext/training/run.py Run.for_model:
+    the process groups, the model megatron-core builds from the flags) as a Stack; (stack, config)."""
+    from megatron_ext.training.run import Run
 
-    config = TransformerConfig(
-        num_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"], ffn_hidden_size=c["ffn"],
-        num_moe_experts=experts, moe_router_topk=c["topk"], moe_ffn_hidden_size=c["moe_ffn"],
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_load_balancing_type="none",
-        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float32, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-    )
-    torch.manual_seed(c["seed"])
-    tensor_parallel.model_parallel_cuda_manual_seed(c["seed"])
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
-    stack = Stack([build_module(spec, config=config, layer_number=i + 1) for i in range(c["layers"])])
-    return stack, config
+    flags = ["--num-layers", c["layers"], "--hidden-size", c["hidden"], "--num-attention-heads", c["heads"],
+             "--ffn-hidden-size", c["ffn"], "--num-experts", experts, "--moe-router-topk", c["topk"],
+             "--moe-ffn-hidden-size", c["moe_ffn"], "--moe-token-dispatcher-type", "alltoall",
+             "--moe-router-load-balancing-type", "none", "--disable-bias-linear", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--use-cpu-initialization", "--transformer-impl", "local",
+             "--position-embedding-type", "learned_absolute", "--seq-length", c["seq"],
+             "--max-position-embeddings", c["seq"], "--tokenizer-type", "NullTokenizer", "--vocab-size", 1,
+             "--make-vocab-size-divisible-by", 1, "--seed", c["seed"], *UNFUSED]
+    run = Run.for_model([str(f) for f in flags])
+    (model,) = run.build()
+    return Stack(list(model.decoder.layers)), run.config
 
 
 def wrap(stack, config, wrapper: str):

@@ -2,7 +2,7 @@
 off and on (same model, same data), comparing losses, every gradient, peak device bytes and the
 theoretical saving. Used by ``scripts/bench_offload.py`` and the offload tests (as distributed jobs).
 
-A tiny GPT (dense or MoE, local layer spec, fp32, no dropout) is built directly with megatron-core.
+A tiny GPT (dense or MoE, local layer spec, fp32, no dropout) is built by the run's model-only bring-up.
 Peak bytes: on CPU the independent tracker (``memtrack.LiveBytesTracker``), on CUDA the caching
 allocator's ``max_memory_allocated`` (``memtrack.CudaPeak``). The host link of the CPU model
 (``platform.faithful.link_gbps``) is set per run, either in GB/s or as a ratio of the copy time of one
@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from . import UNFUSED
+
 DEFAULTS = dict(
     model="dense", pp=1, vpp=None, tp=1, ep=1, layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
     experts=4, topk=2, moe_ffn=64, shared=0, recompute=None, recompute_layers=1, microbatches=4, seed=1234,
@@ -26,59 +28,49 @@ EXPOSED = ("exposed_copy_s", "exposed_d2h_s", "exposed_h2d_s")
 
 
 def build(**kw):
-    """Initialise model parallel state and build the model chunks; returns (chunks, config, c)."""
-    from megatron_ext import platform
-
-    platform.setup()
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_ext.training import parallel
+    """The model chunks of the configuration, brought up by the run's model-only bring-up
+    (megatron_ext/training/run.py Run.for_model: the process groups of its layout, the model chunks);
+    returns (chunks, config, c). Torn down with megatron_ext.training.parallel.destroy."""
+    from megatron_ext.training.run import Run
 
     c = dict(DEFAULTS, **kw)
-    moe = c["model"] == "moe"
-    parallel.initialize(tensor=c["tp"], pipeline=c["pp"], virtual_pipeline=c["vpp"], expert=c["ep"], seed=c["seed"])
-    extra = {}
-    if moe:
-        extra = dict(
-            num_moe_experts=c["experts"], moe_router_topk=c["topk"], moe_ffn_hidden_size=c["moe_ffn"],
-            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False,
-            moe_shared_expert_intermediate_size=c["shared"] or None,
-        )
-    if c["recompute"] == "full":
-        extra.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=c["recompute_layers"])
-    elif c["recompute"]:
-        extra.update(recompute_granularity="selective", recompute_modules=list(c["recompute"]))
-    dtype = getattr(torch, c.get("dtype", "float32"))
-    config = TransformerConfig(
-        num_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"], ffn_hidden_size=c["ffn"],
-        tensor_model_parallel_size=c["tp"], pipeline_model_parallel_size=c["pp"],
-        virtual_pipeline_model_parallel_size=c["vpp"], expert_model_parallel_size=c["ep"],
-        sequence_parallel=c["tp"] > 1 and moe, attention_dropout=0.0, hidden_dropout=0.0,
-        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype is torch.bfloat16, batch_p2p_comm=c["vpp"] is None,
-        deallocate_pipeline_outputs=True, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, add_bias_linear=False, init_method_std=0.02, **extra,
-    )
-    spec = get_gpt_layer_local_spec(num_experts=c["experts"] if moe else None, moe_grouped_gemm=False)
-    chunks = []
-    for vp in range(c["vpp"] or 1):
-        stage = vp if c["vpp"] else None
-        chunks.append(
-            GPTModel(
-                config=config, transformer_layer_spec=spec, vocab_size=c["vocab"], max_sequence_length=c["seq"],
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                position_embedding_type="learned_absolute", vp_stage=stage,
-            ).to(platform.current().device)
-        )
+    run = Run.for_model(model_flags(c))
+    run.initialize()
+    chunks = run.build()
     for ch in chunks:
         for p in ch.parameters():
             p.grad = torch.zeros_like(p)
-    return chunks, config, c
+    return chunks, run.config, c
+
+
+def model_flags(c: dict) -> list[str]:
+    """The configuration as megatron's flags: a GPT with learned positions, its own output layer, no
+    biases, no dropout, the softmax in fp32, the local layer spec (sequential experts) and, for MoE, an
+    all-to-all dispatcher with an aux loss."""
+    moe = c["model"] == "moe"
+    flags = ["--num-layers", c["layers"], "--hidden-size", c["hidden"], "--num-attention-heads", c["heads"],
+             "--ffn-hidden-size", c["ffn"], "--seq-length", c["seq"], "--max-position-embeddings", c["seq"],
+             "--position-embedding-type", "learned_absolute", "--disable-bias-linear", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--untie-embeddings-and-output-weights", "--attention-softmax-in-fp32",
+             "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer", "--vocab-size", c["vocab"],
+             "--make-vocab-size-divisible-by", 1,
+             "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
+             "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
+    if c["vpp"]:
+        flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
+    if moe:
+        flags += ["--num-experts", c["experts"], "--moe-router-topk", c["topk"], "--moe-ffn-hidden-size", c["moe_ffn"],
+                  "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+                  "--moe-aux-loss-coeff", "1e-2"]
+        flags += ["--moe-shared-expert-intermediate-size", c["shared"]] if c["shared"] else []
+        flags += ["--sequence-parallel"] if c["tp"] > 1 else []
+    if c["recompute"] == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                  c["recompute_layers"]]
+    elif c["recompute"]:
+        flags += ["--recompute-granularity", "selective", "--recompute-modules", *c["recompute"]]
+    flags += {"float32": [], "bfloat16": ["--bf16"], "float16": ["--fp16"]}[c.get("dtype", "float32")]
+    return [str(f) for f in flags]
 
 
 def batches(c, step: int):

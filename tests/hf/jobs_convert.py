@@ -52,25 +52,25 @@ def import_counting_reads(imports: list) -> dict:
     read from the HF files and the bytes of the model tensors it holds."""
     import torch
 
-    from megatron_ext.hf import convert
+    from megatron_ext.hf import importer
 
     held = {}
-    original = convert._fill
+    original = importer._fill
 
     def fill(pieces, *args):
         held["bytes"] = sum(p.dest.numel() * p.dest.element_size() for p in pieces)
         return original(pieces, *args)
 
     out = []
-    convert._fill = fill
+    importer._fill = fill
     try:
         for hf_dir, ckpt, flags in imports:
             counts: dict = {}
             with _bytes_read(counts):
-                convert.import_hf(hf_dir, ckpt, extra=flags)
+                importer.import_hf(hf_dir, ckpt, extra=flags)
             out.append({"read": sum(counts.values()), "held": held["bytes"], "tensors": sorted(counts)})
     finally:
-        convert._fill = original
+        importer._fill = original
     torch.distributed.barrier()
     return {"imports": out}
 
@@ -98,10 +98,10 @@ def export_recording_stages(load: str, out: str, recipe: str | None = None, fail
 
     import torch
     from megatron_ext.errors import ConfigError
-    from megatron_ext.hf import convert
+    from megatron_ext.hf import exporter
 
     written = []
-    original = convert._write_shards
+    original = exporter._write_shards
 
     def write(files, names, tensors, c, target):
         if fail_after is not None:
@@ -114,33 +114,33 @@ def export_recording_stages(load: str, out: str, recipe: str | None = None, fail
             raise ConfigError("stopped part-way through the export")
         return result
 
-    convert._write_shards = write
+    exporter._write_shards = write
     try:
-        names, iteration = convert.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, overwrite=overwrite)
+        names, iteration = exporter.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, overwrite=overwrite)
         error = None
     except ConfigError as e:
         names, iteration, error = None, None, str(e)
     finally:
-        convert._write_shards = original
+        exporter._write_shards = original
     return {"names": names, "iteration": iteration, "written": written, "error": error}
 
 
 def import_refused(hf_dir: str, save: str, flags: list) -> str | None:
     """An import on this world: the line it refuses with (None: it did not)."""
     from megatron_ext.errors import ConfigError
-    from megatron_ext.hf import convert
+    from megatron_ext.hf import importer
 
     try:
-        convert.import_hf(hf_dir, save, extra=flags)
+        importer.import_hf(hf_dir, save, extra=flags)
     except ConfigError as e:
         return str(e)
     return None
 
 
 def import_overwriting(hf_dir: str, save: str) -> None:
-    from megatron_ext.hf import convert
+    from megatron_ext.hf import importer
 
-    convert.import_hf(hf_dir, save, overwrite=True)
+    importer.import_hf(hf_dir, save, overwrite=True)
 
 
 def convert_cli(argv: list) -> str | None:
@@ -169,3 +169,52 @@ def train_then(argv: list | None, after: list) -> dict:
 
     history = entry.main(list(argv)) if argv is not None else []
     return {"iterations": [h["iteration"] for h in history], **{name: convert_cli(a) for name, a in after}}
+
+
+def export_counting_reads(load: str, out: str) -> dict:
+    """An export on this world, counting each listing of the checkpoint directory ``load`` and each read
+    of a recipe or a common state (the LoRA record) under it: the conversion's own (no frame of the run,
+    training/run.py, on the stack) and the run's (its parser, its load)."""
+    import builtins
+    import collections
+    import os
+    import traceback
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.hf import exporter
+
+    root = os.path.abspath(load)
+    run_py = os.path.join("megatron_ext", "training", "run.py")
+    counts = {"conversion": collections.Counter(), "run": collections.Counter()}
+
+    def count(what: str) -> None:
+        whose = "run" if any(f.filename.endswith(run_py) for f in traceback.extract_stack()) else "conversion"
+        counts[whose][what] += 1
+
+    def under(path) -> bool:
+        return isinstance(path, str) and os.path.abspath(path).startswith(root)
+
+    listdir, opened, common = os.listdir, builtins.open, dist_checkpointing.load_common_state_dict
+
+    def counted_listdir(path="."):
+        if isinstance(path, str) and os.path.abspath(path) == root:
+            count("listing")
+        return listdir(path)
+
+    def counted_open(path, *args, **kwargs):
+        if under(path) and os.path.basename(path) == "recipe.yaml":
+            count("recipe")
+        return opened(path, *args, **kwargs)
+
+    def counted_common(path, *args, **kwargs):
+        if under(path):
+            count("common state")
+        return common(path, *args, **kwargs)
+
+    os.listdir, builtins.open, dist_checkpointing.load_common_state_dict = counted_listdir, counted_open, counted_common
+    try:
+        names, iteration = exporter.export_hf(load, out)
+    finally:
+        os.listdir, builtins.open, dist_checkpointing.load_common_state_dict = listdir, opened, common
+    return {"names": names, "iteration": iteration, **{k: dict(v) for k, v in counts.items()}}

@@ -24,27 +24,27 @@ def imports(hf_dirs: dict, root: str) -> dict:
 
 def parse(recipe: str, *flags: str):
     """The arguments of `recipe` as a --dry-run validates them (the checkpoint under --load checked
-    against the model: training/checkpoint_keys.py), without exiting."""
-    import arguments
+    against the run's whole model: training/run.py check_load), without exiting."""
+    from megatron_ext.training.run import Run
 
     with contextlib.redirect_stdout(io.StringIO()):
-        return arguments.parse(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5",
-                                "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-                                "--finetune", "--dry-run", *flags], exit_on_dry_run=False)
+        return Run.from_argv(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5",
+                              "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                              "--finetune", "--dry-run", *flags], exit_on_dry_run=False).args
 
 
 def through(args, save: str) -> list:
-    """Load --load into this run's whole model (built on CPU; transformer-engine's spec with the
+    """Load --load into this run's whole model (a model-only run on CPU; transformer-engine's spec with the
     stand-ins), save it under `save`; the model's state-dict names."""
-    from megatron_ext.training import checkpoint_keys, checkpointing
+    from megatron_ext.training import checkpoint_keys
+    from megatron_ext.training.run import Run
 
-    with checkpoint_keys.whole_model(args, device="cpu") as chunk:
-        run = checkpoint_keys.whole_model_args(args)
-        run.save, run.save_interval, run.dry_run, run.no_save_optim, run.no_save_rng = save, 1, False, True, True
-        ckpt = checkpointing.Checkpointer(run, [chunk], None, checkpointing.WeightsOnly())
-        with contextlib.redirect_stdout(io.StringIO()):
-            ckpt.load()
-            ckpt.save(0)
+    whole = checkpoint_keys.whole_model_args(args)
+    whole.save, whole.save_interval, whole.dry_run, whole.no_save_optim, whole.no_save_rng = save, 1, False, True, True
+    with Run(whole, model_only=True) as run, contextlib.redirect_stdout(io.StringIO()):
+        (chunk,) = run.build()
+        run.load(weights_only=True)
+        run.save(0, weights_only=True)
         return sorted(chunk.state_dict())
 
 

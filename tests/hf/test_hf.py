@@ -293,6 +293,56 @@ def _refused_in_build(shape, dtype, bad, ckpt):
     return out
 
 
+def test_export_reads_the_checkpoint_once_and_the_import_records_no_training_flags(workdir, tmp_path):
+    """Before its run, an export reads --load once (hf/checkpoint.py find: one listing, the newest
+    checkpoint's common state for its LoRA record); the run's parser and load then read it as any run
+    does. The import is a model-only run: what its checkpoint records of how it was launched holds the
+    flags the import gave (--save ...), none of the values megatron's parser asks every run for."""
+    r = imported(workdir, "llama")
+    out = run_distributed(1, "tests.hf.jobs_convert:export_counting_reads", load=r["ckpt"],
+                          out=str(tmp_path / "out"))[0]
+    assert out["conversion"] == {"listing": 1, "common state": 1}, out
+    assert out["run"]["listing"] >= 1 and out["run"]["recipe"] == 1 and out["iteration"] == 0, out
+    with open(os.path.join(r["ckpt"], "iter_0000000", "recipe.yaml")) as f:
+        launched = f.read().split("# the run's own flags")[1]
+    assert "# save_interval: 1" in launched and "# no_save_optim: true" in launched, launched
+    for stand_in in ("lr", "min_lr", "mock_data", "train_iters", "micro_batch_size", "global_batch_size",
+                     "lr_warmup_iters", "num_workers"):
+        assert f"# {stand_in}:" not in launched, launched
+
+
+def _dry_run(argv: list) -> str:
+    """Job: train.py's bring-up of a --dry-run (without exiting): what it printed."""
+    import contextlib
+    import io
+
+    from megatron_ext.training.run import Run
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Run.from_argv(argv, exit_on_dry_run=False)
+    return printed.getvalue()
+
+
+def test_dry_run_places_the_keys_in_the_whole_model(workdir):
+    """train.py --dry-run --load: the run's whole model on the meta device, then the configuration and the
+    key check's line last. Without a launcher (a process of its own) the whole model is built in a world
+    of this process held in memory; a key it cannot place is then the one line printed."""
+    r = imported(workdir, "llama")
+    argv = ["--load", r["ckpt"], "--finetune", "--mock-data", "--lr", "1e-5", "--micro-batch-size", "1",
+            "--train-iters", "1", "--num-workers", "0", "--dry-run"]
+    printed = run_distributed(1, "tests.hf.test_hf:_dry_run", argv=argv)[0]
+    assert printed.startswith("resolved configuration"), printed
+    assert printed.splitlines()[-1].startswith(
+        "  checkpoint_keys 'iter_0000000: every weight placed in the local spec: 8'"), printed
+    refused = subprocess.run([sys.executable, "train.py", *argv, "--qk-layernorm"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=300)
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: --load={r['ckpt']}: the checkpoint has no decoder.layers.self_attention.k_layernorm.weight"), \
+        refused.stderr
+
+
 def test_cli_refuses_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "architectures": ["JambaForCausalLM"]}))
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), "import", "--hf", str(tmp_path),

@@ -33,9 +33,9 @@ def plan_json_recipe(extra):
 
 
 def saved_seq_exponents(argv):
-    """Per spec (transformer-engine target, local), the largest exponent in sequence length among the
-    storages one dense layer saves for backward (2: something of size s x s is kept), and that
-    layer's saved bytes at the run's shape."""
+    """Per spec (transformer-engine target, local with torch's attention, local with megatron's unfused
+    attention), the largest exponent in sequence length among the storages one dense layer saves for
+    backward (2: something of size s x s is kept), and that layer's saved bytes at the run's shape."""
     import contextlib
     import io
 
@@ -44,15 +44,17 @@ def saved_seq_exponents(argv):
     from megatron_ext.planner import trace as tr
 
     out = {}
-    for impl, assume in (("transformer_engine", "--assume-te"), ("local", "--assume-no-te")):
+    for name, impl, assume, extra in (("transformer_engine", "transformer_engine", "--assume-te", ()),
+                                      ("local", "local", "--assume-no-te", ()),
+                                      ("local_unfused", "local", "--assume-no-te", ("--attention-backend", "unfused"))):
         with contextlib.redirect_stdout(io.StringIO()):
-            args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, "--dry-run"],
-                                   exit_on_dry_run=False)
+            args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, *extra,
+                                    "--dry-run"], exit_on_dry_run=False)
         t = tr.trace(args)
         s = tr.scaled(args, t)
         comp = s.kind("dense")
         exps = [t["exps"][k].get("seq", 0.0) for k, (c, _module, _gemm) in t["raw"]["saved"].items() if c == comp]
-        out[impl] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
+        out[name] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
     return out
 
 

@@ -219,13 +219,16 @@ def test_gpt_oss_recompute_plans_on_transformer_engine():
 
 
 def test_transformer_engine_attention_keeps_no_scores():
-    """On a transformer-engine target the trace's core attention and norms keep what TE's keep: no
-    storage saved for backward grows with the square of the sequence (the local spec keeps its
+    """On a transformer-engine target the trace's core attention and norms keep what TE's keep, and
+    on the local spec torch's attention (--attention-backend auto) keeps what it keeps: no storage
+    saved for backward grows with the square of the sequence (megatron's unfused attention keeps its
     [b, heads, s, s] softmax output), and a layer saves less."""
     r = run_distributed(1, "tests.planner.jobs:saved_seq_exponents", argv=DENSE)[0]
     assert r["transformer_engine"]["max_seq_exponent"] == 1.0, r
-    assert r["local"]["max_seq_exponent"] == 2.0, r
-    assert r["transformer_engine"]["saved"] < r["local"]["saved"], r
+    assert r["local"]["max_seq_exponent"] == 1.0, r
+    assert r["local_unfused"]["max_seq_exponent"] == 2.0, r
+    assert r["transformer_engine"]["saved"] < r["local_unfused"]["saved"], r
+    assert r["local"]["saved"] < r["local_unfused"]["saved"], r
 
 
 def test_fp8_keeps_saved_gemm_inputs_in_one_byte():

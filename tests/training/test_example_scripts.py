@@ -122,7 +122,8 @@ CHANGES = {
         "drop": {"--profile": "without --use-pytorch-profiler it is an nsys capture range, CUDA only",
                  "--profile-step-start": "goes with --profile", "--profile-step-end": "goes with --profile",
                  "--cross-entropy-loss-fusion": "a fused kernel: transformer-engine/CUDA",
-                 "--attention-backend": "'fused' is transformer-engine's attention; the local spec runs unfused"},
+                 "--attention-backend": "'fused' is transformer-engine's attention, refused on the local spec "
+                                        "(its auto / flash run torch's attention)"},
         "script_variables": {"DTYPE": ("bf16", "the default fp8 adds --fp8-* flags, which need transformer-engine")},
     },
     "mixtral": {

@@ -1,0 +1,148 @@
+"""The megatron side of a conversion: the model of a recipe, opened by the run's model-only bring-up
+(training/run.py ``Run.for_model``: the model's flags, no training flags), and a checkpoint loaded into it.
+
+    found = find(load, recipe)              the one read of --load before the run: its newest checkpoint's
+                                            recipe (or an import's beside it) and LoRA record
+    with loaded(found, layout) as run:      the model-only run with that checkpoint's weights (run.model)
+    with open_model(recipe, flags) as run:  the model-only run of a recipe (an import fills and saves it)
+
+The run then reads --load as any run does: its parser the recipe the checkpoint records (moving a
+moved directory's tokenizer path onto the copy beside it), its load the newest intact checkpoint."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import sys
+
+import torch
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.hf import families, hfdir, shards
+
+RECIPE = "recipe.yaml"  # as training/ckpt_recipe.py names it (imported there with megatron-core)
+
+
+def open_model(recipe: str | None, flags: list[str]):
+    """The model-only run of the recipe's model (None: the recipe the --load checkpoint in ``flags``
+    records) with these flags. Entering it brings the process groups up; leaving it tears them down,
+    and a teardown that fails after the conversion's own error does not replace it."""
+    from megatron_ext.training.run import Run
+
+    return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags])
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What a conversion reads of --load before it loads it, once (:func:`find`)."""
+
+    load: str
+    recipe: str  # the recipe the load reads: --recipe, else the checkpoint's (or an import's beside it)
+    given: bool  # --recipe was given; else the run's parser reads the recorded one itself
+    lora: dict | None  # the newest checkpoint's LoRA record: an adapter checkpoint's configuration
+
+    def lora_flags(self) -> list[str]:
+        """The LoRA flags an adapter checkpoint was trained with (its base loads first), else []."""
+        if self.lora is None:
+            return []
+        from megatron_ext.training import ckpt_lora  # (megatron-core: after find's platform setup)
+
+        return ckpt_lora.flags(self.lora).split()
+
+    def num_layers(self) -> int:
+        import yaml
+
+        with open(self.recipe) as f:
+            raw = yaml.safe_load(f) or {}
+        layers = raw.get("num_layers", raw.get("num-layers"))
+        if not isinstance(layers, int):
+            raise ConfigError(f"--recipe={self.recipe}: no num_layers")
+        return layers
+
+
+def find(load: str, recipe: str | None = None) -> Found:
+    """--load read once: its committed checkpoints listed, the newest complete one's recipe (else the
+    newest that has one, else an import's beside them) unless --recipe is given, and its LoRA record.
+    A one-line refusal when there is no recipe."""
+    if recipe is not None and not os.path.isfile(recipe):
+        raise ConfigError(f"--recipe={recipe}: no such file")
+    if recipe is None and not os.path.isdir(load):
+        raise ConfigError(f"--load={load}: no such directory")
+    from megatron_ext import platform
+
+    platform.setup()  # before megatron-core is imported
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.training import ckpt_dirs
+
+    newest_first = [ckpt_dirs.checkpoint_dir(load, i) for i in ckpt_dirs.complete_iterations(load)[::-1]]
+    if recipe is None:
+        recorded = [os.path.join(d, RECIPE) for d in newest_first] + [os.path.join(load, RECIPE)]
+        found = next((path for path in recorded if os.path.isfile(path)), None)
+        if found is None:
+            raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
+                              "train.py saves records one, an import writes one): pass --recipe")
+    lora = dist_checkpointing.load_common_state_dict(newest_first[0]).get("lora") if newest_first else None
+    return Found(load=load, recipe=recipe or found, given=recipe is not None, lora=lora)
+
+
+@contextlib.contextmanager
+def loaded(found: Found, flags: list[str]):
+    """The model-only run of the checkpoint's recipe with the newest intact checkpoint under
+    ``found.load`` loaded, weights only, as --finetune loads them (``run.model``;
+    ``run.checkpointer.loaded["iteration"]``: the one loaded). A LoRA adapter checkpoint loads with
+    the LoRA flags it records, its base first (training/ckpt_lora.py)."""
+    with open_model(found.recipe if found.given else None,
+                    ["--load", found.load, "--finetune", "--no-load-optim", "--no-load-rng",
+                     "--exit-on-missing-checkpoint", *found.lora_flags(), *flags]) as run:
+        from megatron_ext import lora
+
+        model = run.build()
+        # the model's own tensors are loaded into in place (shards.py); a LoRA load places a part of
+        # the model's keys (the base, then the adapters) through the model itself
+        into = None if lora.enabled(run.args) else prebuilt(run.args, model, own_storage=False)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                run.load(weights_only=True, chunks=into)
+        except ConfigError as e:  # the damage each checkpoint showed, in the one line
+            damage = [line.removeprefix("[checkpoint] ") for line in printed.getvalue().splitlines() if "damaged" in line]
+            raise ConfigError("; ".join([str(e), *damage])) from None
+        for line in printed.getvalue().splitlines():  # what was loaded instead of a damaged newer checkpoint
+            if "damaged" in line or "warning" in line:
+                print(line, file=sys.stderr, flush=True)
+        yield run
+
+
+def hf_config(args, load: str) -> tuple[str, families.Config]:
+    """(model type, HF config) of a loaded run: its tokenizer directory's config.json, which an import
+    copies there; a model that came from no import has none to write."""
+    tok_dir = args.tokenizer_model
+    if not isinstance(tok_dir, str) or not os.path.isfile(os.path.join(tok_dir, "config.json")):
+        raise ConfigError(f"--load={load}: not a model imported from Hugging Face (its tokenizer {tok_dir} has no "
+                          "config.json, the architecture a Hugging Face model is written with)")
+    return hfdir.read_config(tok_dir)
+
+
+def model_tensors(chunk) -> dict[str, torch.Tensor]:
+    """Parameter and persistent-buffer tensors of one model chunk by state-dict name."""
+    from megatron_ext.seams import unwrapped
+
+    return {k: v for k, v in unwrapped(chunk).state_dict(keep_vars=True).items()
+            if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+
+
+def pieces(args, model) -> list:
+    """This rank's part of every megatron tensor of the model (shards.py), as a save describes it."""
+    from megatron_ext.training import ckpt_state
+
+    return shards.pieces(model, ckpt_state.sharding_metadata(args))
+
+
+def prebuilt(args, model, own_storage: bool) -> list:
+    """What stands for the model's chunks in a save or load whose sharded tensors are the model's own
+    (shards.Prebuilt): a load reads into the parameters in place, an import's save writes them."""
+    from megatron_ext.training import ckpt_state
+
+    return [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=own_storage) for c in model]
