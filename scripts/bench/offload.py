@@ -56,6 +56,8 @@ def model_flags(c: dict) -> list[str]:
              "--make-vocab-size-divisible-by", 1,
              "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
              "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
+    if c.get("attention"):  # the local spec's core attention (megatron's default, auto: torch's)
+        flags += ["--attention-backend", c["attention"]]
     if c["vpp"]:
         flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
     if moe:

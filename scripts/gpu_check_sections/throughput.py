@@ -6,7 +6,8 @@ Cases (``MODELS``), each run unfused and with torch attention (``--attention-bac
 core_attention offload off and on:
 
 * ``a``: gpu_check's dense model (scripts/bench/offload.py's: 8 layers, hidden 4096, FFN 16384 GELU,
-  32 heads, seq 4096, LayerNorm, learned positions, tied embeddings, vocabulary 32000);
+  32 heads, seq 4096, LayerNorm, learned positions, untied embeddings, the softmax in fp32, vocabulary
+  32000), with train.py's kernel defaults (not the benchmark's UNFUSED);
 * ``b``: a Llama-3-8B-shaped stack: hidden 4096, FFN 14336 SwiGLU, 32 heads in 8 query groups, RoPE
   (base 500000), RMSNorm, untied embeddings, vocabulary 128256, seq 8192, as many layers as fit this
   GPU's free memory (``layers_that_fit``: the arithmetic, per attention kernel); beside it torchtitan's
@@ -71,17 +72,16 @@ TITAN_TIMEOUT_S = {"gpu": 150.0, "smoke": 60.0}
 
 # ------------------------------------------------------------------------------------------------ shapes
 def model_argv(m: dict, layers: int) -> list:
-    """The model's megatron flags (NullTokenizer adds its end-of-document id: --vocab-size is one less)."""
+    """The model's megatron flags."""
     argv = ["--num-layers", str(layers), "--hidden-size", str(m["hidden"]), "--ffn-hidden-size", str(m["ffn"]),
             "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]),
-            "--max-position-embeddings", str(m["seq"]), "--vocab-size", str(m["vocab"] - 1),
-            "--make-vocab-size-divisible-by", "128"]
+            "--max-position-embeddings", str(m["seq"]), "--vocab-size", str(m["vocab"]),
+            "--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights"]
     if m["arch"] == "llama":
         argv += ["--group-query-attention", "--num-query-groups", str(m["groups"]), "--swiglu", "--normalization",
-                 "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "500000",
-                 "--untie-embeddings-and-output-weights"]
-    else:  # scripts/bench/offload.py's GPT: GELU, LayerNorm, learned positions, tied embeddings
-        argv += ["--position-embedding-type", "learned_absolute"]
+                 "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "500000"]
+    else:  # scripts/bench/offload.py's GPT (model_flags): GELU, LayerNorm, learned positions, softmax in fp32
+        argv += ["--position-embedding-type", "learned_absolute", "--attention-softmax-in-fp32"]
     if m.get("experts"):
         argv += ["--num-experts", str(m["experts"]), "--moe-router-topk", str(m["topk"]),
                  "--moe-ffn-hidden-size", str(m["moe_ffn"]), "--moe-shared-expert-intermediate-size", str(m["shared"]),
@@ -122,12 +122,12 @@ def offload_pool_bytes(m: dict, layers: int, backend: str) -> int:
 
 def parameters(m: dict) -> tuple:
     """(parameters per layer, parameters outside the layers) of a dense stack as ``model_argv`` builds it
-    (no linear biases; LayerNorm has a bias, RMSNorm not; gpt: learned positions, tied embeddings)."""
+    (no linear biases, untied embeddings; LayerNorm has a bias, RMSNorm not; gpt: learned positions)."""
     h, kv = m["hidden"], m["hidden"] * m.get("groups", m["heads"]) // m["heads"]
     norm = h if m["arch"] == "llama" else 2 * h
     attention = h * (h + 2 * kv) + h * h
     mlp = h * m["ffn"] * (3 if m["arch"] == "llama" else 2)
-    embeddings = m["vocab"] * h * 2 if m["arch"] == "llama" else m["vocab"] * h + m["seq"] * h
+    embeddings = 2 * m["vocab"] * h + (m["seq"] * h if m["arch"] == "gpt" else 0)
     return attention + mlp + 2 * norm, embeddings + norm
 
 
@@ -217,12 +217,10 @@ def _spread_ms(seconds: list) -> dict:
 
 def measure_run(argv: list, steps: dict) -> dict:
     """One Run: warm-up steps, then measured ones; what it built and what the steps took."""
-    import arguments
     from megatron_ext import offload
-    from megatron_ext.training.run import Run, use_arguments
+    from megatron_ext.training.run import Run
     from megatron.training.training import num_floating_point_operations
 
-    use_arguments(arguments.parse)
     clock = StepClock()
     out = {}
     try:
