@@ -263,6 +263,7 @@ def markdown(doc: dict) -> str:
              + f"; torch {host['torch']} (CUDA {host['cuda_runtime']}), megatron-core {host['megatron_core']}, "
              f"transformer-engine {host['transformer_engine'] or 'absent'}, torchtitan {host.get('torchtitan') or 'absent'}"
              + (f"; sections in processes of their own ({doc['processes']})" if "processes" in doc else "") + ".", "",
+             *([f"**{doc['stopped']}**", ""] if doc.get("stopped") else []),
              "## Claims", ""]
     lines += _table([{"section": c.get("section"), "claim": c["claim"], "holds": c["holds"]} for c in doc["claims"]],
                     ["section", "claim", "holds"])
@@ -377,12 +378,19 @@ def run_in_process(name: str, smoke: bool, size: dict, limit_s: float, fresh: bo
                 proc.kill()
                 code = proc.wait()
                 killed = True
+            except BaseException:  # the run stopped: the section's process does not outlive it
+                proc.kill()
+                raise
             else:
                 killed = False
         else:
             proc = fork_server().Process(target=child, args=(name, size, result_file, log_file))
             proc.start()
-            proc.join(limit_s)
+            try:
+                proc.join(limit_s)
+            except BaseException:
+                proc.kill()
+                raise
             killed = proc.is_alive()
             if killed:
                 proc.kill()
@@ -451,24 +459,34 @@ def main(argv=None) -> int:
             with open(base + ".json", "w") as f:
                 json.dump(doc, f, indent=1, default=str)
 
-    for name in SECTIONS:
-        if name not in sections:
-            doc["sections"][name] = {"status": "skipped: not selected"}
-            continue
-        estimate, limit, skipped = plan_section(name, a.budget_s, a.budget_s - (time.time() - t0), a.cpu_smoke)
-        if skipped:
-            doc["sections"][name] = {"status": skipped, "estimate_s": estimate}
+    def stopped(signum, frame):  # `timeout` (scripts/gpu_run.sh): what was measured is kept, markdown too
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        for name in SECTIONS:
+            if name not in sections:
+                doc["sections"][name] = {"status": "skipped: not selected"}
+                continue
+            estimate, limit, skipped = plan_section(name, a.budget_s, a.budget_s - (time.time() - t0), a.cpu_smoke)
+            if skipped:
+                doc["sections"][name] = {"status": skipped, "estimate_s": estimate}
+                write()
+                continue
+            print(f"[gpu_check] {name} (estimate {estimate:.0f} s, limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            ts = time.time()
+            doc["sections"][name] = {"status": "error: the run was stopped while this section ran", "estimate_s": estimate}
+            result, claims = run_in_process(name, a.cpu_smoke, size, limit, fresh)
+            result.update(seconds=round(time.time() - ts, 1), estimate_s=estimate)
+            for c in claims:
+                c["section"] = name
+            doc["sections"][name] = result
+            doc["claims"] += claims
             write()
-            continue
-        print(f"[gpu_check] {name} (estimate {estimate:.0f} s, limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
-        ts = time.time()
-        result, claims = run_in_process(name, a.cpu_smoke, size, limit, fresh)
-        result.update(seconds=round(time.time() - ts, 1), estimate_s=estimate)
-        for c in claims:
-            c["section"] = name
-        doc["sections"][name] = result
-        doc["claims"] += claims
-        write()
+    except KeyboardInterrupt as e:
+        doc["stopped"] = f"the run was stopped ({e or 'interrupted'}); the sections after it did not run"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     write()
     text = markdown(doc)
     if base:
