@@ -135,8 +135,27 @@ SIZES = {
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def gpu_query() -> dict:
+    """The GPU as nvidia-smi describes it, without a CUDA context in this process (the sections' processes
+    own the device; their cuda_facts records torch's view of it); {} where nvidia-smi does not answer."""
+    fields = ("name", "memory.total", "compute_cap", "driver_version")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in out.stdout.strip().split(",")]
+    if out.returncode != 0 or len(values) != len(fields):
+        return {}
+    name, memory_mib, capability, driver = values
+    return {"device": name, "memory_bytes": int(float(memory_mib)) << 20 if memory_mib.replace(".", "").isdigit()
+            else memory_mib, "compute_capability": capability, "driver": driver}
+
+
 def device_name() -> str:
-    return torch.cuda.get_device_name() if cuda() else "cpu"
+    if not cuda():
+        return "cpu"
+    return gpu_query().get("device") or "cuda"
 
 
 def host_info() -> dict:
@@ -151,9 +170,7 @@ def host_info() -> dict:
         "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
     }
     if cuda():
-        p = torch.cuda.get_device_properties(0)
-        info.update(device=p.name, compute_capability=f"{p.major}.{p.minor}", memory_bytes=p.total_memory,
-                    multiprocessors=p.multi_processor_count)
+        info.update(gpu_query())
     try:
         info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
                                         timeout=10).stdout.strip() or None

@@ -21,6 +21,7 @@ from . import UNFUSED
 DEFAULTS = dict(
     model="dense", pp=1, vpp=None, tp=1, ep=1, layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
     experts=4, topk=2, moe_ffn=64, shared=0, recompute=None, recompute_layers=1, microbatches=4, seed=1234,
+    attention="unfused",  # megatron's DotProductAttention, as the hand-made configs had it (auto: torch's)
 )
 
 
@@ -56,7 +57,7 @@ def model_flags(c: dict) -> list[str]:
              "--make-vocab-size-divisible-by", 1,
              "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
              "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
-    if c.get("attention"):  # the local spec's core attention (megatron's default, auto: torch's)
+    if c.get("attention"):  # the local spec's core attention
         flags += ["--attention-backend", c["attention"]]
     if c["vpp"]:
         flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
