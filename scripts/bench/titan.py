@@ -258,7 +258,7 @@ def _shape_matches(a):
     attention = cfg.layers[0].attention
     got = {"hidden": cfg.dim, "vocab": cfg.vocab_size, "heads": getattr(attention, "n_heads", None),
            "kv_heads": getattr(attention, "n_kv_heads", None),
-           "ffn": getattr(cfg.layers[0].feed_forward, "hidden_dim", None)}
+           "ffn": cfg.layers[0].feed_forward.w1.out_features}
     asked = {"hidden": a.hidden, "vocab": a.vocab, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn}
     differ = {k: (v, got[k]) for k, v in asked.items() if v is not None and got[k] is not None and got[k] != v}
     return True if not differ else "shape differs (asked, torchtitan's): " + ", ".join(f"{k} {v}" for k, v in differ.items())
