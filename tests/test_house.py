@@ -270,7 +270,7 @@ def test_one_bring_up():
                os.path.join("megatron_ext", "training", "checkpointing.py"): ("Checkpointer",),
                # the configs megatron builds from the flags, made at parse time so that their own checks
                # refuse before any compute (no model)
-               os.path.join("megatron_ext", "arguments.py"): ("core_transformer_config_from_args",),
+               os.path.join("megatron_ext", "training", "command_line.py"): ("core_transformer_config_from_args",),
                # the planner reads the target's layer layout from its config (no model: a cluster's run)
                os.path.join("megatron_ext", "planner", "run.py"): ("core_transformer_config_from_args",),
                # the sync audit builds one MoE layer (the layer spec's MLP submodule), not a model

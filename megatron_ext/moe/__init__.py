@@ -78,7 +78,7 @@ def add_arguments(parser):
 def before_validate(args) -> None:
     from megatron_ext.moe import graphs
 
-    graphs.before_validate(args)
+    graphs.before_validate(args, ZERO_SYNC)
 
 
 def validate(args) -> None:

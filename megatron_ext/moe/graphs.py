@@ -53,9 +53,9 @@ def _names(values) -> list:
     return [getattr(v, "name", v) for v in (values or [])]
 
 
-def before_validate(args) -> None:
-    """Accept or refuse megatron's CUDA-graph flags (see the module's docstring)."""
-    from megatron_ext.moe import ZERO_SYNC
+def before_validate(args, zero_sync_flag: str) -> None:
+    """Accept or refuse megatron's CUDA-graph flags (see the module's docstring); ``zero_sync_flag``: the
+    zero-sync layer's flag, as the package names it."""
     from megatron_ext.platform.target import resolve
 
     impl = getattr(args, "cuda_graph_impl", "none")
@@ -66,16 +66,16 @@ def before_validate(args) -> None:
         return  # megatron: modules have no effect without an implementation
     if impl != "local":
         raise ConfigError(f"{IMPL}={impl}: this loop captures CUDA graphs only for the dropless MoE layers of "
-                          f"{ZERO_SYNC}: {IMPL} local {MODULES} moe ({impl}'s capture is run by megatron's own "
+                          f"{zero_sync_flag}: {IMPL} local {MODULES} moe ({impl}'s capture is run by megatron's own "
                           "training loop)")
     if given != ["moe"]:
         shown = " ".join(given) if given else "(none: whole layers)"
         raise ConfigError(f"{IMPL}=local, {spelled}={shown}: this loop captures only the MoE layers: "
-                          f"{spelled} moe, with {ZERO_SYNC}")
+                          f"{spelled} moe, with {zero_sync_flag}")
     if not getattr(args, "moe_zero_sync_dropless", False):
         raise ConfigError(f"{IMPL}=local, {spelled}=moe: moe cuda graph is only supported with drop-padding "
                           f"MoE (megatron-core), whose local graphs capture nothing in a GPT model; this loop "
-                          f"captures dropless MoE layers with {ZERO_SYNC} (no host synchronisation)")
+                          f"captures dropless MoE layers with {zero_sync_flag} (no host synchronisation)")
     if not resolve(args).cuda:
         raise ConfigError(f"{IMPL}=local: CUDA graphs need CUDA, which this machine lacks; `--dry-run --platform "
                           "cuda` validates the run for a GPU cluster")

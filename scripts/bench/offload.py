@@ -21,7 +21,7 @@ from . import UNFUSED
 DEFAULTS = dict(
     model="dense", pp=1, vpp=None, tp=1, ep=1, layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
     experts=4, topk=2, moe_ffn=64, shared=0, recompute=None, recompute_layers=1, microbatches=4, seed=1234,
-    attention="unfused",  # megatron's DotProductAttention, as the hand-made configs had it (auto: torch's)
+    attention="unfused",  # the local spec's core attention (offload/theory.py ATTENTION): unfused or sdpa
 )
 
 
@@ -46,8 +46,9 @@ def build(**kw):
 
 def model_flags(c: dict) -> list[str]:
     """The configuration as megatron's flags: a GPT with learned positions, its own output layer, no
-    biases, no dropout, the softmax in fp32, the local layer spec (sequential experts) and, for MoE, an
-    all-to-all dispatcher with an aux loss."""
+    biases, no dropout, the softmax in fp32, the local layer spec (sequential experts) with the core
+    attention ``c["attention"]`` names (megatron's unfused, or torch's SDPA) and, for MoE, an all-to-all
+    dispatcher with an aux loss."""
     moe = c["model"] == "moe"
     flags = ["--num-layers", c["layers"], "--hidden-size", c["hidden"], "--num-attention-heads", c["heads"],
              "--ffn-hidden-size", c["ffn"], "--seq-length", c["seq"], "--max-position-embeddings", c["seq"],
@@ -55,10 +56,9 @@ def model_flags(c: dict) -> list[str]:
              "--hidden-dropout", "0", "--untie-embeddings-and-output-weights", "--attention-softmax-in-fp32",
              "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer", "--vocab-size", c["vocab"],
              "--make-vocab-size-divisible-by", 1,
+             "--attention-backend", {"unfused": "unfused", "sdpa": "flash"}[c["attention"]],
              "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
              "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
-    if c.get("attention"):  # the local spec's core attention
-        flags += ["--attention-backend", c["attention"]]
     if c["vpp"]:
         flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
     if moe:
@@ -147,7 +147,7 @@ def theory_group_bytes(modules, c) -> int:
     return theory.group_bytes(
         canonical_modules(modules), c["model"] == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
         heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"],
-        dtype_bytes=torch.finfo(getattr(torch, c.get("dtype", "float32"))).bits // 8,
+        dtype_bytes=torch.finfo(getattr(torch, c.get("dtype", "float32"))).bits // 8, attention=c["attention"],
     )
 
 

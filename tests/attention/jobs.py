@@ -121,10 +121,7 @@ def offload_compare(**kw) -> dict:
     with the local spec's core attention through torch SDPA."""
     from bench import offload as bench
 
-    from megatron_ext.seams.attention import TORCH_ATTENTION
-
-    with TORCH_ATTENTION.applied():
-        result = bench.compare(**kw)
+    result = bench.compare(attention="sdpa", **kw)
     from megatron_ext.offload import canonical_modules, theory
 
     c = result["config"]
