@@ -387,8 +387,8 @@ def run_in_process(name: str, smoke: bool, size: dict, limit_s: float, fresh: bo
         if fresh:
             env = dict(os.environ, PYTHONPATH=_pythonpath())
             with open(log_file, "ab") as log:
-                proc = subprocess.Popen(section_command(name, smoke, result_file, limit_s), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+                proc = subprocess.Popen(section_command(name, smoke, result_file, limit_s), stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
             try:
                 code = proc.wait(timeout=limit_s)
             except subprocess.TimeoutExpired:
