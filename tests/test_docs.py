@@ -56,6 +56,8 @@ RULES = (
     (r"(^|\s)sbatch\s", "submits a slurm job; tests/test_slurm.py runs the batch script (DRY_RUN)"),
     (r"-m pip |^export ", "sets up the GPU machine"),
     (r"scripts/gpu_check\.py(?!.*--cpu-smoke)", "needs a GPU; tests/test_gpu_check.py runs its --cpu-smoke"),
+    (r"scripts/gpu_run\.sh", "the device run: gpu_check on a GPU machine (--fetch downloads the wheels it "
+                             "installs there); tests/test_gpu_check.py runs gpu_check's --cpu-smoke"),
 )
 PYTHON = {"python", "python3", ".venv/bin/python", ".venv/bin/python3"}
 TORCHRUN = {"torchrun", ".venv/bin/torchrun"}
