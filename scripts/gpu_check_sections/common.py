@@ -25,20 +25,30 @@ def sync():
         torch.cuda.synchronize()
 
 
+def interleaved_ms(fns, reps: int) -> list:
+    """Per fn: {"median", "min", "max"} device ms (CUDA events) over ``reps`` rounds that run every fn
+    once in turn (after one warm-up each), so drift affects them alike."""
+    if not cuda():
+        return [NO_CUDA] * len(fns)
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end))
+    return [{"median": round(statistics.median(ts), 4), "min": round(min(ts), 4), "max": round(max(ts), 4)}
+            for ts in times]
+
+
 def timed_ms(fn, reps: int) -> float | str:
     """Median device time of fn (CUDA events), after one warm-up call."""
-    if not cuda():
-        return NO_CUDA
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
+    (times,) = interleaved_ms([fn], reps)
+    return times if times == NO_CUDA else times["median"]
 
 
 @contextlib.contextmanager
