@@ -163,7 +163,7 @@ def section_moe_layer(size, claims) -> dict:
                         if not ours:
                             refs[mode] = run
                             if mode == "dropless":  # also the reference row of the zero-sync mode
-                                steps["megatron"] = step
+                                steps["megatron"], megatron_layer = step, layer
                                 rows.append(dict(row, mode="dropless-syncfree"))
                                 if dispatcher == "alltoall":  # megatron against itself, default algorithms
                                     again = audit.run_layer(layer, x, g)
