@@ -39,15 +39,17 @@ def device() -> str:
 
 
 def make_model(root: str, layers: int, hidden: int) -> str:
-    """A random bf16 Llama-style model directory with a tokenizer, offline."""
+    """A random bf16 Llama-style model directory with a tokenizer (a byte-level BPE of 600 ids trained
+    here on this Python's json package), offline."""
+    import sysconfig
+
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.training import local_tokenizers
+    from megatron_ext.sft import example
 
-    tok = os.path.join(root, "tok")
-    os.makedirs(tok, exist_ok=True)
-    local_tokenizers.make(tok)
+    corpus = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    texts = [open(path, encoding="utf-8").read() for path in corpus]
     config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                                   num_attention_heads=16, num_key_value_heads=4, vocab_size=640,
                                   max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
@@ -55,7 +57,7 @@ def make_model(root: str, layers: int, hidden: int) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     out = os.path.join(root, "hf")
     model.save_pretrained(out, max_shard_size="100MB")
-    AutoTokenizer.from_pretrained(os.path.join(tok, "hf")).save_pretrained(out)
+    example.make_tokenizer(texts, out, vocab_size=600)
     return out
 
 

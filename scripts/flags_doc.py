@@ -98,7 +98,11 @@ def ledger_markdown(flags, present: set) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog="python scripts/flags_doc.py > docs/flags.md").parse_args(argv)
     from megatron_ext import platform
 
     platform.setup()  # megatron.training.arguments needs the Python 3.11 backfill

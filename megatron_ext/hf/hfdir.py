@@ -49,6 +49,29 @@ def read_config(hf_dir: str) -> tuple[str, families.Config]:
     return families.ALIASES.get(model_type, model_type), families.Config(raw)
 
 
+NAME_OR_PATH = "_name_or_path"  # transformers' config field: where a model was loaded from
+
+
+def name_or_path(hf_dir: str) -> str:
+    """How transformers and peft name the model of HF_DIR (``config.name_or_path``, peft's
+    ``base_model_name_or_path``): a hub repository's id for a snapshot of the hub cache
+    (``.../models--ORG--NAME/snapshots/REVISION``), else the directory's absolute path."""
+    parts = os.path.abspath(hf_dir).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return os.path.abspath(hf_dir)
+
+
+def imported_from(ckpt: str) -> str | None:
+    """The model an import under CKPT was read from (its copy of the HF directory, CKPT/tokenizer,
+    records it as ``_name_or_path``); None where CKPT is no import (a training run's directory)."""
+    path = os.path.join(ckpt, "tokenizer", "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get(NAME_OR_PATH) or None
+
+
 def shard_files(hf_dir: str) -> list[str]:
     """The safetensors files of the weights (the index's, or the one file), each present."""
     index = os.path.join(hf_dir, WEIGHTS_INDEX)

@@ -13,6 +13,7 @@ tensor's slice; dist_checkpointing writes the checkpoint a one-process import wr
 writes a fresh --save (--overwrite: the old one is put back if it fails)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -60,11 +61,23 @@ def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = F
             if world.rank() == 0:
                 shutil.copytree(hf_dir, os.path.join(save, TOKENIZER),
                                 ignore=lambda d, names: [n for n in names if n.endswith(hfdir.WEIGHT_FILES)])
+                _record_source(os.path.join(save, TOKENIZER), hf_dir)
                 write_recipe(recipe, dict(flags), model_type)
             world.agreed(lambda: _fill(pieces, rows, c, hf_dir, inventory))
             del pieces
             run.save(0, weights_only=True, chunks=checkpoint.prebuilt(args, model, own_storage=True))
     return recipe
+
+
+def _record_source(copy: str, hf_dir: str) -> None:
+    """The copy's config.json names the model it came from, as transformers' ``_name_or_path`` (what an
+    adapter export gives peft as base_model_name_or_path: hfdir.imported_from)."""
+    path = os.path.join(copy, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config[hfdir.NAME_OR_PATH] = hfdir.name_or_path(hf_dir)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -577,12 +577,27 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
                   "a peft adapter: peft runs with the base's; export --hf for the model as trained")
         config = _config(rank, alpha, rslora, record.get("dropout", 0.0), module_names, parameter_names, all_sites,
                          patterns)
+        config["base_model_name_or_path"] = base_model(record)
         with outputs.fresh_directory(out, staged=True) as target:  # swapped in once complete
             save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, os.path.join(target, WEIGHTS_FILE),
                       metadata={"format": "pt"})
             with open(os.path.join(target, CONFIG_FILE), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
     return sorted(tensors)
+
+
+def base_model(record: dict) -> str | None:
+    """What the adapters apply to, as peft names it (base_model_name_or_path): the Hugging Face model
+    their base checkpoint was imported from (hfdir.imported_from). None, with a note, for a base that
+    is no import: a trained checkpoint (no Hugging Face model holds its weights until it is exported
+    with --hf) or the weights --seed drew."""
+    root = (record.get("base") or {}).get("path")
+    name = hfdir.imported_from(root) if root else None
+    if name is None:
+        what = f"{root}, a trained checkpoint," if root else "the model --seed drew"
+        print(f"note: base_model_name_or_path left null: the adapters' base is {what} not a Hugging Face model "
+              "imported as it was published (export the base with --hf and name that directory there)")
+    return name
 
 
 def _named(site: Site, a, b) -> dict:

@@ -41,7 +41,10 @@ def add_arguments(parser):
                    help="The linears to adapt, by megatron-core's names: "
                    f"{', '.join(targets.NAMES)}; a dotted tail of a module path narrows it "
                    "(experts.linear_fc1 = the routed experts only, shared_experts.linear_fc2, mlp.linear_fc1 = "
-                   "the dense MLPs only); all-linear = every attention and MLP linear the model has and the router. "
+                   "the dense MLPs only); or by peft's (Hugging Face) names: q_proj, k_proj, v_proj (linear_qkv's "
+                   "parts), o_proj, gate_proj, up_proj (linear_fc1's parts), down_proj, multi-latent attention's "
+                   "q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, the router's gate, the experts' gate_up_proj, "
+                   "w1, w2, w3; all-linear = every attention and MLP linear the model has and the router. "
                    "Default: every attention and MLP linear the model has (not the router).")
     g.add_argument("--lora-rslora", action="store_true",
                    help="Rank-stabilised scale alpha / sqrt(rank) (peft's use_rslora).")
@@ -69,7 +72,7 @@ def default_targets(args) -> list:
     return [name for name in targets.NAMES if name in found and name != targets.ROUTER]
 
 
-ALL_LINEAR = "all-linear"  # peft's name for every linear of the model: here the defaults and the router
+ALL_LINEAR = targets.ALL_LINEAR  # peft's name for every linear of the model: here the defaults and the router
 
 
 def target_list(args) -> list:
@@ -82,10 +85,29 @@ def target_list(args) -> list:
     return given
 
 
+def chosen(args) -> list:
+    """The targets (target_list), each resolved to megatron's linear and part (targets.resolve)."""
+    return targets.resolve_all(target_list(args), args)
+
+
 def fused(args, path: str) -> bool:
     """Is the linear at target path ``path`` adapted in the fused form?"""
     names = args.lora_fused_adapters
-    return names is not None and (not names or any(targets.names(path, n) for n in names))
+    return names is not None and (not names or any(targets.names(path, n) for n in _fused_names(args)))
+
+
+def _fused_names(args) -> list:
+    """--lora-fused-adapters' names as megatron's (peft's resolved; what does not resolve is refused
+    by validate)."""
+    out = []
+    for given in args.lora_fused_adapters or []:
+        try:
+            name = targets.resolve(given, args).name
+        except ConfigError:
+            continue
+        if name is not None:
+            out.append(name)
+    return out
 
 
 def _outs(args, path: str, parts: list) -> list:
@@ -132,23 +154,47 @@ def _validate_platform(args) -> None:
 
 
 def _validate_targets(args) -> dict:
-    """{target: [(path, in, parts)]} of the model's linears each target names; refuses a target the
-    model lacks and a rank above a targeted linear's width."""
+    """{target: [(path, in, parts)]} of the model's linears each target names; refuses every target
+    LoRA does not adapt or the model lacks at once (each with the closest name it has), a part of a
+    linear adapted in the fused form, and a rank above a targeted linear's width."""
     paths = targets.model_paths(args)
-    matched = {}
-    for target in target_list(args):
-        if target.rsplit(".", 1)[-1] not in targets.NAMES:
-            raise ConfigError(f"--lora-target-modules={target}: not a linear LoRA adapts; one of "
-                              f"{', '.join(targets.NAMES)}, or a dotted tail of a module path ending in one")
-        hits = [(p, fin, parts) for p, (fin, parts) in paths.items() if targets.names(p, target)]
+    have = sorted({p.split("decoder.layers.", 1)[-1] for p in paths})
+    matched, problems = {}, []
+    for given in target_list(args):
+        try:
+            target = targets.resolve(given, args)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        hits = [(p, fin, parts) for p, (fin, parts) in paths.items() if target.name is not None
+                and targets.names(p, target.name) and (target.part is None or target.part in dict(parts))]
         if not hits:
-            have = sorted({p.split("decoder.layers.", 1)[-1] for p in paths})
-            raise ConfigError(f"--lora-target-modules={target}: this model has no such linear (it has: "
-                              f"{', '.join(have)})")
-        matched[target] = hits
+            close = targets.closest(target.given, _names_of(paths, args))
+            problems.append(f"--lora-target-modules={target.given}: this model has no such linear"
+                            f"{'; did you mean ' + close + '?' if close else ''} (it has: {', '.join(have)})")
+            continue
+        if target.part is not None:
+            whole = [p for p, _, _ in hits if fused(args, p)]
+            if whole:
+                problems.append(f"--lora-target-modules={target.given} with --lora-fused-adapters: "
+                                f"{whole[0].split('decoder.layers.', 1)[-1]} has one adapter over all its rows, "
+                                f"not a {target.part} part; name the whole linear ({whole[0].rsplit('.', 1)[-1]}) "
+                                "or leave it out of --lora-fused-adapters")
+        matched[target.given] = hits
     for name in args.lora_fused_adapters or []:
-        if not any(targets.names(p, name) for hits in matched.values() for p, _, _ in hits):
-            raise ConfigError(f"--lora-fused-adapters={name}: names none of the linears LoRA adapts here")
+        try:
+            target = targets.resolve(name, args)
+        except ConfigError as e:
+            problems.append(str(e).replace("--lora-target-modules=", "--lora-fused-adapters="))
+            continue
+        if target.part is not None:
+            problems.append(f"--lora-fused-adapters={name}: a fused adapter spans a whole linear, not its "
+                            f"{target.part} part; name {target.name.rsplit('.', 1)[-1]}")
+        elif target.name is None or not any(targets.names(p, target.name) for hits in matched.values()
+                                            for p, _, _ in hits):
+            problems.append(f"--lora-fused-adapters={name}: names none of the linears LoRA adapts here")
+    if problems:
+        raise ConfigError("\n".join(problems))
     r = args.lora_rank
     for target, hits in matched.items():
         for path, fin, parts in hits:
@@ -157,6 +203,21 @@ def _validate_targets(args) -> dict:
                 raise ConfigError(f"{FLAG}={r}: above the width of {path.split('decoder.layers.', 1)[-1]} "
                                   f"({width}): a rank-{r} adapter of it is not low-rank")
     return matched
+
+
+def _names_of(paths: dict, args) -> list:
+    """The target names this model has: megatron's leaves and peft's that resolve onto them."""
+    leaves = {p.rsplit(".", 1)[-1] for p in paths}
+    out = sorted(leaves)
+    for name in targets.PEFT_NAMES:
+        try:
+            t = targets.resolve(name, args)
+        except ConfigError:
+            continue
+        if any(targets.names(p, t.name) and (t.part is None or t.part in dict(parts))
+               for p, (_, parts) in paths.items()):
+            out.append(name)
+    return out
 
 
 def _validate_layout(args, matched: dict) -> None:
@@ -198,10 +259,10 @@ def adapter_elements(args) -> dict:
     tp = args.tensor_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
     ep = args.expert_model_parallel_size
-    chosen = target_list(args)
+    named = chosen(args)
     out = {"dense": [0.0, 0.0], "moe": [0.0, 0.0]}
     for path, (fin, parts) in targets.model_paths(args).items():
-        if not any(targets.names(path, t) for t in chosen):
+        if targets.parts_adapted(path, named) == set():
             continue
         outs = _outs(args, path, parts)
         name = path.rsplit(".", 1)[-1]
@@ -230,7 +291,7 @@ def before_wrap(args, chunks: list) -> None:
         return
     from megatron_ext.lora import attach
 
-    attach.attach(args, chunks, target_list(args), scale(args), lambda path: fused(args, path))
+    attach.attach(args, chunks, chosen(args), scale(args), lambda path: fused(args, path))
 
 
 def merge(chunks: list) -> int:

@@ -57,15 +57,18 @@ def _mark(adapter: adapters.LinearAdapter, linear, sequence_parallel: bool) -> N
             p.sequence_parallel = sequence_parallel
 
 
-def attach(args, chunks: list, target_names: list, scale: float, fused) -> None:
-    """``scale``: the adapters' alpha / rank; ``fused(path)``: is the linear at that target path adapted
-    in the fused form (both as the package's entry point settles them from the flags)."""
+def attach(args, chunks: list, chosen: list, scale: float, fused) -> None:
+    """``chosen``: the targets (targets.Target: megatron's linear and the part each names); ``scale``:
+    the adapters' alpha / rank; ``fused(path)``: is the linear at that target path adapted in the fused
+    form (all as the package's entry point settles them from the flags). A part of a linear that no
+    target names (k when the targets are q_proj and v_proj) is drawn zero: A = B = 0 adds nothing and
+    gets zero gradients, so it stays zero (peft has no adapter there)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.router import TopKRouter
 
     rank = args.lora_rank
-    hits = dict.fromkeys(target_names, 0)
-    trainable = set()
+    hits = dict.fromkeys([t.given for t in chosen], 0)
+    trainable, inert = set(), []
     for chunk in chunks:
         model = seams.unwrapped(chunk)
         config = model.config
@@ -73,20 +76,27 @@ def attach(args, chunks: list, target_names: list, scale: float, fused) -> None:
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, TopKRouter)):
                 continue
             tpath = targets.target_path(path)
-            named = [t for t in target_names if targets.names(tpath, t)]
+            named = [t for t in chosen if t.name is not None and targets.names(tpath, t.name)]
             if not named:
                 continue
             for t in named:
-                hits[t] += 1
+                hits[t.given] += 1
             if isinstance(module, TopKRouter):
                 adapter = _router_adapter(args, module, rank, scale)
             else:
                 adapter = _linear_adapter(args, config, tpath, module, rank, scale, fused(tpath))
             trainable.update(id(p) for p in adapter.parameters())
+            parts = targets.parts_adapted(tpath, chosen)
+            if parts is not None:
+                inert.extend(getattr(adapter, name) for name, _ in adapter.spec.parts if name not in parts)
         if _embedding_needs_grad(args):
             _HOOKS.extend(seams.lora.embedding_output_needs_grad(model))
     _refuse_unmatched(hits)
     adapters.init_adapters(chunks, args.seed)
+    with torch.no_grad():
+        for pair in inert:
+            pair.lora_A.weight.zero_()
+            pair.lora_B.weight.zero_()
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(id(p) in trainable)
@@ -160,7 +170,7 @@ def _refuse_unmatched(hits: dict) -> None:
         torch.distributed.all_reduce(counts)
     missing = [t for t, n in zip(hits, counts.tolist()) if n == 0]
     if missing:
-        raise ConfigError(f"--lora-target-modules={missing[0]}: the model built has no such linear")
+        raise ConfigError("\n".join(f"--lora-target-modules={t}: the model built has no such linear" for t in missing))
 
 
 @torch.no_grad()

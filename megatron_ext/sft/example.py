@@ -61,7 +61,8 @@ def make_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 320, specia
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL + list(special))
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL + list(special),
+                            show_progress=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=eos, pad_token=pad)
     tokenizer.save_pretrained(out_dir)
     # the template and class in tokenizer_config.json: what transformers 4 and 5 both read

@@ -42,6 +42,7 @@ from megatron.core.utils import to_local_if_dtensor
 from megatron_ext import seams
 from megatron_ext.errors import ConfigError
 from megatron_ext.training import ckpt_dirs, ckpt_lora, ckpt_recipe, ckpt_state, fsdp_checkpoint, te_names
+from megatron_ext.training import optimizer as optim
 from megatron_ext.training import ckpt_integrity as integrity
 
 
@@ -352,7 +353,9 @@ class Checkpointer:
         same_layout = common["layout"] == ckpt_state.layout(args)
         # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
         with_rng = same_layout and not args.no_load_rng and not args.finetune and common.get("has_rng", False)
-        with_optimizer = not args.no_load_optim and not args.finetune and "optimizer" in common
+        with_optimizer = (not args.no_load_optim and optim.has_state(args) and not args.finetune
+                          and "optimizer" in common)
+        self._note_no_optimizer_state(path, "optimizer" in common)
         template = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration,
             loading=True, with_optimizer=with_optimizer, with_rng=with_rng, part=part,
@@ -405,6 +408,15 @@ class Checkpointer:
             f"(consumed samples {common['consumed_samples']}; loaded in {time.perf_counter() - t0:.2f} s{verified})"
         )
 
+    def _note_no_optimizer_state(self, path: str, saved: bool) -> None:
+        """A run that trains, resuming (not --finetune, not --no-load-optim) from a checkpoint saved
+        without optimizer state (--no-save-optim, or --freeze-all-layers, where nothing trained):
+        its optimizer starts fresh, which the user should see."""
+        args = self.args
+        if not saved and not args.no_load_optim and optim.has_state(args) and not args.finetune:
+            self._print(f"note: {path} holds no optimizer state (saved with --no-save-optim or "
+                        "--freeze-all-layers): the optimizer starts fresh")
+
     def restore_rng(self) -> None:
         """Put back the loaded checkpoint's RNG states. Call after building the data iterators:
         creating a DataLoader iterator draws its base seed from the CPU generator."""
@@ -455,7 +467,7 @@ class Checkpointer:
             else:
                 state = sharded_state_dict(
                     args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
-                    with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
+                    with_optimizer=not args.no_save_optim and optim.has_state(args), with_rng=not args.no_save_rng,
                     part=ckpt_lora.save_part(args),
                 )
                 request = dist_checkpointing.save(

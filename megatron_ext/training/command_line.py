@@ -35,6 +35,47 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, raised like every other refusal (not usage + exit 2 per rank)
         raise ConfigError(message)
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but what it does not know is refused one line per flag, each with the closest
+        flag there is (argparse would say only ``unrecognized arguments: ...``)."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            raise ConfigError("\n".join(unknown_flags(unknown, self)))
+        return parsed
+
+
+def unknown_flags(tokens: list, parser) -> list[str]:
+    """``--lora-rnak 8`` -> ``--lora-rnak=8: no such flag; did you mean --lora-rank?``: each unknown
+    flag with the values that follow it, one line each."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    groups: list[list[str]] = []
+    for token in tokens:
+        if token.startswith("-") and not _number(token) or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    lines = []
+    for flag, *values in groups:
+        if not flag.startswith("-"):
+            lines.append(f"{' '.join([flag, *values])}: not a flag (every value follows its flag: --name value)")
+            continue
+        flag, eq, inline = flag.partition("=")
+        shown = flag + ("=" + " ".join(([inline] if eq else []) + values) if eq or values else "")
+        close = difflib.get_close_matches(flag, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "--help lists every flag"
+        lines.append(f"{shown}: no such flag; {hint}")
+    return lines
+
+
+def _number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
 
 # The Megatron flags most runs set, listed right after this project's own in --help (megatron's
 # several hundred others follow, in megatron's groups).

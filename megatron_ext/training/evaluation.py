@@ -9,6 +9,13 @@ iteration N | lm loss value: ... | lm loss PPL: ... |' line from the last rank, 
 The loss is token-weighted over every evaluated micro-batch and data-parallel rank, with --sft too
 (megatron's evaluate() would average per-micro-batch means there: sft's around_evaluation hook,
 megatron_ext/seams/sft.py).
+
+Each line says what it evaluated, after megatron's words: when the last iteration is an
+--eval-interval boundary, pretrain() evaluates there and again after training, on the next
+--eval-iters batches of the same validation iterator, so two losses of one iteration are printed:
+
+     validation loss at iteration 60 (at --eval-interval 30: validation samples 16-31) | lm loss value: ...
+     validation loss at iteration 60 on validation set (after training: validation samples 32-47) | ...
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import logging
 
 from megatron.training.training import evaluate_and_print_results
 
-from megatron_ext.training import features, step
+from megatron_ext.training import data, features, step
 
 
 def due(args, iteration: int, iterators) -> bool:
@@ -48,9 +55,28 @@ def run(args, prefix: str, iterators: list, model: list, config, iteration: int,
         gc.collect()
 
 
+def _samples(args, first: int) -> str:
+    """The samples one evaluation reads (--eval-iters batches of --eval-global-batch-size), counted
+    along its split as megatron's sampler hands them out: ``32-47``."""
+    return f"{first}-{first + args.eval_iters * args.eval_global_batch_size - 1}"
+
+
+def at_interval(args, iterators, model: list, config, iteration: int, writer=None) -> None:
+    """The evaluation of an --eval-interval boundary: the next --eval-iters batches of the validation split."""
+    read = data.consumed_valid_samples(args, iteration)  # this evaluation's included
+    first = read - args.eval_iters * args.eval_global_batch_size
+    run(args, f"iteration {iteration} (at --eval-interval {args.eval_interval}: validation samples "
+              f"{_samples(args, first)})", iterators.valid, model, config, iteration, writer)
+
+
 def after_training(args, iterators, model: list, config, iteration: int, writer=None) -> None:
-    """pretrain(): the validation set, then the test set, after the last iteration."""
+    """pretrain(): the validation set, then the test set, after the last iteration. The validation
+    iterator goes on where the last --eval-interval evaluation left it: at a boundary, the same
+    iteration's second line is other samples."""
     if iterators.valid:
-        run(args, f"iteration {iteration} on validation set", iterators.valid, model, config, iteration, writer)
+        first = data.consumed_valid_samples(args, iteration)
+        run(args, f"iteration {iteration} on validation set (after training: validation samples "
+                  f"{_samples(args, first)})", iterators.valid, model, config, iteration, writer)
     if iterators.test:
-        run(args, f"iteration {iteration} on test set", iterators.test, model, config, iteration, writer)
+        run(args, f"iteration {iteration} on test set (after training: test samples {_samples(args, 0)})",
+            iterators.test, model, config, iteration, writer)

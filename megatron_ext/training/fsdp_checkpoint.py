@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner,
 
 from megatron_ext import seams
 from megatron_ext.training import ckpt_state
+from megatron_ext.training import optimizer as optim
 from megatron_ext.training.ckpt_integrity import CONFIG
 
 RNG = "rng_state.{rank}.pt"
@@ -76,7 +77,7 @@ def save(ckpt, directory: str, iteration: int):
     seams.checksummed_writes() sums. With --async-save they are planned here and written by the
     returned AsyncRequest; without it the request runs now and None is returned."""
     args, rank = ckpt.args, torch.distributed.get_rank()
-    state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim)
+    state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim and optim.has_state(args))
     prepared = _prepared(args, state, ckpt.model[0])
     request = _write_request(prepared, directory)
     if not args.async_save:
@@ -86,7 +87,7 @@ def save(ckpt, directory: str, iteration: int):
         torch.save(ckpt_state.rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
         common = {**ckpt_state.common_state(args, ckpt.scheduler, iteration, with_rng=not args.no_save_rng),
-                  "has_optimizer": not args.no_save_optim}
+                  "has_optimizer": not args.no_save_optim and optim.has_state(args)}
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
     torch.distributed.barrier()
@@ -115,7 +116,8 @@ def load(ckpt, path: str, iteration: int, verifier) -> tuple[dict, dict | None]:
     args, rank = ckpt.args, torch.distributed.get_rank()
     common = verifier.config["megatron_ext"]  # metadata.json, as the Verifier's inspect() read (and verified) it
     with_rng = common["layout"] == ckpt_state.layout(args) and not args.no_load_rng and common["has_rng"]
-    with_optimizer = not args.no_load_optim and common["has_optimizer"]
+    with_optimizer = not args.no_load_optim and optim.has_state(args) and common["has_optimizer"]
+    ckpt._note_no_optimizer_state(path, common["has_optimizer"])
     state = _state(ckpt, loading=True, with_optimizer=with_optimizer)
     raw = dict(state)  # the preprocessing rewrites keys; the load fills the same tensors in place
     prepared = _prepared(args, {k: dict(v) for k, v in state.items()}, ckpt.model[0])

@@ -335,8 +335,7 @@ class Run:
                     logger.log(iteration, result, lr=optim.logged_learning_rate(self.optimizer))
                     observer.after_step(iteration, result)
                     if evaluation.due(args, iteration, iterators):
-                        evaluation.run(args, f"iteration {iteration}", iterators.valid, self.model, self.config,
-                                       iteration, logger.writer)
+                        evaluation.at_interval(args, iterators, self.model, self.config, iteration, logger.writer)
                     self.checkpointer.after_step(iteration)  # saves every --save-interval
                     if stop.after_step(iteration):
                         break

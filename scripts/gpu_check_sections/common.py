@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import statistics
+import sys
 import warnings
 
 import torch
@@ -23,20 +25,30 @@ def sync():
         torch.cuda.synchronize()
 
 
+def interleaved_ms(fns, reps: int) -> list:
+    """Per fn: {"median", "min", "max"} device ms (CUDA events) over ``reps`` rounds that run every fn
+    once in turn (after one warm-up each), so drift affects them alike."""
+    if not cuda():
+        return [NO_CUDA] * len(fns)
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end))
+    return [{"median": round(statistics.median(ts), 4), "min": round(min(ts), 4), "max": round(max(ts), 4)}
+            for ts in times]
+
+
 def timed_ms(fn, reps: int) -> float | str:
     """Median device time of fn (CUDA events), after one warm-up call."""
-    if not cuda():
-        return NO_CUDA
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
+    (times,) = interleaved_ms([fn], reps)
+    return times if times == NO_CUDA else times["median"]
 
 
 @contextlib.contextmanager
@@ -114,3 +126,39 @@ def package_version(dist: str):
 def claim(claims: list, text: str, holds) -> None:
     """holds: True / False, or a "skipped: ..." string."""
     claims.append({"claim": text, "holds": holds})
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """While a section runs, everything written to stdout (megatron's log handlers, train.py's log
+    lines) goes to stderr: the harness's stdout carries only the final tables."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def single_process_env():
+    """A world of one process for megatron's process groups; the caller's environment comes back."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    for key, value in zip(keys, ("0", "0", "1", "127.0.0.1", port)):
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

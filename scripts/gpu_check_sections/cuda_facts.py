@@ -50,7 +50,9 @@ def section_cuda_facts(size, claims) -> dict:
 
     out = {"faithful_mode": faithful.enabled()}
     if cuda():
-        out.update(status="ok", **observed_thread, **observed_event)
+        p = torch.cuda.get_device_properties(0)
+        out.update(status="ok", device=p.name, compute_capability=f"{p.major}.{p.minor}", memory_bytes=p.total_memory,
+                   multiprocessors=p.multi_processor_count, **observed_thread, **observed_event)
         claim(claims, "CUDA backward nodes run on a thread other than the caller's", observed_thread["backward_on_other_thread"])
         claim(claims, "threading.local values are not carried into CUDA backward", not observed_thread["threading_local_seen_in_backward"])
         claim(claims, "an event after a D2H copy is not complete right after enqueue", not done_at_enqueue)

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 
 import torch
 
-from gpu_check_sections.common import NO_CUDA, claim, count_cuda_syncs, cuda, sync_free, timed_ms
+from gpu_check_sections.common import (NO_CUDA, claim, count_cuda_syncs, cuda, interleaved_ms, sync_free,
+                                       timed_ms)
 
 COMPARISON = ("under torch.use_deterministic_algorithms(True) (megatron's --deterministic-mode); megatron's own "
               "dropless layer run twice with default algorithms differs by megatron_spread")
@@ -84,26 +84,6 @@ def graph_replays(layer, x, x_other, g, backward: bool) -> bool | str:
             return len(replayed) == len(eager) and all(torch.equal(a, b) for a, b in zip(replayed, eager))
     except Exception as e:  # noqa: BLE001 - the failure is the finding
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-
-
-def interleaved_ms(fns, reps: int) -> list:
-    """Per fn: {"median", "min", "max"} device ms (CUDA events) over ``reps`` rounds that run every fn
-    once in turn (after one warm-up each), so drift affects them alike."""
-    if not cuda():
-        return [NO_CUDA] * len(fns)
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, ts in zip(fns, times):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end))
-    return [{"median": round(statistics.median(ts), 4), "min": round(min(ts), 4), "max": round(max(ts), 4)}
-            for ts in times]
 
 
 def _diff(ref, got) -> dict:

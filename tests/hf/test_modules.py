@@ -41,3 +41,20 @@ def test_negative_control_finds_private_uses():
     source = ("from megatron_ext.hf import convert\nfrom megatron_ext.hf.convert import _fill\n"
               "convert._check_fresh('--peft', out, False, 'x')\nself._own = 1\nconvert.__doc__\n")
     assert private_uses(source) == ["2 megatron_ext.hf.convert._fill", "3 convert._check_fresh"]
+
+
+def test_a_model_is_named_as_transformers_and_peft_name_it(tmp_path):
+    """hfdir.name_or_path: a snapshot of the hub cache by its repository id (what
+    AutoPeftModelForCausalLM resolves), any other directory by its absolute path; an import records it
+    in its copy of the directory, a training run's directory records none."""
+    from megatron_ext.hf import hfdir
+
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    assert hfdir.name_or_path(str(snapshot)) == "Qwen/Qwen3-8B"
+    assert hfdir.name_or_path(str(tmp_path / "hub")) == str(tmp_path / "hub")
+    (tmp_path / "ckpt" / "tokenizer").mkdir(parents=True)
+    assert hfdir.imported_from(str(tmp_path / "ckpt")) is None
+    (tmp_path / "ckpt" / "tokenizer" / "config.json").write_text('{"_name_or_path": "Qwen/Qwen3-8B"}')
+    assert hfdir.imported_from(str(tmp_path / "ckpt")) == "Qwen/Qwen3-8B"
+    assert hfdir.imported_from(str(tmp_path / "run")) is None

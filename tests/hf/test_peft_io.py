@@ -155,6 +155,15 @@ def test_trained_adapter_loads_in_peft_with_our_logits(workdir, family):
     models.assert_close(ours, peft_logits(s["hf"], trained))
     with open(os.path.join(trained, "adapter_config.json")) as f:
         config = json.load(f)
+    # the base the run was trained from: the model its base checkpoint was imported from, which peft's
+    # AutoPeftModelForCausalLM then loads by itself (the adapter's logits without naming the base)
+    assert config["base_model_name_or_path"] == os.path.abspath(s["hf"]), config
+    if family == "qwen3":
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+        with torch.no_grad():
+            models.assert_close(ours, torch.cat([model(torch.tensor([q])).logits[0].float() for q in SEQUENCES]))
     if family == "deepseek_v3":  # canonical gate / up per expert: peft's block-diagonal rank-2r form
         assert config["rank_pattern"] == {r"mlp\.experts\.gate_up_proj": 8}, config
         assert config["alpha_pattern"] == {r"mlp\.experts\.gate_up_proj": 16.0}, config

@@ -1,6 +1,8 @@
 """LoRA's flags: what is refused, one line each, before any compute (argument parsing); the scale."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import arguments
@@ -69,3 +71,47 @@ def test_scale_and_default_targets():
                                  "--v-head-dim", "16", "--dry-run"], exit_on_dry_run=False)
     assert lora.target_list(mla) == ["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                                      "linear_kv_up_proj", "linear_fc1", "linear_fc2"]
+
+
+def test_every_bad_target_at_once_each_with_the_closest_name():
+    with pytest.raises(ConfigError) as info:
+        arguments.parse(DENSE + ["--lora-rank", "4", "--lora-target-modules", "q_proj", "qproj", "v_proj", "gate",
+                                 "mlp.experts.3.down_proj", "--dry-run"], exit_on_dry_run=False)
+    assert str(info.value).splitlines() == [
+        "--lora-target-modules=qproj: not a linear LoRA adapts; did you mean q_proj?",
+        "--lora-target-modules=gate: this model has no such linear; did you mean gate_proj? (it has: "
+        "mlp.linear_fc1, mlp.linear_fc2, self_attention.linear_proj, self_attention.linear_qkv)",
+        "--lora-target-modules=mlp.experts.3.down_proj: no layer or expert index: a target names its linear in "
+        "every layer (and expert); did you mean mlp.experts.down_proj?",
+    ]
+
+
+def test_peft_names_resolve_onto_the_linears_of_every_family_table():
+    """Every linear of every family's weight table (megatron_ext/hf/families.py), by the Hugging Face
+    name peft gives it, alone and with its path inside the layer, names the megatron linear of that
+    row and the row's part of it (q / k / v of linear_qkv, gate / up of a gated linear_fc1)."""
+    import types
+
+    from megatron_ext.hf import families
+    from megatron_ext.lora import targets
+
+    part_of = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
+    checked = 0
+    for family, table in families.TABLES.items():
+        args = types.SimpleNamespace(multi_latent_attention=family.startswith("deepseek"),
+                                     swiglu=family != "nemotron", quick_geglu=False)
+        for megatron, hf_names, kind in table:
+            module = megatron.removesuffix(".weight")
+            if not megatron.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets.NAMES:
+                continue
+            path = targets.target_path(module.replace("{L}", "0").replace("{E}", "0"))
+            for i, hf in enumerate(hf_names):
+                inside = re.sub(r"^model\.layers\.\{L\}\.", "", hf).removesuffix(".weight").replace(".{E}", "")
+                for name in (inside, inside.rsplit(".", 1)[-1]):
+                    t = targets.resolve(name, args)
+                    assert t.name is not None and targets.names(path, t.name), (family, name, path, t)
+                    want = part_of[kind][i] if kind in part_of else None
+                    assert t.part == want, (family, name, t)
+                    assert targets.parts_adapted(path, [t]) == (None if want is None else {want})
+                    checked += 1
+    assert checked > 100

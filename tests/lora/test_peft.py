@@ -37,19 +37,30 @@ def peft_name(ours: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory):
+def qwen3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_peft")
+    return root, models.make(root, "qwen3")
+
+
+@pytest.fixture(scope="module")
+def compared(qwen3):
+    return _compare(*qwen3, "ckpt", [], sorted({v.rsplit(".", 1)[-1] for v in PEFT_NAMES.values()}))
+
+
+def _compare(root, hf_dir: str, ckpt: str, extra: list, peft_targets: list) -> dict:
+    """One step of ours (ARGV + extra) and peft's LoRA on ``peft_targets``, with our factors."""
     from peft import LoraConfig, get_peft_model
 
-    root = tmp_path_factory.mktemp("lora_peft")
-    hf_dir = models.make(root, "qwen3")
-    ours = run_distributed(1, "tests.lora.jobs:one_lora_step", hf_dir=hf_dir, ckpt=str(root / "ckpt"), argv=ARGV)[0]
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                        target_modules=sorted({v.rsplit(".", 1)[-1] for v in PEFT_NAMES.values()}))
+    ours = run_distributed(1, "tests.lora.jobs:one_lora_step", hf_dir=hf_dir, ckpt=str(root / ckpt),
+                           argv=ARGV + extra)[0]
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=peft_targets)
     model = get_peft_model(models.load_hf(hf_dir, dtype=torch.float32), config)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for key, value in ours["values"].items():
-            params[peft_name(key).replace(".weight", ".default.weight")].copy_(torch.from_numpy(value))
+        for key, value in ours["values"].items():  # (ours may hold more: the parts peft does not adapt)
+            name = peft_name(key).replace(".weight", ".default.weight")
+            if name in params:
+                params[name].copy_(torch.from_numpy(value))
     batch = {k: torch.from_numpy(v) for k, v in ours["batch"].items()}
     logits = model(input_ids=batch["tokens"]).logits.float()
     losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
@@ -59,13 +70,35 @@ def compared(tmp_path_factory):
     theirs = {name.replace(".default.weight", ".weight"): p.grad.numpy()
               for name, p in params.items() if "lora_" in name}
     return dict(ours={peft_name(k): v for k, v in ours["grads"].items()}, theirs=theirs, our_loss=ours["loss"],
-                their_loss=float(loss))
+                their_loss=float(loss), values={peft_name(k): v for k, v in ours["values"].items()})
 
 
 def test_one_step_gradients_equal_peft(compared):
     ours, theirs = compared["ours"], compared["theirs"]
-    assert abs(compared["our_loss"] - compared["their_loss"]) <= 1e-5 * abs(compared["their_loss"])
     assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
+    _same_step(compared)
+
+
+def test_peft_module_names_as_targets_adapt_what_peft_adapts(qwen3):
+    """--lora-target-modules by peft's names (q_proj v_proj gate_proj down_proj: parts of the fused
+    linear_qkv and linear_fc1, and a whole linear): the same loss and gradients as peft's LoRA on
+    those modules; the parts they leave out of linear_qkv and linear_fc1 (k, up) hold A = B = 0 and get
+    zero gradients (so they stay zero); o_proj, which no name covers, has no adapter."""
+    names = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    compared = _compare(*qwen3, "ckpt_names", ["--lora-target-modules", *names], names)
+    ours, theirs = compared["ours"], compared["theirs"]
+    assert len(theirs) == 2 * 4 * 2
+    inert = {k for k in ours if k not in theirs}
+    assert {k.split(".")[-3] for k in inert} == {"k_proj", "up_proj"} and len(inert) == 2 * 2 * 2
+    assert not any("o_proj" in k for k in ours)
+    for k in inert:
+        assert not compared["values"][k].any() and not ours[k].any(), k
+    _same_step(compared)
+
+
+def _same_step(compared):
+    ours, theirs = compared["ours"], compared["theirs"]
+    assert abs(compared["our_loss"] - compared["their_loss"]) <= 1e-5 * abs(compared["their_loss"])
     for name, g in theirs.items():
         mine, ref = ours[name].astype(np.float64).ravel(), g.astype(np.float64).ravel()
         cos = mine @ ref / (np.linalg.norm(mine) * np.linalg.norm(ref))

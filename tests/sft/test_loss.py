@@ -12,7 +12,7 @@ import pytest
 from tests.dist import run_distributed
 from tests.sft import chats
 
-VALID = re.compile(r" validation loss at (iteration \d+(?: on \w+ set)?) \| lm loss value: (\S+) \|")
+VALID = re.compile(r" validation loss at (iteration \d+(?: on \w+ set)?) \([^)]*\) \| lm loss value: (\S+) \|")
 BASE = ["--recipe", chats.RECIPE, "--train-iters", "3", "--lr-warmup-iters", "1", "--log-interval", "1",
         "--eval-interval", "3", "--eval-iters", "1", "--layout-invariant-init"]
 SPLITS = {

@@ -99,6 +99,24 @@ def test_resume_without_rng_state_differs(tmp_path):
     assert losses(resumed)[SPLIT:] != losses(full)[SPLIT:]
 
 
+def test_freeze_all_layers_saves_without_optimizer_state_and_loads_back(tmp_path):
+    """--freeze-all-layers: nothing trains, so megatron builds a stub optimizer with no state; the run
+    saves the model, schedule and RNG (its save died in the stub's state_dict before). A run that
+    trains loads it back with a fresh optimizer and says so: its first loss is the frozen run's at that
+    iteration, though its own --init-method-std would draw other weights (so they came from the
+    checkpoint)."""
+    argv = DENSE + ["--lr-warmup-iters", "0"]
+    lines = []
+    frozen = train(1, argv + ["--freeze-all-layers", "--save", str(tmp_path), "--save-interval", str(SPLIT)])
+    assert complete_iterations(str(tmp_path)) == [SPLIT, TOTAL]
+    resumed = train(1, argv + ["--load", str(tmp_path), "--ckpt-step", str(SPLIT), "--init-method-std", "0.5"], lines)
+    assert resumed[0]["iteration"] == SPLIT + 1
+    assert resumed[0]["lm loss"] == frozen[SPLIT]["lm loss"]
+    assert any("holds no optimizer state (saved with --no-save-optim or --freeze-all-layers): the optimizer "
+               "starts fresh" in line for line in lines), lines
+    assert resumed[-1]["grad norm"] > 0 and resumed[-1]["lm loss"] != frozen[-1]["lm loss"]  # it trains
+
+
 @pytest.mark.parametrize("how,mode", [("raise", "sync"), ("exit", "async")],
                          ids=["write-error-sync", "writer-killed-async"])
 def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, how, mode):

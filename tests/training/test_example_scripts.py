@@ -327,4 +327,4 @@ def test_example_script_scaled_down_trains_on_cpu(name, assets, tmp_path):
     out = run_distributed(world, "tests.training.jobs_flags:train_capture", argv=argv)
     history, stdout = out[-1]["history"], out[-1]["stdout"]
     assert len(history) == 3 and all(math.isfinite(r["lm loss"]) for r in history)
-    assert " validation loss at iteration 2 |" in stdout
+    assert " validation loss at iteration 2 (at --eval-interval " in stdout

@@ -65,11 +65,16 @@ def test_sample_based_flags_checked_before_compute():
 
 
 # --- validation and test ----------------------------------------------------------------------
-VALID = re.compile(r" validation loss at (iteration \d+(?: on \w+ set)?) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|")
+VALID = re.compile(r" validation loss at (iteration \d+(?: on \w+ set)?) \(([^)]*)\) \| lm loss value: (\S+) \| "
+                   r"lm loss PPL: (\S+) \|")
 
 
 def _validation(stdout: str) -> dict:
-    return {m.group(1): float(m.group(2)) for m in VALID.finditer(stdout)}
+    return {m.group(1): float(m.group(3)) for m in VALID.finditer(stdout)}
+
+
+def _what(stdout: str) -> dict:
+    return {m.group(1): m.group(2) for m in VALID.finditer(stdout)}
 
 
 def test_validation_and_test_as_pretrain_gpt():
@@ -79,6 +84,13 @@ def test_validation_and_test_as_pretrain_gpt():
     two = run(2, argv)  # DP2: each rank evaluates half the batch; megatron's reduction makes it the same loss
     v1, v2 = _validation(one["stdout"]), _validation(two[-1]["stdout"])
     assert list(v1) == ["iteration 2", "iteration 4", "iteration 4 on validation set", "iteration 4 on test set"]
+    # each line says what it evaluated: iteration 4's two validation losses are other samples
+    # (--eval-iters 2 x global batch 8 each; the test split from its start)
+    assert _what(one["stdout"]) == {
+        "iteration 2": "at --eval-interval 2: validation samples 0-15",
+        "iteration 4": "at --eval-interval 2: validation samples 16-31",
+        "iteration 4 on validation set": "after training: validation samples 32-47",
+        "iteration 4 on test set": "after training: test samples 0-15"}
     assert all(math.isfinite(x) for x in v1.values())
     assert v1["iteration 4"] < v1["iteration 2"]  # it learns
     assert v1["iteration 4 on test set"] != v1["iteration 4 on validation set"]  # another split
