@@ -195,6 +195,10 @@ def test_throughput_runs_every_case_and_variant_through_the_bring_up(smoke):
     assert a["flops_per_step"] == 3 * (m["layers"] * per_layer + 2 * t * h * m["vocab"])
     titan = next(r for r in sec["rows"] if r["variant"] == "torchtitan eager")
     assert titan["status"].startswith("skipped: torchtitan not importable (")  # not a dependency: never on CPU
+    # the planner's hardware profile is measured in this section: on CPU through the same code, kept nowhere
+    profile = sec["kernel_profile"]
+    assert profile["status"] == NO_CUDA and "written" not in profile
+    assert {"gemm", "grouped_gemm", "attention", "host_link"} <= {k.split()[0] for k in profile["cpu_smoke_read_by_planner"]}
 
 
 def test_layers_that_fit_counts_the_memory_of_the_llama_stack():

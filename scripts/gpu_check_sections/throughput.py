@@ -20,6 +20,9 @@ feature of this project off (megatron-core's local spec as it ships). FLOPs: meg
 ``num_floating_point_operations`` (FLOP_CONVENTION). Step time: the whole iteration (schedule and
 optimizer), synchronised, median of the measured steps after warm-up ones; forward+backward alone: CUDA
 events around the schedule (a Run probe). Peak: ``torch.cuda.max_memory_allocated`` over the measured steps.
+Before the cases: the planner's hardware profile (kernel_profile.py: matrix products, grouped products,
+attention per kind, HBM, the host link), written to megatron_ext/planner/profiles/<gpu>.json and kept in
+the section's result (``kernel_profile.profile``), the copy that comes back from a device run.
 On CPU every case runs at tiny sizes; what only a GPU measures reads "skipped: no CUDA"."""
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import time
 import torch
 
 from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, sync
+from gpu_check_sections.kernel_profile import section_kernel_profile
 
 FLOP_CONVENTION = ("megatron's num_floating_point_operations (megatron/training/training.py): every GEMM 3 times "
                    "(forward, data and weight gradients), 2 FLOPs per multiply-add, causal core attention at half "
@@ -355,6 +359,8 @@ def section_throughput(size, claims) -> dict:
     steps, models = STEPS[kind], MODELS[kind]
     t0, limit = time.time(), size.get("time_limit_s") or float("inf")
     matmul = matmul_rate(kind)
+    # the planner's hardware profile first (about 20 s on a GPU): the cases after it stop at the limit
+    profile = section_kernel_profile(size, claims)
     if cuda():
         torch.cuda.empty_cache()  # the free memory the layers are counted from
     fits = {}
@@ -385,7 +391,7 @@ def section_throughput(size, claims) -> dict:
                               ours.get("flops_per_step"), matmul)
     _claims(claims, rows, models, kind)
     return {"status": "ok", "flop_convention": FLOP_CONVENTION, "baseline": BASELINE, "matmul": matmul,
-            "b_layers_that_fit": fits or "skipped: fixed sizes on CPU", "steps": steps, "rows": rows}
+            "kernel_profile": profile, "b_layers_that_fit": fits or "skipped: fixed sizes on CPU", "steps": steps, "rows": rows}
 
 
 def _claims(claims, rows, models, kind) -> None:
