@@ -19,7 +19,6 @@ import sys
 
 from megatron.training.arguments import add_megatron_arguments
 
-from megatron_ext.config import recipes
 from megatron_ext.planner import options as planner_options
 from megatron_ext.platform import target
 from megatron_ext.training import ckpt_recipe, command_line, features
@@ -90,18 +89,16 @@ def build_parser():
     return copy.deepcopy(_BUILT[0])
 
 
-def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True):
+def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_read=None):
     """The command line over the recipe over the defaults, every value checked before any compute
-    (command_line.finalize); --dry-run prints the resolved values and exits (or returns them)."""
+    (command_line.finalize); --dry-run prints the resolved values and exits (or returns them).
+    ``first_read``: what a stage that read --load before the parse found (a conversion's; the run
+    reads none of it again: megatron_ext/training/ckpt_dirs.py FirstRead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     known = parser.parse_known_args(argv)[0]
-    recipe_path, recorded = known.recipe, None
-    if recipe_path is None and known.load:  # the recipe the checkpoint records (training/ckpt_recipe.py)
-        recipe_path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
-    recipe = recipes.load(recipe_path, parser) if recipe_path else {}
-    if recorded:
-        recipe = ckpt_recipe.relocate(recipe, recorded)
+    # --recipe, else the recipe the --load checkpoint records (megatron_ext/training/ckpt_recipe.py)
+    recipe, recorded = command_line.recipe_values(known, parser, first_read)
     cli = command_line.explicit_cli_dests(parser, argv)
     parser.set_defaults(**recipe)  # the recipe's values become the defaults the command line overrides
     args = parser.parse_args(argv)
@@ -110,7 +107,7 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True):
     }
     if recorded:
         args.recipe, args.config_sources["recipe"] = recorded, "recorded by the --load checkpoint"
-    command_line.finalize(args, parser)
+    command_line.finalize(args, parser, first_read)
     if args.dry_run:
         command_line.print_config(args)
         if exit_on_dry_run:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import optimizer as dist_ckpt_optimizer
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
@@ -53,7 +54,7 @@ TARGETS = {
     "fsdp.DataParallelBuffer": fsdp_buffer.DataParallelBuffer,
     "fsdp.ParamAndGradBuffer": fsdp_buffer.ParamAndGradBuffer, "fsdp.MegatronFSDP": megatron_fsdp.MegatronFSDP,
     "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
-    "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader,
+    "filesystem_async": filesystem_async, "FileSystemReader": FileSystemReader, "serialization": serialization,
     "TemporaryBucketAllocator": fsdp_buffer.TemporaryBucketAllocator,
     "StorageResizeBasedBucketAllocator": fsdp_buffer.StorageResizeBasedBucketAllocator,
     "LocalSpecProvider": LocalSpecProvider, "QKNormConfigResolver": QKNormConfigResolver,

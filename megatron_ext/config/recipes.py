@@ -76,6 +76,12 @@ def _coerce_one(value, action, bad):
 
 
 def load(path: str, parser) -> dict:
+    """The recipe at ``path``, read and resolved through the parser's actions."""
+    return resolve(read(path), parser, path)
+
+
+def read(path: str) -> dict:
+    """The recipe's mapping as the file holds it (one-line refusals: no file, not YAML, not a mapping)."""
     if not os.path.exists(path):
         raise ConfigError(f"--recipe={path}: no such file")
     with open(path) as f:
@@ -88,6 +94,12 @@ def load(path: str, parser) -> dict:
             raise ConfigError(f"--recipe={path}: not valid YAML at{where}: {what}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe={path}: a recipe is a mapping of flag names to values")
+    return raw
+
+
+def resolve(raw: dict, parser, path: str) -> dict:
+    """A recipe's mapping (:func:`read`) through the parser's actions: dest -> value; every unknown key
+    or wrongly typed value refused at once, naming ``path``."""
     actions, options = parser_actions(parser), _option_names(parser)
     resolved, problems = {}, []
     for key, value in raw.items():  # every key on its own: all the recipe's problems are reported at once

@@ -1,13 +1,15 @@
 """The megatron side of a conversion: the model of a recipe, opened by the run's model-only bring-up
 (training/run.py ``Run.for_model``: the model's flags, no training flags), and a checkpoint loaded into it.
 
-    found = find(load, recipe)              the one read of --load before the run: its newest checkpoint's
-                                            recipe (or an import's beside it) and LoRA record
+    found = find(load, recipe)              the one read of --load: its checkpoints listed, the recipe,
+                                            the newest intact checkpoint (checksums verified) and its
+                                            common state (the LoRA record)
     with loaded(found, layout) as run:      the model-only run with that checkpoint's weights (run.model)
     with open_model(recipe, flags) as run:  the model-only run of a recipe (an import fills and saves it)
 
-The run then reads --load as any run does: its parser the recipe the checkpoint records (moving a
-moved directory's tokenizer path onto the copy beside it), its load the newest intact checkpoint."""
+The run is handed what ``find`` read (training/checkpointing.py ``first_read``): its parser takes the
+recipe from there (moving a moved directory's tokenizer path onto the copy beside it), its load the
+listing, the checkpoint, its integrity and its common state; then it reads the weights."""
 from __future__ import annotations
 
 import contextlib
@@ -24,23 +26,25 @@ from megatron_ext.hf import families, hfdir, shards
 RECIPE = "recipe.yaml"  # as training/ckpt_recipe.py names it (imported there with megatron-core)
 
 
-def open_model(recipe: str | None, flags: list[str]):
+def open_model(recipe: str | None, flags: list[str], first_read=None):
     """The model-only run of the recipe's model (None: the recipe the --load checkpoint in ``flags``
-    records) with these flags. Entering it brings the process groups up; leaving it tears them down,
-    and a teardown that fails after the conversion's own error does not replace it."""
+    records) with these flags (``first_read``: what :func:`find` read of --load, handed to the run).
+    Entering it brings the process groups up; leaving it tears them down, and a teardown that fails
+    after the conversion's own error does not replace it."""
     from megatron_ext.training.run import Run
 
-    return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags])
+    return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags], first_read=first_read)
 
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """What a conversion reads of --load before it loads it, once (:func:`find`)."""
+    """What a conversion reads of --load, once, before its run (:func:`find`), and hands to it."""
 
     load: str
     recipe: str  # the recipe the load reads: --recipe, else the checkpoint's (or an import's beside it)
-    given: bool  # --recipe was given; else the run's parser reads the recorded one itself
-    lora: dict | None  # the newest checkpoint's LoRA record: an adapter checkpoint's configuration
+    given: bool  # --recipe was given; else the run's parser takes the recorded one from ``read``
+    lora: dict | None  # the newest intact checkpoint's LoRA record: an adapter checkpoint's configuration
+    read: object  # training/ckpt_dirs.py FirstRead: the listing, recipe, checkpoint and common state
 
     def lora_flags(self) -> list[str]:
         """The LoRA flags an adapter checkpoint was trained with (its base loads first), else []."""
@@ -51,20 +55,17 @@ class Found:
         return ckpt_lora.flags(self.lora).split()
 
     def num_layers(self) -> int:
-        import yaml
-
-        with open(self.recipe) as f:
-            raw = yaml.safe_load(f) or {}
-        layers = raw.get("num_layers", raw.get("num-layers"))
+        layers = self.read.recipe_values.get("num_layers", self.read.recipe_values.get("num-layers"))
         if not isinstance(layers, int):
             raise ConfigError(f"--recipe={self.recipe}: no num_layers")
         return layers
 
 
 def find(load: str, recipe: str | None = None) -> Found:
-    """--load read once: its committed checkpoints listed, the newest complete one's recipe (else the
-    newest that has one, else an import's beside them) unless --recipe is given, and its LoRA record.
-    A one-line refusal when there is no recipe."""
+    """--load read once (training/checkpointing.py ``first_read``): its committed checkpoints listed, the
+    recipe (--recipe, else the newest checkpoint's that has one, else an import's beside them), the
+    newest intact checkpoint and its common state, whose LoRA record names the adapters' flags. A
+    one-line refusal when there is no recipe."""
     if recipe is not None and not os.path.isfile(recipe):
         raise ConfigError(f"--recipe={recipe}: no such file")
     if recipe is None and not os.path.isdir(load):
@@ -72,19 +73,14 @@ def find(load: str, recipe: str | None = None) -> Found:
     from megatron_ext import platform
 
     platform.setup()  # before megatron-core is imported
-    from megatron.core import dist_checkpointing
+    from megatron_ext.training import checkpointing
 
-    from megatron_ext.training import ckpt_dirs
-
-    newest_first = [ckpt_dirs.checkpoint_dir(load, i) for i in ckpt_dirs.complete_iterations(load)[::-1]]
-    if recipe is None:
-        recorded = [os.path.join(d, RECIPE) for d in newest_first] + [os.path.join(load, RECIPE)]
-        found = next((path for path in recorded if os.path.isfile(path)), None)
-        if found is None:
-            raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
-                              "train.py saves records one, an import writes one): pass --recipe")
-    lora = dist_checkpointing.load_common_state_dict(newest_first[0]).get("lora") if newest_first else None
-    return Found(load=load, recipe=recipe or found, given=recipe is not None, lora=lora)
+    read = checkpointing.first_read(load, recipe)
+    if read.recipe is None:
+        raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
+                          "train.py saves records one, an import writes one): pass --recipe")
+    lora = read.common.get("lora") if read.common is not None else None
+    return Found(load=load, recipe=read.recipe, given=recipe is not None, lora=lora, read=read)
 
 
 @contextlib.contextmanager
@@ -95,7 +91,7 @@ def loaded(found: Found, flags: list[str]):
     the LoRA flags it records, its base first (training/ckpt_lora.py)."""
     with open_model(found.recipe if found.given else None,
                     ["--load", found.load, "--finetune", "--no-load-optim", "--no-load-rng",
-                     "--exit-on-missing-checkpoint", *found.lora_flags(), *flags]) as run:
+                     "--exit-on-missing-checkpoint", *found.lora_flags(), *flags], first_read=found.read) as run:
         from megatron_ext import lora
 
         model = run.build()

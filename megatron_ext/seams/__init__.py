@@ -45,8 +45,8 @@ shims are not here: megatron_ext/platform/cpu_shims.py.
 from __future__ import annotations
 
 from megatron_ext.seams.checkpointing import (  # noqa: F401 (the package's API)
-    checksummed_writes, ensure_optimizer_state, restore_fsdp2_optimizer_step, restore_optimizer_step,
-    set_write_results_queue, verified_reads,
+    checksummed_writes, common_state_given, ensure_optimizer_state, restore_fsdp2_optimizer_step,
+    restore_optimizer_step, set_write_results_queue, verified_reads,
 )
 from megatron_ext.seams.fsdp import complete_fsdp_optimizer_state, wait_for_prefetched_gathers  # noqa: F401
 from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
@@ -55,7 +55,8 @@ from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_mega
 
 __all__ = [
     "TORCH_NORM_SEQUENCE_PARALLEL", "ensure_optimizer_state", "restore_optimizer_step", "restore_fsdp2_optimizer_step",
-    "set_write_results_queue", "checksummed_writes", "verified_reads", "complete_fsdp_optimizer_state",
+    "set_write_results_queue", "checksummed_writes", "verified_reads", "common_state_given",
+    "complete_fsdp_optimizer_state",
     "wait_for_prefetched_gathers", "replace_token_dispatcher", "reset_moe_aux_loss_scale", "run_experts_grouped",
     "reset_megatron_globals", "install_tokenizer_seams", "megatron_training_globals", "unwrapped",
 ]

@@ -10,10 +10,13 @@ megatron.training.checkpointing, which needs megatron's global args). Replaced o
     while a save is written: each file's bytes pass through a CRC-32 (CHECKSUMMED_WRITES)
   torch's FileSystemReader.read_data, reached from serialization.py:229 and strategies/torch.py:979
     wrapped while a checkpoint loads: the files a read touches are verified first (VERIFIED_READS)
+  serialization.py:151 (load_common_state_dict, looked up as a module global by load)  handed the
+    common state the load read already (COMMON_STATE_GIVEN)
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
@@ -24,6 +27,7 @@ import time
 import zlib
 
 import torch
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -314,7 +318,29 @@ VERIFIED_READS = Patch(
     "byte is read",
     _install_verified_reads,
 )
-SEAMS = [CHECKSUMMED_WRITES, VERIFIED_READS]
+_GIVEN: list = []  # (directory, common state) of the loads in progress
+
+
+def _install_common_state_given():
+    original = serialization.load_common_state_dict
+
+    def load_common_state_dict(checkpoint_dir):
+        if _GIVEN and os.path.abspath(str(checkpoint_dir)) == _GIVEN[-1][0]:
+            return copy.deepcopy(_GIVEN[-1][1])  # a copy: load merges the loaded tensors into it
+        return original(checkpoint_dir)
+
+    return set_attr(serialization, "load_common_state_dict", load_common_state_dict)
+
+
+COMMON_STATE_GIVEN = Patch(
+    "checkpointing.common_state_given",
+    ["megatron/core/dist_checkpointing/serialization.py:151"],
+    "dist_checkpointing.load reads the checkpoint's common state (load_common_state_dict, a module "
+    "global) that its caller read to build the load's template: it is handed that one instead of "
+    "reading (and verifying) it a second time",
+    _install_common_state_given,
+)
+SEAMS = [CHECKSUMMED_WRITES, VERIFIED_READS, COMMON_STATE_GIVEN]
 
 
 @contextlib.contextmanager
@@ -326,3 +352,14 @@ def verified_reads(verifier):
             yield
     finally:
         _VERIFIERS.pop()
+
+
+@contextlib.contextmanager
+def common_state_given(directory: str, common: dict):
+    """COMMON_STATE_GIVEN for one load of `directory`, whose common state the caller read: `common`."""
+    _GIVEN.append((os.path.abspath(directory), common))
+    try:
+        with COMMON_STATE_GIVEN.applied():
+            yield
+    finally:
+        _GIVEN.pop()

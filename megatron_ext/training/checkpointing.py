@@ -46,6 +46,43 @@ from megatron_ext.training import optimizer as optim
 from megatron_ext.training import ckpt_integrity as integrity
 
 
+def first_read(load: str, recipe: str | None = None) -> ckpt_dirs.FirstRead:
+    """--load read once, before any process group exists, by a stage that reads it ahead of its run (a
+    conversion, which needs the recipe's layers and the LoRA record before it can name its run's flags):
+    the one listing of its checkpoints and the tracker; the recipe (``recipe``, else the one the
+    checkpoints record: ckpt_recipe.recorded); then, newest first, each checkpoint looked at as the load
+    looks (ckpt_integrity.Verifier.look: metadata.json, `.metadata`'s checksum, every file's size) and
+    its common state read with the files that read touches verified, down to the first that is intact.
+    Handed to the run's parse (``Run.for_model(argv, first_read=...)``), so that neither its parser, its
+    checks nor its load read any of it again (ckpt_dirs.handed); the load agrees over the ranks on what
+    each found, and says what it skips and refuses as it does when it looks itself. Nothing collective."""
+    from megatron_ext.config import recipes
+
+    root = os.path.abspath(load)
+    iterations = ckpt_dirs.committed_iterations(root)
+    note = ckpt_dirs.read_tracker(root, iterations) if os.path.isdir(root) else None
+    path = recipe if recipe is not None else ckpt_recipe.recorded(root, iterations=iterations)
+    looked, intact, common = {}, None, None
+    for iteration in iterations[::-1]:
+        verifier = looked[iteration] = integrity.Verifier(ckpt_dirs.checkpoint_dir(root, iteration), collective=False)
+        if verifier.look():
+            continue
+        if (verifier.config or {}).get("sharded_backend") == "torch_dist":  # fsdp_dtensor: its load reads its own
+            try:
+                with seams.verified_reads(verifier) if verifier.files is not None else contextlib.nullcontext():
+                    common = dist_checkpointing.load_common_state_dict(verifier.directory)
+            except BaseException:  # torch's CheckpointException (wrapping ours) is a BaseException
+                if not verifier.problems:  # set when a file the read touched failed its checksum
+                    raise
+                continue
+        intact = iteration
+        break
+    return ckpt_dirs.FirstRead(root=root, iterations=iterations, tracker_note=note, recipe=path,
+                               recorded=recipe is None and path is not None,
+                               recipe_values=recipes.read(path) if path else None,
+                               looked=looked, iteration=intact, common=common)
+
+
 class DamagedCheckpoint(ConfigError):
     """The checkpoint to resume from failed verification and no older one is to be loaded
     (--no-ckpt-fallback, --ckpt-step, or none intact): one line naming the checkpoint and files,
@@ -247,7 +284,8 @@ class Checkpointer:
         if self.rank == 0 and args.save and os.path.abspath(args.load) == os.path.abspath(args.save):
             for name in ckpt_dirs.remove_interrupted(args.load):  # nothing of this run is being written yet
                 self._print(f"removed {os.path.join(args.load, name)}: a save or delete a killed run left unfinished")
-        iterations, tracker_note = self._listing()
+        first = ckpt_dirs.handed(args)  # what --load's first reader found (a conversion's), else None
+        iterations, tracker_note = self._listing(first)
         if tracker_note:
             self._print(f"warning: {tracker_note}: ignored; the newest checkpoint is found by listing {args.load}")
         if not iterations and args.pretrained_checkpoint:
@@ -265,7 +303,7 @@ class Checkpointer:
             candidates = iterations[::-1]
         for iteration in candidates:
             path = ckpt_dirs.checkpoint_dir(args.load, iteration)
-            damage, loaded = self._load_verified(path, iteration)
+            damage, loaded = self._load_verified(path, iteration, first)
             if damage is None:
                 if iteration != iterations[-1] and args.ckpt_step is None:
                     lost = iterations[-1] - iteration
@@ -303,35 +341,47 @@ class Checkpointer:
         base.load()
         return 0
 
-    def _listing(self) -> tuple[list[int], str | None]:
-        """Rank 0 lists the committed checkpoints and reads the tracker; every rank gets its view."""
+    def _listing(self, first: ckpt_dirs.FirstRead | None) -> tuple[list[int], str | None]:
+        """Rank 0 lists the committed checkpoints and reads the tracker (or takes what ``first``, the
+        first read of --load, found of them); every rank gets its view."""
         view = [None]
         if self.rank == 0:
-            iterations = ckpt_dirs.committed_iterations(self.args.load)
-            note = ckpt_dirs.read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
+            if first is not None:
+                iterations, note = first.iterations, first.tracker_note
+            else:
+                iterations = ckpt_dirs.committed_iterations(self.args.load)
+                note = ckpt_dirs.read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
             view = [(iterations, note)]
         torch.distributed.broadcast_object_list(view, src=0)
         return view[0]
 
-    def _load_verified(self, path: str, iteration: int) -> tuple[str | None, str | None]:
+    def _load_verified(self, path: str, iteration: int,
+                       first: ckpt_dirs.FirstRead | None = None) -> tuple[str | None, str | None]:
         """Load `path` with every file verified first: (the damage found, the same text on every
-        rank, None) or (None, the line saying what was loaded)."""
+        rank, None) or (None, the line saying what was loaded). A checkpoint ``first`` (the first read
+        of --load) looked at is not looked at again: the ranks agree on what each found there."""
         t0 = time.perf_counter()
-        verifier = integrity.Verifier(path)
-        problems, verifiable = verifier.inspect()  # collective
+        verifier = first.looked.get(iteration) if first is not None else None
+        if verifier is None:
+            verifier = integrity.Verifier(path)
+            problems, verifiable = verifier.inspect()  # collective
+        else:
+            problems, verifiable = verifier.agree()  # collective
         if problems:
             return "; ".join(problems), None
         if not verifiable:
             self._print(f"note: {path} has no checksums (saved before they were recorded): it cannot be verified")
         try:
+            common = first.common if first is not None and first.iteration == iteration else None
             with seams.verified_reads(verifier) if verifiable else contextlib.nullcontext():
-                return None, self._load(path, iteration, t0, verifier)
+                return None, self._load(path, iteration, t0, verifier, common)
         except BaseException:  # torch's CheckpointException (wrapping ours) is a BaseException
             if not verifier.problems:  # set on every rank when the ranks agreed on damage
                 raise
             return "; ".join(verifier.problems), None
 
-    def _load(self, path: str, iteration: int, t0: float, verifier) -> str:
+    def _load(self, path: str, iteration: int, t0: float, verifier, common: dict | None = None) -> str:
+        """``common``: the checkpoint's common state where the first read of --load read it already."""
         args = self.args
         found = (verifier.config or {}).get("sharded_backend")  # the format it was written in
         if args.auto_detect_ckpt_format and found != args.ckpt_format:  # megatron's: the format on disk decides
@@ -345,7 +395,8 @@ class Checkpointer:
                                   "base loads from torch_dist (an import, a DDP run) before the model is sharded")
             common, self._pending_rng = fsdp_checkpoint.load(self, path, iteration, verifier)
             return self._loaded(path, iteration, t0, verifier, common, common["layout"] == ckpt_state.layout(args))
-        common = dist_checkpointing.load_common_state_dict(path)
+        if common is None:
+            common = dist_checkpointing.load_common_state_dict(path)
         part = ckpt_lora.plan(self, path, iteration, common)  # LoRA: an adapter checkpoint loads its base first
         if common.get("scheduler") is None and not args.finetune:  # an import (megatron_ext/hf): weights only
             raise ConfigError(f"--load={args.load}: {path} holds model weights only (an imported model): "
@@ -366,7 +417,8 @@ class Checkpointer:
             strategy = FullyParallelLoadStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
             )
-        state = dist_checkpointing.load(template, path, strategy, strict=args.dist_ckpt_strictness)
+        with seams.common_state_given(path, common):  # read above: megatron-core's load does not read it again
+            state = dist_checkpointing.load(template, path, strategy, strict=args.dist_ckpt_strictness)
         with torch.no_grad():  # distrib_optimizer.py:1225 copies into views of grad-tracked params
             # torch FSDP2: the load wrote the DTensors' local shards in place; megatron skips both
             # load_state_dicts (training.py:2204, skip_load_to_model_and_opt)

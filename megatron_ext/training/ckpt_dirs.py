@@ -9,9 +9,14 @@ Only `iter_N` directories are ever loaded. What a killed save or delete leaves b
 `.deleting`) is removed by the next run that resumes from the same directory
 (:func:`remove_interrupted`) or after the next committed save (:func:`debris`).
 :func:`check_loadable` is the cheap look (structure and metadata, no checksum pass) that --dry-run
-and argument validation take at --load. Nothing here is collective."""
+and argument validation take at --load. Nothing here is collective.
+
+A stage that reads --load before the run does (a conversion: checkpointing.first_read) hands what
+it found on as a :class:`FirstRead` (``args.first_read``, set by the parse it is handed to); the
+later stages of that run take it from there (:func:`handed`) instead of reading the directory again."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -25,6 +30,35 @@ PARTIAL = ".partial"
 DELETING = ".deleting"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _PARTIAL_DIR = re.compile(r"^iter_(\d{7})" + re.escape(PARTIAL) + "$")
+
+
+@dataclasses.dataclass
+class FirstRead:
+    """--load as the first stage that read it found it (checkpointing.first_read), for the stages after it:
+    the recorded recipe (the parser), the cheap look (:func:`check_loadable`), the listing, the checkpoint
+    to load, its integrity and its common state (the load)."""
+
+    root: str  # --load, absolute
+    iterations: list[int]  # the one listing: its committed iterations, ascending
+    tracker_note: str | None  # what is wrong with the tracker file (read_tracker), or None
+    recipe: str | None  # the recipe the run reads (--recipe, else the one the checkpoints record), or None
+    recorded: bool  # that recipe is the one the checkpoints record (not --recipe)
+    recipe_values: dict | None  # as read (config.recipes.read): a mapping of recipe keys to values
+    looked: dict  # iteration -> ckpt_integrity.Verifier: each looked at, newest first, down to the intact one
+    iteration: int | None  # the newest intact checkpoint (its look, and its common state's read, clean)
+    common: dict | None  # that checkpoint's common state (dist_checkpointing), read verified
+
+    def covers(self, load: str | None, ckpt_step: int | None) -> bool:
+        """Whether this is what a run of --load ``load`` (and --ckpt-step) reads: the same directory, the
+        newest intact checkpoint."""
+        return bool(load) and ckpt_step is None and os.path.abspath(load) == self.root
+
+
+def handed(args) -> FirstRead | None:
+    """The FirstRead handed to this run (``args.first_read``) if it is of this run's --load; else None
+    (a run that reads --load itself, or a load of another directory: a LoRA adapter's base)."""
+    found = getattr(args, "first_read", None)
+    return found if found is not None and found.covers(getattr(args, "load", None), args.ckpt_step) else None
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -156,13 +190,17 @@ def check_loadable(args) -> None:
     ("every checkpoint is damaged") after reading them. Checkpoints that pass can still fail the
     load's full verification, which then falls back or stops as usual."""
     root = getattr(args, "load", None)
-    iterations = committed_iterations(root)
+    first = handed(args)  # what --load's first reader found: it looked at each down to the intact one
+    iterations = first.iterations if first else committed_iterations(root)
     if not iterations:
         _refuse_without_checkpoint(args)
         return
+    if first and first.iteration is not None:
+        return  # an intact one: its structure passed
     found = {}
     for iteration in iterations:
-        problems = ckpt_integrity.structure_problems(checkpoint_dir(root, iteration))
+        problems = (first.looked[iteration].structure if first else
+                    ckpt_integrity.structure_problems(checkpoint_dir(root, iteration)))
         if not problems:
             return
         found[iteration] = problems

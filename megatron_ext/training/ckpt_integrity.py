@@ -249,12 +249,19 @@ def _agree(problems: list[str]) -> tuple[list[str], float]:
 
 class Verifier:
     """One checkpoint directory: `inspect()` before the load (collective), then `verify_read()`
-    from the reader seam for the files each read touches (collective per read)."""
+    from the reader seam for the files each read touches (collective per read).
 
-    def __init__(self, directory: str):
+    Before any process group exists (a conversion's first read of --load, checkpointing.first_read),
+    a Verifier made with ``collective=False`` looks on this process alone (`look()`, then its reads
+    verified here); the load it is handed to agrees on what it found (`agree()`, collective) instead of
+    looking again, and verifies only the files not verified yet."""
+
+    def __init__(self, directory: str, collective: bool = True):
         self.directory = os.path.abspath(directory)
+        self.collective = collective
         self.files: dict | None = None  # name -> [size, crc32]; None: no checksums (older checkpoint)
         self.config: dict | None = None  # the checkpoint's metadata.json, as inspect() read it
+        self.structure: list[str] = []  # what look() found of the structure alone (structure_problems)
         self.verified: set = set()
         self.problems: list[str] = []
         self.seconds = 0.0  # this rank's own work (reading and summing)
@@ -272,25 +279,53 @@ class Verifier:
             return f"{name} checksum mismatch"
         return None
 
-    def inspect(self) -> tuple[list[str], bool]:
-        """(problems, verifiable), the same on every rank."""
+    def _agree(self, problems: list[str]) -> list[str]:
+        """The problems every rank found (collective), or this process's own before a world exists."""
+        if not self.collective:
+            return sorted(set(problems))
+        agreed, wait = _agree(problems)
+        self.agree_seconds += wait
+        return agreed
+
+    def _look(self, sizes: bool) -> list[str]:
+        """metadata.json and its own CRC, `.metadata`'s checksum and, with ``sizes``, every listed file
+        at its recorded size (without checksums: every file `.metadata` names long enough). Reads no
+        data file; nothing collective."""
         t0 = time.perf_counter()
-        config, self.files, problems = read_config(self.directory)
+        self.config, self.files, read = read_config(self.directory)
+        checked, sized = [], []
         if self.files is not None:
             if DCP_METADATA in self.files:  # every rank reads it
                 problem = self._check(DCP_METADATA)
                 self.verified.add(DCP_METADATA)
                 if problem:
-                    problems.append(problem)
-            if torch.distributed.get_rank() == 0:  # the set is complete, each file whole
-                problems += listed_size_problems(self.directory, self.files)
-        elif config is not None and torch.distributed.get_rank() == 0:
-            problems += structure_only(self.directory)
-        t1 = time.perf_counter()
-        self.config = config
-        self.problems, wait = _agree(problems)
-        self.seconds += t1 - t0
-        self.agree_seconds += wait
+                    checked.append(problem)
+            if sizes:
+                sized = listed_size_problems(self.directory, self.files)
+        elif self.config is not None and sizes:
+            sized = structure_only(self.directory)
+        self.structure = [*read, *sized] if sizes else []
+        self.seconds += time.perf_counter() - t0
+        return [*read, *checked, *sized]
+
+    def look(self) -> list[str]:
+        """This process's look before any world exists (``collective=False``): what inspect() checks,
+        every file's size included, plus `structure` (what structure_problems would say). Returns the
+        problems found, which `agree()` later makes every rank's."""
+        self.problems = sorted(set(self._look(sizes=True)))
+        return self.problems
+
+    def agree(self) -> tuple[list[str], bool]:
+        """inspect()'s answer for a Verifier that looked before the world existed (look(), and the
+        reads verified since): the union of what every rank found (collective); from now on its
+        reads are verified together."""
+        self.collective = True
+        self.problems = self._agree(self.problems)
+        return self.problems, self.files is not None
+
+    def inspect(self) -> tuple[list[str], bool]:
+        """(problems, verifiable), the same on every rank."""
+        self.problems = self._agree(self._look(sizes=torch.distributed.get_rank() == 0))
         return self.problems, self.files is not None
 
     def verify_read(self, names) -> None:
@@ -306,10 +341,8 @@ class Verifier:
                 if problem:
                     problems.append(problem)
             self.verified.add(name)
-        t1 = time.perf_counter()
-        problems, wait = _agree(problems)
-        self.seconds += t1 - t0
-        self.agree_seconds += wait
+        self.seconds += time.perf_counter() - t0
+        problems = self._agree(problems)
         if problems:
             self.problems = problems
             raise Damaged(problems)

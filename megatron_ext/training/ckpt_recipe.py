@@ -9,7 +9,8 @@ and command line set (resolved), and ``iter_N/tokenizer/``, a copy of the files 
 
 The recipe loads on its own (``--recipe iter_N/recipe.yaml``; its tokenizer paths name the copy), and
 a run that loads the checkpoint without ``--recipe`` reads it (:func:`recorded`, from
-``arguments.parse``): ``scripts/convert.py export`` and ``logits``, ``train.py --finetune --load RUN``.
+``arguments.parse`` through training/command_line.py ``recipe_values``; a conversion reads it once before
+its run, checkpointing.first_read, and hands it to the parse): ``scripts/convert.py export`` and ``logits``, ``train.py --finetune --load RUN``.
 ``--recipe`` still overrides it. A run directory that was moved keeps working: a tokenizer path that
 no longer exists is taken from the copy beside the recipe (:func:`relocate`)."""
 from __future__ import annotations
@@ -204,13 +205,15 @@ def record(args, directory: str, final: str) -> bytes | None:
     return content.encode()
 
 
-def recorded(load: str | None, step: int | None = None) -> str | None:
+def recorded(load: str | None, step: int | None = None, iterations: list[int] | None = None) -> str | None:
     """The recipe a run that loads `load` reads when no --recipe is given: the one recorded in the
     checkpoint it loads (`step`, or the newest committed one that has a recipe), else the one beside
-    the checkpoints (an import's, or a directory written before checkpoints recorded theirs); None."""
+    the checkpoints (an import's, or a directory written before checkpoints recorded theirs); None.
+    ``iterations``: the committed ones, where the caller listed `load` already."""
     if not load or not os.path.isdir(load):
         return None
-    iterations = ckpt_dirs.committed_iterations(load)
+    if iterations is None:
+        iterations = ckpt_dirs.committed_iterations(load)
     for iteration in ([step] if step is not None and step in iterations else iterations[::-1]):
         path = os.path.join(ckpt_dirs.checkpoint_dir(load, iteration), RECIPE)
         if os.path.isfile(path):

@@ -3,6 +3,8 @@ argument layer: megatron's flags, this project's, the user's, the recipe merge):
 
     Parser                a parser whose errors are one-line refusals
     order_help(parser)    --help: this project's groups, the common Megatron flags, megatron's groups
+    recipe_values(known, parser, first_read)  the recipe under the command line: --recipe, else the one
+                          the --load checkpoint records (as a stage that read --load first hands it on)
     finalize(args, parser)  every check before any compute, in stages (Problems): the values as given,
                           megatron's validate_args, each package's validate (features.py), then what
                           reads all of them (every split's data, --dry-run --load's checkpoint keys)
@@ -25,10 +27,10 @@ import warnings
 
 from megatron.training.arguments import validate_args
 
-from megatron_ext.config import domains, megatron_checks, rules
+from megatron_ext.config import domains, megatron_checks, recipes, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
-from megatron_ext.training import features
+from megatron_ext.training import ckpt_recipe, features
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,6 +136,26 @@ def explicit_cli_dests(parser, argv) -> set:
             a.default = d
 
 
+def recipe_values(known, parser, first_read=None) -> tuple[dict, str | None]:
+    """(the recipe's values through the parser's actions, the path of the recorded one or None): --recipe,
+    else the recipe the --load checkpoint records (training/ckpt_recipe.py ``recorded``: --ckpt-step's, or
+    the newest that has one, else the one beside them; a moved directory's tokenizer paths moved onto the
+    copy beside it). ``first_read``: what a stage that read --load before the parse found
+    (training/ckpt_dirs.py FirstRead): its listing and the recipe it read are used, not read again."""
+    first = first_read if first_read is not None and first_read.covers(known.load, known.ckpt_step) else None
+    path, recorded = known.recipe, None
+    if path is None and known.load:
+        if first is not None:
+            path = recorded = first.recipe if first.recorded else None
+        else:
+            path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
+    if not path:
+        return {}, None
+    raw = first.recipe_values if first is not None and first.recipe == path else recipes.read(path)
+    values = recipes.resolve(raw, parser, path)
+    return (ckpt_recipe.relocate(values, recorded) if recorded else values), recorded
+
+
 def _fit_defaults_to_platform(args) -> None:
     """Platform-dependent defaults (transformer-engine, fusions, norms) for the machine this runs on
     or the --platform target of a --dry-run: megatron_ext/platform/target.py."""
@@ -201,12 +223,17 @@ class Problems:
             raise ConfigError("\n".join(self.lines))
 
 
-def finalize(args, parser) -> None:
+def finalize(args, parser, first_read=None) -> None:
     """Everything megatron's validate_args and config classes check, plus ours, before any compute,
     in stages (Problems): every problem of the first stage that finds any is reported. ``parser``:
-    the one that parsed ``args`` (its actions name the flags refusals name)."""
+    the one that parsed ``args`` (its actions name the flags refusals name). ``first_read``: what a
+    stage that read --load before the parse found (training/ckpt_dirs.py FirstRead), kept as
+    ``args.first_read`` for the checks and the load that would read --load again (ckpt_dirs.handed)."""
     from megatron_ext.training import data
 
+    if first_read is not None:
+        args.first_read = first_read
+        args.config_sources["first_read"] = "read of --load before the run"
     actions = flag_actions(parser)
     given = Problems()  # the values as given: each check on its own
     launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -303,7 +330,7 @@ def explain(exc: BaseException, parser) -> str | None:
 def _mark_megatron_changes(args, given: dict) -> None:
     """A value megatron's validate_args set or changed is labelled so, not with the source it had."""
     for key, value in vars(args).items():
-        if key == "config_sources":
+        if key in ("config_sources", "first_read"):  # what the run is told, not a value it resolves
             continue
         if key not in given:
             args.config_sources[key] = "megatron"

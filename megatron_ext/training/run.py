@@ -114,17 +114,19 @@ class Run:
         return cls(args, probes)
 
     @classmethod
-    def for_model(cls, argv: list[str], probes=()) -> "Run":
+    def for_model(cls, argv: list[str], probes=(), first_read=None) -> "Run":
         """A model-only run of these flags: the model's (a recipe, or the one --load's checkpoint
         records; the architecture, the layout, --load / --save and how they load and save), no training
-        flags. It builds, loads and saves the model; it has no optimizer, data or loop."""
+        flags. It builds, loads and saves the model; it has no optimizer, data or loop. ``first_read``:
+        what its caller read of --load already (training/checkpointing.py first_read): its parse, checks
+        and load take it from there and read none of it again."""
         import os
 
         # one micro-batch per process: a multiple of any data-parallel size of this world
         stand_ins = {flag: value for flag, value in {**_MODEL_ONLY, "--global-batch-size": os.environ.get(
             "WORLD_SIZE", "1")}.items() if flag not in argv}
         args = _parse([*(part for flag, value in stand_ins.items() for part in (flag, value) if part is not None),
-                       *argv])
+                       *argv], **({"first_read": first_read} if first_read is not None else {}))
         for flag in stand_ins:
             dest = flag.removeprefix("--").replace("-", "_")
             getattr(args, "recorded_recipe", {}).get("run", {}).pop(dest, None)
@@ -378,11 +380,12 @@ def log_restart(args) -> None:
     print(f"[restart] restart {restarts} of this job ({counts}): resuming from {where}", flush=True)
 
 
-def _parse(argv: list[str]):
+def _parse(argv: list[str], **handed):
     """The platform set up (CPU shims or this rank's GPU, before megatron-core is imported), then the
-    flags parsed and checked; a --dry-run does not exit here (Run.from_argv)."""
+    flags parsed and checked; a --dry-run does not exit here (Run.from_argv). ``handed``: what the
+    argument layer is handed besides (``first_read``)."""
     platform.setup()
-    return parse(argv, exit_on_dry_run=False)
+    return parse(argv, exit_on_dry_run=False, **handed)
 
 
 def check_load(args) -> None:

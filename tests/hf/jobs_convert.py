@@ -171,50 +171,84 @@ def train_then(argv: list | None, after: list) -> dict:
     return {"iterations": [h["iteration"] for h in history], **{name: convert_cli(a) for name, a in after}}
 
 
-def export_counting_reads(load: str, out: str) -> dict:
-    """An export on this world, counting each listing of the checkpoint directory ``load`` and each read
-    of a recipe or a common state (the LoRA record) under it: the conversion's own (no frame of the run,
-    training/run.py, on the stack) and the run's (its parser, its load)."""
+def conversions_counting_reads(conversions: list, peft: tuple | None = None) -> dict:
+    """Each (name, command, --load, output) conversion on this world (command: ``hf`` or ``peft`` for
+    scripts/convert.py export --hf / --peft, ``logits``), after ``peft`` = (HF dir, peft adapter, save)
+    is imported when given. Per conversion, what it read of its --load directory (the directory and the
+    checkpoints directly in it; an adapter's base elsewhere is not counted): ``read`` by anyone, and
+    ``by the run`` (a frame of training/run.py on the stack: the run's parser, checks and load):
+    each listing of the directory, each recipe.yaml opened, each read of a checkpoint's common state
+    (torch's reader asked for the common_state object, whoever asks: megatron-core's load too), each
+    read of a checkpoint's checksum manifest (metadata.json, ckpt_integrity.read_config); ``summed``:
+    how often each file's checksum was taken; ``iteration``: the checkpoint loaded."""
     import builtins
     import collections
     import os
     import traceback
 
-    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    from megatron_ext.hf import exporter
+    from megatron_ext.hf import exporter, packed
+    from megatron_ext.hf import peft as hf_peft
+    from megatron_ext.training import ckpt_integrity
 
-    root = os.path.abspath(load)
+    if peft is not None:
+        hf_peft.import_peft(*peft)
     run_py = os.path.join("megatron_ext", "training", "run.py")
-    counts = {"conversion": collections.Counter(), "run": collections.Counter()}
+    originals = (os.listdir, builtins.open, FileSystemReader.__dict__["read_data"], ckpt_integrity.read_config,
+                 ckpt_integrity.crc32_file)
+    listdir, opened, read_data, read_config, crc32_file = originals
+    out = {}
+    for name, command, load, target in conversions:
+        root = os.path.abspath(load)
+        read, by_run, summed = collections.Counter(), collections.Counter(), collections.Counter()
 
-    def count(what: str) -> None:
-        whose = "run" if any(f.filename.endswith(run_py) for f in traceback.extract_stack()) else "conversion"
-        counts[whose][what] += 1
+        def count(what: str) -> None:
+            read[what] += 1
+            if any(f.filename.endswith(run_py) for f in traceback.extract_stack()):
+                by_run[what] += 1
 
-    def under(path) -> bool:
-        return isinstance(path, str) and os.path.abspath(path).startswith(root)
+        def checkpoint(path) -> bool:  # a checkpoint directly in --load
+            return isinstance(path, (str, os.PathLike)) and os.path.dirname(os.path.abspath(path)) == root
 
-    listdir, opened, common = os.listdir, builtins.open, dist_checkpointing.load_common_state_dict
+        def counted_listdir(path="."):
+            if isinstance(path, (str, os.PathLike)) and os.path.abspath(path) == root:
+                count("listing")
+            return listdir(path)
 
-    def counted_listdir(path="."):
-        if isinstance(path, str) and os.path.abspath(path) == root:
-            count("listing")
-        return listdir(path)
+        def counted_open(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and os.path.basename(path) == "recipe.yaml" and (
+                    os.path.dirname(os.path.abspath(path)) == root or checkpoint(os.path.dirname(path))):
+                count("recipe")
+            return opened(path, *args, **kwargs)
 
-    def counted_open(path, *args, **kwargs):
-        if under(path) and os.path.basename(path) == "recipe.yaml":
-            count("recipe")
-        return opened(path, *args, **kwargs)
+        def counted_read_data(self, plan, planner):
+            if checkpoint(str(self.path)) and any(i.storage_index.fqn.startswith("common_state") for i in plan.items):
+                count("common state")
+            return read_data(self, plan, planner)
 
-    def counted_common(path, *args, **kwargs):
-        if under(path):
-            count("common state")
-        return common(path, *args, **kwargs)
+        def counted_read_config(directory):
+            if checkpoint(directory):
+                count("manifest")
+            return read_config(directory)
 
-    os.listdir, builtins.open, dist_checkpointing.load_common_state_dict = counted_listdir, counted_open, counted_common
-    try:
-        names, iteration = exporter.export_hf(load, out)
-    finally:
-        os.listdir, builtins.open, dist_checkpointing.load_common_state_dict = listdir, opened, common
-    return {"names": names, "iteration": iteration, **{k: dict(v) for k, v in counts.items()}}
+        def counted_crc32_file(path):
+            if checkpoint(os.path.dirname(path)):
+                summed[os.path.basename(path)] += 1
+            return crc32_file(path)
+
+        os.listdir, builtins.open, FileSystemReader.read_data = counted_listdir, counted_open, counted_read_data
+        ckpt_integrity.read_config, ckpt_integrity.crc32_file = counted_read_config, counted_crc32_file
+        try:
+            iteration = None
+            if command == "hf":
+                iteration = exporter.export_hf(load, target)[1]
+            elif command == "peft":
+                hf_peft.export_peft(load, target)
+            else:
+                packed.logits(load, [3, 17, 42])
+        finally:
+            os.listdir, builtins.open, FileSystemReader.read_data = originals[:3]
+            ckpt_integrity.read_config, ckpt_integrity.crc32_file = originals[3:]
+        out[name] = {"read": dict(read), "by the run": dict(by_run), "summed": dict(summed), "iteration": iteration}
+    return out

@@ -293,16 +293,27 @@ def _refused_in_build(shape, dtype, bad, ckpt):
     return out
 
 
-def test_export_reads_the_checkpoint_once_and_the_import_records_no_training_flags(workdir, tmp_path):
-    """Before its run, an export reads --load once (hf/checkpoint.py find: one listing, the newest
-    checkpoint's common state for its LoRA record); the run's parser and load then read it as any run
-    does. The import is a model-only run: what its checkpoint records of how it was launched holds the
-    flags the import gave (--save ...), none of the values megatron's parser asks every run for."""
+def test_a_conversion_reads_the_checkpoint_once_and_the_import_records_no_training_flags(workdir, tmp_path):
+    """export --hf, export --peft and logits each read their --load once (hf/checkpoint.py find): one
+    listing, one recipe, one common state, one checksum manifest and each file's checksum once, then
+    the weights; their run (its parser, checks and load, megatron-core's load included) is handed what
+    find read and reads none of it again. The adapter checkpoint's export and logits load its base too
+    (another directory, not counted). The import is a model-only run: what its checkpoint records of how
+    it was launched holds the flags the import gave (--save ...), none of the values megatron's parser
+    asks every run for."""
+    from tests.hf.test_peft_io import make_adapter
+
     r = imported(workdir, "llama")
-    out = run_distributed(1, "tests.hf.jobs_convert:export_counting_reads", load=r["ckpt"],
-                          out=str(tmp_path / "out"))[0]
-    assert out["conversion"] == {"listing": 1, "common state": 1}, out
-    assert out["run"]["listing"] >= 1 and out["run"]["recipe"] == 1 and out["iteration"] == 0, out
+    adapter = make_adapter(r["hf"], str(tmp_path / "peft"), r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    lora = str(tmp_path / "lora")
+    out = run_distributed(1, "tests.hf.jobs_convert:conversions_counting_reads", peft=(r["hf"], adapter, lora),
+                          conversions=[("export --hf", "hf", r["ckpt"], str(tmp_path / "hf")),
+                                       ("export --peft", "peft", lora, str(tmp_path / "peft_out")),
+                                       ("logits", "logits", lora, None)])[0]
+    for name, reads in out.items():
+        assert reads["read"] == {"listing": 1, "recipe": 1, "common state": 1, "manifest": 1}, (name, reads)
+        assert reads["by the run"] == {} and reads["summed"] == {".metadata": 1, "__0_0.distcp": 1}, (name, reads)
+    assert out["export --hf"]["iteration"] == 0
     with open(os.path.join(r["ckpt"], "iter_0000000", "recipe.yaml")) as f:
         launched = f.read().split("# the run's own flags")[1]
     assert "# save_interval: 1" in launched and "# no_save_optim: true" in launched, launched
