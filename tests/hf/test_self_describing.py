@@ -137,6 +137,31 @@ def test_convert_failures_are_one_line_each(runs, tmp_path):
     assert sorted(os.listdir(full)) == ["model.safetensors"]
 
 
+FIRST_READ_FINDS = ({"listing": 1, "recipe": 1, "manifest": 2, "common state": 1}, {},
+                    {".metadata": 2, "__0_0.distcp": 2})
+LOAD_FINDS = ({"listing": 1, "recipe": 1, "manifest": 2, "common state": 2}, {"manifest": 1, "common state": 1},
+              {".metadata": 2, "__0_0.distcp": 2, "__1_0.distcp": 1})
+
+
+@pytest.mark.parametrize("damaged, expected", [("__0_0.distcp", FIRST_READ_FINDS), ("__1_0.distcp", LOAD_FINDS)])
+def test_an_export_falls_back_past_a_damaged_checkpoint_with_load_read_once(runs, tmp_path, damaged, expected):
+    """An export hands what it read of --load to its run (training/checkpointing.py first_read). Run A's
+    newest checkpoint damaged in the file holding its common state (the first read finds it and goes on
+    to the older one) or in the other rank's file (the load's weight reads find it and fall back): the
+    older checkpoint, an import, is exported either way, every checkpoint's manifest and files read once,
+    and the run reads only what the first read did not (the older checkpoint, in the second case)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(runs["a"], run)
+    shutil.copytree(os.path.join(runs["ckpt"], "iter_0000000"), os.path.join(run, "iter_0000000"))  # the import
+    with open(os.path.join(run, "iter_0000002", damaged), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    reads = run_distributed(1, "tests.hf.jobs_convert:conversions_counting_reads",
+                            conversions=[("export", "hf", run, str(tmp_path / "hf"))])[0]["export"]
+    assert reads["iteration"] == 0, reads
+    assert (reads["read"], reads["by the run"], reads["summed"]) == expected, reads
+
+
 def test_cli_failure_before_bring_up_is_one_line(tmp_path):
     """The refusal before anything is set up stays the one line, whatever the cleanup does after it
     (the teardown used to import megatron-core there and fail on triton instead)."""
