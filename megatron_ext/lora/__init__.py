@@ -166,8 +166,7 @@ def _validate_targets(args) -> dict:
         except ConfigError as e:
             problems.append(str(e))
             continue
-        hits = [(p, fin, parts) for p, (fin, parts) in paths.items() if target.name is not None
-                and targets.names(p, target.name) and (target.part is None or target.part in dict(parts))]
+        hits = [(p, fin, parts) for p, (fin, parts) in paths.items() if targets.matches(p, parts, target)]
         if not hits:
             close = targets.closest(target.given, _names_of(paths, args))
             problems.append(f"--lora-target-modules={target.given}: this model has no such linear"
@@ -214,8 +213,7 @@ def _names_of(paths: dict, args) -> list:
             t = targets.resolve(name, args)
         except ConfigError:
             continue
-        if any(targets.names(p, t.name) and (t.part is None or t.part in dict(parts))
-               for p, (_, parts) in paths.items()):
+        if any(targets.matches(p, parts, t) for p, (_, parts) in paths.items()):
             out.append(name)
     return out
 

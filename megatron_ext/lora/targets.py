@@ -61,6 +61,14 @@ def names(path: str, target: str) -> bool:
     return path == target or path.endswith("." + target)
 
 
+def matches(path: str, parts, target) -> bool:
+    """Whether ``target`` (resolve's Target) adapts the linear at target path ``path`` whose canonical
+    ``parts`` are [(part, out features)]: it names the linear (a peft name this model cannot have names
+    none) and, for a part, the linear has that part."""
+    return (target.name is not None and names(path, target.name)
+            and (target.part is None or target.part in dict(parts)))
+
+
 def model_paths(args) -> dict:
     """{target path: (in features, [(part, out features)])} of the linears this run's model has
     (global sizes, canonical parts; the MTP block repeats the decoder's and is left out: a target

@@ -86,6 +86,17 @@ def test_every_bad_target_at_once_each_with_the_closest_name():
     ]
 
 
+def test_an_unmatched_target_on_multi_latent_attention_is_one_line():
+    """The closest-name hint walks peft's names, some of which this model cannot have (k_proj, v_proj
+    under multi-latent attention): they are passed over, and the refusal stays one line."""
+    with pytest.raises(ConfigError) as info:
+        arguments.parse(MOE + ["--lora-rank", "4", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
+                               "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+                               "--lora-target-modules", "linear_qkv", "--dry-run"], exit_on_dry_run=False)
+    assert str(info.value).startswith("--lora-target-modules=linear_qkv: this model has no such linear"), info
+    assert "\n" not in str(info.value)
+
+
 def test_peft_names_resolve_onto_the_linears_of_every_family_table():
     """Every linear of every family's weight table (megatron_ext/hf/families.py), by the Hugging Face
     name peft gives it, alone and with its path inside the layer, names the megatron linear of that
