@@ -13,7 +13,7 @@ import pytest
 
 from megatron_ext.offload import MODULES
 from scripts import gpu_check
-from gpu_check_sections import throughput
+from gpu_check_sections import moe_graphs, throughput
 
 NO_CUDA = "skipped: no CUDA"
 
@@ -160,6 +160,9 @@ def test_sections_cover_what_the_gpu_run_promises(smoke):
     assert zero_sync and all(r["syncs_forward"] == r["syncs_backward"] == 0 and r["bitwise_equal_to_megatron"]
                              for r in zero_sync)
     assert s["train"]["dense_offload"]["offloaded_bytes"] > 0 and s["train"]["moe_sync_free"]["dispatchers_replaced"] > 0
+    # the graphs' eager run through the GPU run's code (train.py's main), at the recipe's own sizes
+    eager = s["moe_graphs"]["eager"]["cpu_smoke"]
+    assert len(eager["losses"]) == moe_graphs.ITERATIONS and eager["dispatchers_replaced"] > 0, eager
     gpu = gpu_check.SIZES["gpu"]  # the sizes the GPU run measures at
     assert max(gpu["multihot_tokens"]) == 131072 and max(gpu["multihot_experts"]) == 256
     for shape in gpu["offload"].values():

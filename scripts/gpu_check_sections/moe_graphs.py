@@ -2,8 +2,8 @@
 (``--cuda-graph-impl local --cuda-graph-modules moe`` with ``--moe-zero-sync-dropless``, bf16) against
 the same run eager: the losses of every iteration bit for bit (both with ``--deterministic-mode``), and the
 time per iteration once the graphs replay (iterations after the first: it records, and megatron's
-schedule captures at its end). On CPU no graph can be captured: the flags pass a CUDA dry run, and a
-CPU run refuses them by name."""
+schedule captures at its end). On CPU no graph can be captured: the flags pass a CUDA dry run, a CPU
+run refuses them by name, and the eager run goes through the same code at the recipe's own sizes."""
 from __future__ import annotations
 
 import contextlib
@@ -38,12 +38,14 @@ def dry_run(*argv) -> str:
     return "accepted"
 
 
-def train(extra) -> dict:
+def train(extra, model=tuple(GPU_MODEL)) -> dict:
+    """train.py's main on tiny_moe (at ``model``'s sizes) with the zero-sync layer, deterministic."""
+    from train import main as train_main
+
     from megatron_ext import moe
-    from megatron_ext.training.run import main as train_main
 
     argv = ["--recipe", RECIPE, "--mock-data", "--train-iters", str(ITERATIONS), "--log-interval", "1",
-            "--eval-iters", "0", "--deterministic-mode", *ZERO_SYNC, *GPU_MODEL, *extra]
+            "--eval-iters", "0", "--deterministic-mode", *ZERO_SYNC, *model, *extra]
     before = moe.installed
     history = train_main(argv)
     replaying = [h["elapsed ms"] for h in history[2:]]  # the first records, the graphs are captured at its end
@@ -65,7 +67,12 @@ def section_moe_graphs(size, claims) -> dict:
                                                                 "cuda graph is only supported with drop-padding MoE")
           and out["cpu_run"].startswith("--cuda-graph-impl=local: CUDA graphs need CUDA"))
     if not cuda():
-        out["eager"] = out["captured"] = NO_CUDA
+        out["captured"] = NO_CUDA
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        try:  # the GPU run's code at the recipe's own sizes
+            out["eager"] = {"cpu_smoke": train([], model=())}
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
         claim(claims, "a dropless MoE model trains with its MoE layers captured in CUDA graphs, losses bit-identical to "
               "eager (--deterministic-mode)", NO_CUDA)
         claim(claims, "captured MoE layers: time per iteration measured against eager", NO_CUDA)
