@@ -143,23 +143,23 @@ def _keep(mask, window, sq, sk, device, sink, dtype):
     boolean mask would be turned into such a tensor by every call, and kept for backward by each layer).
     A given mask's is made once per micro-batch (every layer keeps the same one), a window's once per
     shape; shifted for a sink."""
-    def additive(keep):
-        keep = _with_sink_rows(keep) if sink else keep
-        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-
     if mask is not None:
-        return _derived(mask, ("keep", window, sink, dtype), lambda: additive(
-            ~mask if window is None else ~mask & window_keep(sq, sk, window, mask.device)))
+        return _derived(mask, ("keep", window, sink, dtype), lambda: _additive(
+            ~mask if window is None else ~mask & window_keep(sq, sk, window, mask.device), sink, dtype))
     if window is not None:
         return _additive_window(sq, sk, window, str(torch.device(device)), sink, dtype)
     return None
 
 
+def _additive(keep: torch.Tensor, sink: bool, dtype) -> torch.Tensor:
+    """keep (True = attended; shifted for a sink) as SDPA's additive mask: 0 / -inf in ``dtype``."""
+    keep = _with_sink_rows(keep) if sink else keep
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
 @functools.lru_cache(maxsize=8)
 def _additive_window(sq, sk, window, device, sink, dtype):
-    keep = window_keep(sq, sk, window, device)
-    keep = _with_sink_rows(keep) if sink else keep
-    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    return _additive(window_keep(sq, sk, window, device), sink, dtype)
 
 
 def _sdpa(q, k, v, keep, causal, scale, dropout_p):
@@ -213,18 +213,24 @@ def mask_mod_for(mask: torch.Tensor | None, window, sink: bool):
 
 
 def _block_mask(q, k, mask, window, sink):
-    """The BlockMask of this layer's pattern, made once per micro-batch (cached on the given mask) or
-    per call (a window alone). q / k as the kernel gets them (a sink's key included)."""
+    """The BlockMask of this layer's pattern, made once per micro-batch (cached on the given mask) or,
+    for a window alone, once per shape. q / k as the kernel gets them (a sink's key included)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, cols = q.shape[2], k.shape[2]
-    per_row = mask is not None and (getattr(mask, _DOCUMENTS, None) is not None or mask.shape[0] > 1)
+    if mask is None:
+        return _window_block_mask(rows, cols, window, sink, str(q.device))
+    per_row = getattr(mask, _DOCUMENTS, None) is not None or mask.shape[0] > 1
+    return _derived(mask, ("block", window, sink, rows, cols), lambda: create_block_mask(
+        mask_mod_for(mask, window, sink), q.shape[0] if per_row else None, None, rows, cols, device=q.device))
 
-    def make():
-        return create_block_mask(mask_mod_for(mask, window, sink), q.shape[0] if per_row else None, None,
-                                 rows, cols, device=q.device)
 
-    return _derived(mask, ("block", window, sink, rows, cols), make) if mask is not None else make()
+@functools.lru_cache(maxsize=8)
+def _window_block_mask(rows, cols, window, sink, device):
+    """A window's BlockMask (its mask_mod reads only the indices: one for every batch and head)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod_for(None, window, sink), None, None, rows, cols, device=device)
 
 
 _COMPILED: list = []  # flex_attention compiled once per process, on first use on CUDA
