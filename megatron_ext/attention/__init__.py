@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
 
-KERNELS = ("sdpa", "unfused", "transformer_engine")
 _LOCAL_SPEC = {"sdpa": "torch scaled_dot_product_attention",
                "unfused": "megatron's DotProductAttention, unfused"}
 

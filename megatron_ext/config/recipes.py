@@ -75,11 +75,6 @@ def _coerce_one(value, action, bad):
     return value
 
 
-def load(path: str, parser) -> dict:
-    """The recipe at ``path``, read and resolved through the parser's actions."""
-    return resolve(read(path), parser, path)
-
-
 def read(path: str) -> dict:
     """The recipe's mapping as the file holds it (one-line refusals: no file, not YAML, not a mapping)."""
     if not os.path.exists(path):

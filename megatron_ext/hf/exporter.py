@@ -26,7 +26,7 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
     outputs.check_fresh("--hf", out, overwrite, "an export")
     found = checkpoint.find(load, recipe)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = stage_flags(found.num_layers(), processes) if processes > 1 else []
+    layout = stage_flags(found.num_layers(), processes)
     with checkpoint.loaded(found, ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1",
                                    "--context-parallel-size", "1", *layout]) as run:
         from megatron_ext import lora

@@ -123,7 +123,6 @@ class LayerRun:
     syncs_backward: int
     sites: List[str] = field(default_factory=list)
     replaced: int = 0
-    kinds: Dict[str, int] = field(default_factory=dict)  # what was flagged, by class (sync_detector.KINDS)
 
 
 def host_tensors(dispatcher) -> list:
@@ -161,7 +160,6 @@ def run_layer(layer, x: torch.Tensor, g: torch.Tensor, detect: bool = True, padd
         syncs_backward=det.count("backward"),
         sites=[str(e) for e in det.events],
         replaced=getattr(layer, "replaced", 0),
-        kinds=det.kinds(),
     )
 
 

@@ -348,18 +348,11 @@ class SyncDetector:
         finally:
             self._phase = old
 
-    def count(self, phase: Optional[str] = None, kind: Optional[str] = None) -> int:
-        return sum(1 for e in self.events if (phase is None or e.phase == phase) and (kind is None or e.kind == kind))
+    def count(self, phase: Optional[str] = None) -> int:
+        return sum(1 for e in self.events if phase is None or e.phase == phase)
 
     def sites(self, phase: Optional[str] = None) -> List[str]:
         return [f"{e.kind}: {e.op} at {e.where}" for e in self.events if phase is None or e.phase == phase]
-
-    def kinds(self) -> dict:
-        """{kind: events} of what was flagged."""
-        out: dict = {}
-        for e in self.events:
-            out[e.kind] = out.get(e.kind, 0) + 1
-        return out
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "SyncDetector":

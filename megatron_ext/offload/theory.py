@@ -36,7 +36,7 @@ named with the reason the engine keeps it (``Resident``). Where the peak falls d
 
 ``release`` names how the engine frees a reloaded layer's buffers: ``last_use`` (now: when autograd
 releases the last saved tensor that used them, after the compute stream waited for their copy) or
-``next_hook`` (the engine at 4d4d546 on CUDA: held until the next layer's backward began, so the
+``next_hook`` (the release the recorded H200 run measured, docs/gpu/: held until the next layer's backward began, so the
 layer's consumed reloads stayed through the rest of its backward; on the H200 that was the 1 GiB of
 attention probabilities at the attention-score gradient's peak of the next layer: ``next_hook_saving``
 is that exact saving, ``resident_at_peak`` counts one more group as its bound).
@@ -124,10 +124,6 @@ def _known(attention: str) -> None:
         raise ValueError(f"attention kind {attention!r}: known {', '.join(ATTENTION)}")
 
 
-def module_bytes(name: str, *, attention: str = "unfused", **shape) -> int:
-    return MODULE_BYTES[name](Shape(**shape), attention)
-
-
 def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
     s = Shape(**shape)
     total = 0
@@ -181,7 +177,7 @@ def resident_at_peak(pp: int, vpp: int | None, pp_rank: int, microbatches: int, 
                             "its backward, so that their copies overlap it (upstream reloads one ahead too)"))
         if release == "next_hook":
             out.append(Resident("the consumed reloads of the layer before", 1, "at most: a reloaded layer's "
-                                "buffers were held until the next layer's backward began (4d4d546 on CUDA)"))
+                                "buffers were held until the next layer's backward began (the next_hook release)"))
     return _capped(out, total)
 
 

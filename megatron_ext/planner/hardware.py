@@ -45,7 +45,6 @@ GPUS = {name: dict(memory_gib=_TARGETS[name][1], peak_flops=bf16, peak_fp8_flops
 
 # fraction of the precision's peak a matrix product that fills its waves reaches (fitted: published.fit)
 GEMM_EFFICIENCY = 0.59
-EFFICIENCY = GEMM_EFFICIENCY  # the search's default
 # seconds per MoE layer and micro-batch, forward and backward together, that do not scale with the
 # tokens: the dispatcher's host synchronisation, after which the host launches the layer's many small
 # kernels while the device waits (fitted: published.fit)

@@ -30,7 +30,7 @@ from megatron_ext.planner import memory, profiles, steptime
 from megatron_ext.planner import settings as st
 from megatron_ext.planner import trace as tr
 from megatron_ext.planner.run import recompute_of, target_config
-from megatron_ext.planner.hardware import EFFICIENCY, GPUS
+from megatron_ext.planner.hardware import GPUS
 
 GIB = 2**30
 RESERVE = 0.9  # of the GPU's memory: the rest for the allocator's fragmentation, NCCL and CUDA context
@@ -231,7 +231,7 @@ def _evaluate(args, tracer: Tracer, budget: float, dev: profiles.Device, link: f
 
 
 def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps: float | None = None,
-         search_parallelism: bool = False, top: int = 5, efficiency: float = EFFICIENCY,
+         search_parallelism: bool = False, top: int = 5, efficiency: float | None = None,
          flag_prefix: str = "--", recomputes=RECOMPUTE, tracer: Tracer | None = None, reparse=None,
          refuse: bool = True, gpus_per_node: int = 8, profile="stored") -> dict:
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...,
@@ -284,7 +284,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         refusal = _refusal(nearest, budget, flag_prefix, memory_gb, gpu, gpus_per_node)
         if refuse:
             raise ConfigError(refusal)
-    return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, efficiency=efficiency, kernels=dev.describe(),
+    return dict(gpu=gpu, budget_bytes=budget, host_link_bytes_per_s=link, kernels=dev.describe(),
                 layout=layout.describe(), stages=as_given, candidates=unique[:top], all_candidates=len(unique),
                 as_given=given_candidate, given_settings=given_settings, nearest=nearest, refusal=refusal,
                 trace_divisor=given["divisor"])

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ext.planner.run import layer_kinds
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, _factor
 
 GPUS_PER_NODE = 8

@@ -116,7 +116,6 @@ def offload_pool_bytes(m: dict, layers: int, backend: str) -> int:
     from megatron_ext.offload import theory
 
     kind = _kernel(backend)
-    kind = kind if kind in theory.ATTENTION else "unfused"  # a tree whose theory predates torch attention: the larger
     bf16 = cuda()
     group = theory.group_bytes(["core_attention"], bool(m.get("experts")), attention=kind, seq=m["seq"], mbs=1,
                                hidden=m["hidden"], heads=m["heads"], dtype_bytes=2 if bf16 else 4, softmax_fp32=bf16)
