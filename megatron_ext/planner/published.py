@@ -154,18 +154,12 @@ def parse(argv: list, parse_run, gpu: str = "h100"):
     return cli.parse([*argv, "--gpu", gpu], "--", parse_run)[1]
 
 
-def recompute(args) -> tuple:
-    """The run's own recompute: (granularity, its modules)."""
-    from megatron_ext.planner.run import recompute_of
-
-    return recompute_of(args), getattr(args, "recompute_modules", None)
-
-
 def throughput(parse_case, names=None, gemm_efficiency=None, moe_layer_s=None, profile="stored") -> list:
     """Per case: the predicted step time as given and tokens/s/GPU beside the published figure. No
     trace: no step-time term depends on the activations, and the data-parallel term is left out (the
     published runs overlap their gradient reduction). ``parse_case``: argv -> parsed arguments."""
     from megatron_ext.planner import memory, profiles, steptime
+    from megatron_ext.planner.run import resolved_recompute
 
     rows = []
     for name in names or CASES:
@@ -174,7 +168,7 @@ def throughput(parse_case, names=None, gemm_efficiency=None, moe_layer_s=None, p
         layout = memory.Layout.from_args(args)
         dev = profiles.device(c["gpu"], profile, gemm_efficiency=gemm_efficiency, moe_layer_s=moe_layer_s)
         t = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev, dev.host_link,
-                               recompute(args))
+                               resolved_recompute(args))
         rows.append(dict(case=name, role=c["role"], gpu=c["gpu"], source=c["source"],
                          published_tokens_per_s_per_gpu=c["tokens_per_s_per_gpu"],
                          predicted_tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"],
@@ -191,6 +185,7 @@ def fit(parse_case, cases: dict | None = None) -> dict:
     smallest sum of squared errors), on the datasheet model. Reads only the cases whose role is
     "calibration" (``cases``: CASES by default)."""
     from megatron_ext.planner import memory, profiles, steptime
+    from megatron_ext.planner.run import resolved_recompute
 
     cases = CASES if cases is None else cases
     calibration = [(n, c) for n, c in cases.items() if c["role"] == "calibration"]
@@ -202,7 +197,7 @@ def fit(parse_case, cases: dict | None = None) -> dict:
     for eff in GEMM_EFFICIENCY_GRID:
         # the stages' times without the MoE fixed time, which adds moe_layers x MOE_LAYER_S to each
         per_case = [(c, args, layout, steptime.stage_times(
-            args, layout, profiles.device(c["gpu"], None, gemm_efficiency=eff, moe_layer_s=0.0), recompute(args)))
+            args, layout, profiles.device(c["gpu"], None, gemm_efficiency=eff, moe_layer_s=0.0), resolved_recompute(args)))
             for c, args, layout in runs]
         for moe_s in MOE_LAYER_S_GRID:
             errors = [_tokens(args, layout, stages, moe_s) / c["tokens_per_s_per_gpu"] - 1
@@ -219,6 +214,8 @@ def _tokens(args, layout, stages: list, moe_s: float) -> float:
     """tokens/s/GPU of the stages' times plus ``moe_s`` per MoE layer and micro-batch, scheduled as
     ``steptime.step_time`` schedules them (without its data-parallel and offload terms, as
     ``throughput`` has them)."""
+    from megatron_ext.planner import steptime
+
     totals = [s["total_s"] + s["moe_layers"] * moe_s for s in stages]
-    step = layout.microbatches * max(totals) + (layout.pp - 1) / (layout.vpp or 1) * sum(totals) / len(totals)
+    step = layout.microbatches * max(totals) + steptime.bubble_s(layout, totals)
     return args.global_batch_size * args.seq_length / step / layout.world

@@ -92,6 +92,16 @@ def recompute_of(args) -> str:
     return g if g in ("selective", "full") else "none"
 
 
+def resolved_recompute(args, recompute=None) -> tuple:
+    """(granularity, selective modules) of ``recompute``: None = the run's own (its
+    --recompute-granularity and --recompute-modules), "none" / "selective" / "full", or a (granularity,
+    modules) pair; selective without modules is core attention, the others have none."""
+    if recompute is None:
+        recompute = (recompute_of(args), getattr(args, "recompute_modules", None))
+    granularity, modules = recompute if isinstance(recompute, tuple) else (recompute, None)
+    return granularity, tuple(modules or ("core_attn",)) if granularity == "selective" else ()
+
+
 def layer_kinds(args) -> list:
     """Kinds of the run's decoder layers, in layer order ("dense" / "moe")."""
     n = args.num_layers

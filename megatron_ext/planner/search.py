@@ -29,7 +29,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.planner import memory, profiles, steptime
 from megatron_ext.planner import settings as st
 from megatron_ext.planner import trace as tr
-from megatron_ext.planner.run import recompute_of, target_config
+from megatron_ext.planner.run import recompute_of, resolved_recompute, target_config
 from megatron_ext.planner.hardware import GPUS
 
 GIB = 2**30
@@ -70,25 +70,16 @@ class Tracer:
     def __init__(self):
         self.cache: dict = {}
 
-    @staticmethod
-    def _recompute(args, recompute: str | None) -> tuple:
-        """What a trace with ``recompute`` runs: (granularity, selective modules); None is the run's
-        own (its --recompute-modules). Full recompute is traced on every layer whatever the method."""
-        if recompute is None:
-            own = recompute_of(args)
-            return own, tuple(getattr(args, "recompute_modules", None) or ("core_attn",)) if own == "selective" else ()
-        return recompute, ("core_attn",) if recompute == "selective" else ()
-
     def _key(self, args, recompute: str | None) -> tuple:
         return (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None),
-                self._recompute(args, recompute), args.transformer_impl,
+                resolved_recompute(args, recompute), args.transformer_impl,
                 memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
 
     def __call__(self, args, recompute: str | None) -> dict:
         """``recompute`` None: as the run has it (its own --recompute-modules)."""
         key = self._key(args, recompute)
         if key not in self.cache:
-            own = self._recompute(args, recompute) == self._recompute(args, None)
+            own = resolved_recompute(args, recompute) == resolved_recompute(args)
             self.cache[key] = tr.trace(args, None if own else recompute)
         return self.cache[key]
 
@@ -255,7 +246,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     as_given = memory.predict(args, target_config(args), scaled)
     off = memory.Offload.from_args(args)
     t = steptime.step_time(args, layout, as_given, _group_bytes(scaled, as_given, off), dev, link,
-                           (recompute_of(args), getattr(args, "recompute_modules", None)))
+                           resolved_recompute(args))
     peaks = [s["peak_bytes"] for s in as_given]
     fits, why = _why(peaks, budget)
     given_candidate = Candidate([], fits, peaks, t["step_time_s"], "as given: " + why, as_given, t,

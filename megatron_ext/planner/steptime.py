@@ -354,15 +354,6 @@ def component_work(args, sh: Shapes, dev, comp) -> _Work:
     return w
 
 
-def _recomputed(args, recompute) -> tuple:
-    """(granularity, modules) of a recompute given as a string ("selective" = core attention) or as
-    (granularity, modules)."""
-    if isinstance(recompute, tuple):
-        g, mods = recompute
-        return g, tuple(mods or (("core_attn",) if g == "selective" else ()))
-    return recompute, ("core_attn",) if recompute == "selective" else ()
-
-
 def _recompute_s(work: _Work, comp, recompute) -> float:
     granularity, modules = recompute
     if not isinstance(comp, tuple):
@@ -381,11 +372,11 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
     """Per pipeline stage: seconds per micro-batch by term (forward, backward, recompute and the
     stage's own communication), its MoE layers, and its layers' mean forward."""
     from megatron_ext.planner import memory
-    from megatron_ext.planner.run import target_config
+    from megatron_ext.planner.run import resolved_recompute, target_config
 
     sh = shapes(args, layout, attention)
     config = target_config(args)
-    rec = _recomputed(args, recompute)
+    rec = resolved_recompute(args, recompute)
     cache: dict = {}
     topk = getattr(args, "moe_router_topk", 0) or 0
     h = args.hidden_size
@@ -428,6 +419,12 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
     return out
 
 
+def bubble_s(layout, stage_seconds: list) -> float:
+    """The pipeline's fill and drain: (pp - 1) / vpp of a mean stage's time per micro-batch (the slowest
+    stage's m micro-batches are the rest of a step)."""
+    return (layout.pp - 1) / (layout.vpp or 1) * sum(stage_seconds) / len(stage_seconds)
+
+
 def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, dev, host_link: float,
               recompute="none", attention: str | None = None) -> dict:
     """Seconds per step by term (each ``*_s`` key is added into ``step_time_s``). ``dev``: the GPU's
@@ -438,16 +435,14 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, de
     run's (``attention_kind``)."""
     sh = shapes(args, layout, attention)
     stages = stage_times(args, layout, dev, recompute, sh.attention)
-    m, vpp = layout.microbatches, layout.vpp or 1
+    m = layout.microbatches
     slowest = max(range(len(stages)), key=lambda i: stages[i]["total_s"])
     terms = {k: m * v for k, v in stages[slowest]["terms"].items()}
-    mean = sum(s["total_s"] for s in stages) / len(stages)
-    terms["bubble_s"] = (layout.pp - 1) / vpp * mean
+    terms["bubble_s"] = bubble_s(layout, [s["total_s"] for s in stages])
     compute = m * stages[slowest]["total_s"]
-    elem = 2 if (args.bf16 or args.fp16) else 4
+    elem, grad_elem = sh.elem, sh.grad_elem
     param_bytes = max(p["components"]["parameters"] for p in stage_preds)
     dp_link = NVLINK if layout.tp * layout.pp * layout.dp <= GPUS_PER_NODE else INFINIBAND
-    grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else elem
     dp = _coll(dp_link, "reduce_scatter", layout.dp, param_bytes / elem * grad_elem, 1)
     if getattr(args, "use_distributed_optimizer", False):
         dp += _coll(dp_link, "all_gather", layout.dp, param_bytes, 1)

@@ -203,10 +203,6 @@ def measure(smoke: bool | None = None, sizes: dict | None = None) -> dict:
     return profile
 
 
-def profile_path(gpu: str) -> str:
-    return os.path.join(ROOT, "megatron_ext", "planner", "profiles", f"{gpu}.json")
-
-
 def write(profile: dict, path: str | None = None) -> str:
     """Store a measured GPU profile where the planner reads it; a CPU (smoke) profile is refused."""
     from megatron_ext.planner import profiles
@@ -214,7 +210,7 @@ def write(profile: dict, path: str | None = None) -> str:
     if profile.get("gpu") in (None, "cpu") or not cuda():
         raise ValueError("kernel_profile: only a profile measured on a GPU the planner knows is written")
     profiles.check(profile)
-    path = path or profile_path(profile["gpu"])
+    path = path or profiles.path(profile["gpu"])
     with open(path, "w") as f:
         json.dump(profile, f, indent=1)
         f.write("\n")

@@ -69,6 +69,8 @@ def test_a_measured_profile_is_read_and_changes_the_prediction():
     assert prof["step_time_s"] > sheet["step_time_s"]
     assert "measured on NVIDIA H100 (test)" in prof["kernels"] and "datasheet" in sheet["kernels"]
     assert r["sources"]["gemm"].startswith("measured") and r["sources"]["hbm"].startswith("datasheet")
+    # no grouped rows: the experts' products are timed from the measured products, and say so
+    assert r["sources"]["grouped_gemm"].startswith("measured") and "one product per group" in r["sources"]["grouped_gemm"]
     for kind, (measured, read) in r["h200_attention"].items():
         assert read == pytest.approx(measured, rel=1e-9), kind
     assert r["h200_link"][0] == r["h200_link"][1] == 55.17e9

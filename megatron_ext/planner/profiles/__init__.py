@@ -155,7 +155,8 @@ class Device:
             "gemm": _label(p, "gemm") if self._gemm["bfloat16"] else
             f"{sheet} (peak x {eff}, wave quantisation; bytes at HBM)",
             "grouped_gemm": _label(p, "grouped_gemm") if self._grouped["bfloat16"] else
-            f"{sheet} (as gemm, over all experts)",
+            (_label(p, "gemm") + ": one product per group at its shape" if self._gemm["bfloat16"] else
+             f"{sheet} (as gemm, over all experts)"),
             "attention": {k: (_label(p, "attention") if self._attention[k] else
                               (f"{sheet} (BF16 peak x {hw.ATTENTION_EFFICIENCY:.1%})" if k in FLASH_KINDS else
                                f"{sheet} ({hw.UNFUSED_BYTES_PER_SCORE:.0f} bytes per score at HBM)"))
