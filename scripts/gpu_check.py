@@ -152,12 +152,6 @@ def gpu_query() -> dict:
             else memory_mib, "compute_capability": capability, "driver": driver}
 
 
-def device_name() -> str:
-    if not cuda():
-        return "cpu"
-    return gpu_query().get("device") or "cuda"
-
-
 def host_info() -> dict:
     from megatron_ext.platform import target
 
@@ -463,9 +457,10 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    device = device_name() if not a.cpu_smoke else "cpu (smoke)"
+    host = host_info()  # nvidia-smi's view of the GPU, asked once
+    device = "cpu (smoke)" if a.cpu_smoke else (host.get("device") or "cuda") if cuda() else "cpu"
     doc = {"schema": SCHEMA, "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "device": device,
-           "host": host_info(), "budget_s": a.budget_s, "processes": "fresh interpreter" if fresh else "forked",
+           "host": host, "budget_s": a.budget_s, "processes": "fresh interpreter" if fresh else "forked",
            "sections": {}, "claims": [], "elapsed_s": 0.0}
     base = os.path.join(out_dir, f"{date}-{slug(device)}") if out_dir else None
 

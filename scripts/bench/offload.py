@@ -36,7 +36,6 @@ def build(**kw):
 
     c = dict(DEFAULTS, **kw)
     run = Run.for_model(model_flags(c))
-    run.initialize()
     chunks = run.build()
     for ch in chunks:
         for p in ch.parameters():

@@ -143,12 +143,7 @@ def _time_attention(fn, s: dict, kind: str, seqs) -> list:
 
 def attention_rows(s: dict) -> tuple:
     """(rows, skipped kinds with why): forward + backward of each core attention kind."""
-    import arguments
-
     from megatron_ext.training import parallel
-    from megatron_ext.training.run import use_arguments
-
-    use_arguments(arguments.parse)  # gpu_check is this process's entry point: the models parse with it
 
     rows = []
     for kind, seqs in (("unfused", s["unfused_seq"]), ("sdpa", s["attention_seq"])):

@@ -118,7 +118,9 @@ def _model_rows(kind, layers, sets, size, link) -> list:
         data = jobs.batches(c, 0)  # one batch for every step: the same routing, the same peaks
         groups = {tuple(m): theory.group_bytes(
             canonical_modules(m), kind == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"], heads=c["heads"],
-            topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], dtype_bytes=dtype_bytes) for m in sets}
+            topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], dtype_bytes=dtype_bytes,
+            attention=c["attention"]) for m in sets}
+        resident = [f"{r.what} ({r.groups})" for r in theory.resident_at_peak(1, None, 0, c["microbatches"], c["layers"], 1)]
         modelled = {m: theory.theoretical_saving(g, 1, None, 0, c["microbatches"], c["layers"], 1) for m, g in groups.items()}
         # one pool for every set, room for every layer's group (the engine holds all but the last at
         # once); its 1 GiB pinned segments come back from the host allocator's cache at each attach
@@ -180,8 +182,7 @@ def _model_rows(kind, layers, sets, size, link) -> list:
             row = {"model": kind, "modules": list(modules), "dtype": str(dtype).replace("torch.", ""),
                    "shape": {k: c[k] for k in ("layers", "hidden", "heads", "seq", "mbs", "microbatches")},
                    "reps": reps, "theoretical_bytes": theo, "group_bytes": groups[tuple(modules)],
-                   "resident_at_peak": [f"{r.what} ({r.groups})" for r in theory.resident_at_peak(
-                       1, None, 0, c["microbatches"], c["layers"], 1)],
+                   "resident_at_peak": resident,
                    "bytes_offloaded_per_step": on[0]["offloaded"], "kept_on_device_bytes": on[0]["kept"],
                    "grads_bitwise_equal": all(r["equal"] for r in on),
                    "off_repeatable": all(r["equal"] for r in off),

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, sync
+from gpu_check_sections.common import NO_CUDA, ROOT, claim, cuda, interleaved_ms, sync
 from gpu_check_sections.kernel_profile import section_kernel_profile
 
 FLOP_CONVENTION = ("megatron's num_floating_point_operations (megatron/training/training.py): every GEMM 3 times "
@@ -164,20 +164,13 @@ def matmul_rate(size: str) -> dict:
         return {"status": NO_CUDA, "tflops": NO_CUDA}
     n = 8192
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(5):
+    for _ in range(4):  # and interleaved_ms's own warm-up: 5
         a @ b
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    (ms,) = interleaved_ms([lambda: a @ b], 20)
     del a, b
     return {"status": "ok", "shape": [n, n, n], "dtype": "bfloat16", "reps": 20,
-            "tflops": round(2 * n ** 3 / statistics.median(times) / 1e12, 1),
-            "tflops_best": round(2 * n ** 3 / min(times) / 1e12, 1)}
+            "tflops": round(2 * n ** 3 / (ms["median"] * 1e-3) / 1e12, 1),
+            "tflops_best": round(2 * n ** 3 / (ms["min"] * 1e-3) / 1e12, 1)}
 
 
 class StepClock:
