@@ -325,6 +325,6 @@ def test_negative_controls(tmp_path):
     assert unlabeled_commands(rel) == [f"{rel}:4: python train.py --recipe recipes/tiny_dense.yaml --dry-run"]
     expect_refused, typo = commands(rel)
     assert typo.line == 13 and typo.text.endswith("--lora-rnak 8 --dry-run")
-    for cmd in (expect_refused, typo):
-        assert problem(cmd, run(cmd, ROOT)) is not None
-    assert problem(typo, run(typo, ROOT)).startswith(f"{rel}:13: exit 1: error: --lora-rnak=8: no such flag")
+    refused, mistyped = (problem(cmd, run(cmd, ROOT)) for cmd in (expect_refused, typo))
+    assert refused is not None
+    assert mistyped is not None and mistyped.startswith(f"{rel}:13: exit 1: error: --lora-rnak=8: no such flag")

@@ -235,7 +235,8 @@ MEGATRON_BUILDS = ("GPTModel", "TransformerConfig", "MLATransformerConfig", "cor
                    "get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec",
                    "get_gpt_decoder_block_spec", "get_gpt_decoder_layer_specs", "get_gpt_mtp_block_spec",
                    "initialize_model_parallel")
-BUILDER = {os.path.join("megatron_ext", "training", "model.py"): MEGATRON_BUILDS[:-1] + ("_gpt_model", "layer_spec"),
+BUILDER = {os.path.join("megatron_ext", "training", "model.py"):
+           tuple(n for n in MEGATRON_BUILDS if n != "initialize_model_parallel") + ("_gpt_model", "layer_spec"),
            os.path.join("megatron_ext", "training", "parallel.py"): ("initialize_model_parallel",)}
 
 

@@ -102,7 +102,7 @@ _CHANGED = (", cli)", ", recipe)")
 
 def megatron_groups(parser) -> dict:
     """dest -> the title of the group that declared it (--help lists the common flags apart:
-    arguments.py records where each came from)."""
+    training/command_line.py order_help records where each came from)."""
     return {a.dest: getattr(a, "megatron_group", g.title) for g in parser._action_groups for a in g._group_actions}
 
 

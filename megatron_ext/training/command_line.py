@@ -7,7 +7,8 @@ argument layer: megatron's flags, this project's, the user's, the recipe merge):
                           the --load checkpoint records (as a stage that read --load first hands it on)
     finalize(args, parser)  every check before any compute, in stages (Problems): the values as given,
                           megatron's validate_args, each package's validate (features.py), then what
-                          reads all of them (every split's data, --dry-run --load's checkpoint keys)
+                          reads all of them (every split's data); --dry-run --load's checkpoint keys are
+                          placed after it, by the bring-up (training/run.py check_load)
     print_config(args)    --dry-run's table, each value with its source
     explain(exc, parser)  the one-line refusal for an error megatron raised from a flag after parsing
 

@@ -126,7 +126,7 @@ class Run:
         stand_ins = {flag: value for flag, value in {**_MODEL_ONLY, "--global-batch-size": os.environ.get(
             "WORLD_SIZE", "1")}.items() if flag not in argv}
         args = _parse([*(part for flag, value in stand_ins.items() for part in (flag, value) if part is not None),
-                       *argv], **({"first_read": first_read} if first_read is not None else {}))
+                       *argv], first_read=first_read)
         for flag in stand_ins:
             dest = flag.removeprefix("--").replace("-", "_")
             getattr(args, "recorded_recipe", {}).get("run", {}).pop(dest, None)
