@@ -41,10 +41,22 @@ class Found:
     """What a conversion reads of --load, once, before its run (:func:`find`), and hands to it."""
 
     load: str
-    recipe: str  # the recipe the load reads: --recipe, else the checkpoint's (or an import's beside it)
-    given: bool  # --recipe was given; else the run's parser takes the recorded one from ``read``
-    lora: dict | None  # the newest intact checkpoint's LoRA record: an adapter checkpoint's configuration
     read: object  # training/ckpt_dirs.py FirstRead: the listing, recipe, checkpoint and common state
+
+    @property
+    def recipe(self) -> str:
+        """The recipe the load reads: --recipe, else the checkpoint's (or an import's beside it)."""
+        return self.read.recipe
+
+    @property
+    def given(self) -> bool:
+        """--recipe was given; else the run's parser takes the recorded one from ``read``."""
+        return not self.read.recorded
+
+    @property
+    def lora(self) -> dict | None:
+        """The newest intact checkpoint's LoRA record: an adapter checkpoint's configuration."""
+        return self.read.common.get("lora") if self.read.common is not None else None
 
     def lora_flags(self) -> list[str]:
         """The LoRA flags an adapter checkpoint was trained with (its base loads first), else []."""
@@ -79,8 +91,7 @@ def find(load: str, recipe: str | None = None) -> Found:
     if read.recipe is None:
         raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
                           "train.py saves records one, an import writes one): pass --recipe")
-    lora = read.common.get("lora") if read.common is not None else None
-    return Found(load=load, recipe=read.recipe, given=recipe is not None, lora=lora, read=read)
+    return Found(load=load, read=read)
 
 
 @contextlib.contextmanager

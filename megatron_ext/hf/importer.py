@@ -35,8 +35,8 @@ def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = F
 
     platform.setup()
     model_type, c = hfdir.read_config(hf_dir)
+    outputs.check_fresh("--save", save, overwrite, "an import")  # before the shards' headers are read
     inventory = hfdir.tensors(hf_dir)
-    outputs.check_fresh("--save", save, overwrite, "an import")
     tokenizer_vocab = hfdir.tokenizer_vocab(hf_dir)
     flags = recipe_for(model_type, c, save, tokenizer_vocab)
     # parsed with the tokenizer where it is now; the recipe written names the copy under `save`

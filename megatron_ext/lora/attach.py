@@ -86,7 +86,7 @@ def attach(args, chunks: list, chosen: list, scale: float, fused) -> None:
             else:
                 adapter = _linear_adapter(args, config, tpath, module, rank, scale, fused(tpath))
             trainable.update(id(p) for p in adapter.parameters())
-            parts = targets.parts_adapted(tpath, chosen)
+            parts = targets.parts_adapted(tpath, named)
             if parts is not None:
                 inert.extend(getattr(adapter, name) for name, _ in adapter.spec.parts if name not in parts)
         if _embedding_needs_grad(args):

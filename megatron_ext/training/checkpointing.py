@@ -51,7 +51,7 @@ def first_read(load: str, recipe: str | None = None) -> ckpt_dirs.FirstRead:
     conversion, which needs the recipe's layers and the LoRA record before it can name its run's flags):
     the one listing of its checkpoints and the tracker; the recipe (``recipe``, else the one the
     checkpoints record: ckpt_recipe.recorded); then, newest first, each checkpoint looked at as the load
-    looks (ckpt_integrity.Verifier.look: metadata.json, `.metadata`'s checksum, every file's size) and
+    looks (ckpt_integrity.Verifier.inspect, without a world: metadata.json, `.metadata`'s checksum, every file's size) and
     its common state read with the files that read touches verified, down to the first that is intact.
     Handed to the run's parse (``Run.for_model(argv, first_read=...)``), so that neither its parser, its
     checks nor its load read any of it again (ckpt_dirs.handed); the load agrees over the ranks on what
@@ -59,13 +59,12 @@ def first_read(load: str, recipe: str | None = None) -> ckpt_dirs.FirstRead:
     from megatron_ext.config import recipes
 
     root = os.path.abspath(load)
-    iterations = ckpt_dirs.committed_iterations(root)
-    note = ckpt_dirs.read_tracker(root, iterations) if os.path.isdir(root) else None
+    iterations, note = ckpt_dirs.listing(root)
     path = recipe if recipe is not None else ckpt_recipe.recorded(root, iterations=iterations)
     looked, intact, common = {}, None, None
     for iteration in iterations[::-1]:
         verifier = looked[iteration] = integrity.Verifier(ckpt_dirs.checkpoint_dir(root, iteration), collective=False)
-        if verifier.look():
+        if verifier.inspect()[0]:
             continue
         if (verifier.config or {}).get("sharded_backend") == "torch_dist":  # fsdp_dtensor: its load reads its own
             try:
@@ -346,12 +345,7 @@ class Checkpointer:
         first read of --load, found of them); every rank gets its view."""
         view = [None]
         if self.rank == 0:
-            if first is not None:
-                iterations, note = first.iterations, first.tracker_note
-            else:
-                iterations = ckpt_dirs.committed_iterations(self.args.load)
-                note = ckpt_dirs.read_tracker(self.args.load, iterations) if os.path.isdir(self.args.load) else None
-            view = [(iterations, note)]
+            view = [(first.iterations, first.tracker_note) if first is not None else ckpt_dirs.listing(self.args.load)]
         torch.distributed.broadcast_object_list(view, src=0)
         return view[0]
 

@@ -78,6 +78,12 @@ def complete_iterations(root: str | None) -> list[int]:
     return [i for i in committed_iterations(root) if os.path.isfile(os.path.join(checkpoint_dir(root, i), CONFIG))]
 
 
+def listing(root: str) -> tuple[list[int], str | None]:
+    """(the committed iterations, what is wrong with the tracker file or None): --load's one listing."""
+    iterations = committed_iterations(root)
+    return iterations, read_tracker(root, iterations) if os.path.isdir(root) else None
+
+
 def read_tracker(root: str, iterations: list[int]) -> str | None:
     """What is wrong with `latest_checkpointed_iteration.txt`, or None. It is only a pointer for
     people and tools (resume lists the directories): damaged if it is not an iteration number or

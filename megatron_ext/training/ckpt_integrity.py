@@ -252,7 +252,7 @@ class Verifier:
     from the reader seam for the files each read touches (collective per read).
 
     Before any process group exists (a conversion's first read of --load, checkpointing.first_read),
-    a Verifier made with ``collective=False`` looks on this process alone (`look()`, then its reads
+    a Verifier made with ``collective=False`` inspects on this process alone (`inspect()`, then its reads
     verified here); the load it is handed to agrees on what it found (`agree()`, collective) instead of
     looking again, and verifies only the files not verified yet."""
 
@@ -261,7 +261,7 @@ class Verifier:
         self.collective = collective
         self.files: dict | None = None  # name -> [size, crc32]; None: no checksums (older checkpoint)
         self.config: dict | None = None  # the checkpoint's metadata.json, as inspect() read it
-        self.structure: list[str] = []  # what look() found of the structure alone (structure_problems)
+        self.structure: list[str] = []  # without a world: what inspect() found of the structure alone
         self.verified: set = set()
         self.problems: list[str] = []
         self.seconds = 0.0  # this rank's own work (reading and summing)
@@ -308,24 +308,20 @@ class Verifier:
         self.seconds += time.perf_counter() - t0
         return [*read, *checked, *sized]
 
-    def look(self) -> list[str]:
-        """This process's look before any world exists (``collective=False``): what inspect() checks,
-        every file's size included, plus `structure` (what structure_problems would say). Returns the
-        problems found, which `agree()` later makes every rank's."""
-        self.problems = sorted(set(self._look(sizes=True)))
-        return self.problems
-
     def agree(self) -> tuple[list[str], bool]:
-        """inspect()'s answer for a Verifier that looked before the world existed (look(), and the
-        reads verified since): the union of what every rank found (collective); from now on its
-        reads are verified together."""
+        """inspect()'s answer for a Verifier that inspected before the world existed (and the reads
+        verified since): the union of what every rank found (collective); from now on its reads are
+        verified together."""
         self.collective = True
         self.problems = self._agree(self.problems)
         return self.problems, self.files is not None
 
     def inspect(self) -> tuple[list[str], bool]:
-        """(problems, verifiable), the same on every rank."""
-        self.problems = self._agree(self._look(sizes=torch.distributed.get_rank() == 0))
+        """(problems, verifiable), the same on every rank (collective); with ``collective=False``, before
+        any world exists, this process's own, every file's size included, and `structure` set (what
+        structure_problems would say): `agree()` later makes them every rank's."""
+        sizes = not self.collective or torch.distributed.get_rank() == 0
+        self.problems = self._agree(self._look(sizes=sizes))
         return self.problems, self.files is not None
 
     def verify_read(self, names) -> None:
