@@ -140,17 +140,13 @@ def _validate_zero_sync(args) -> None:
                               f"({16 // dtype_bytes} elements in this precision)")
 
 
-# GPUs whose grouped GEMM runs without reading its offsets on the host (torch._grouped_mm's CUTLASS kernel,
-# bf16 only; aten/src/ATen/native/cuda/GroupedBlas.cpp): compute capability major 9 (Hopper) and 10 (Blackwell)
-GROUPED_GEMM_ARCHS = (9, 10)
-
-
 def check_grouped_gemm_platform(args, on: str) -> None:
     """On CUDA the zero-sync experts need torch's grouped-GEMM kernel, which exists for bf16 on compute
     capability 9.x/10.x only; elsewhere torch's fallback copies the offsets to the host (2 syncs forward
     and 4 backward per layer, measured on an H200 in fp32) and CUDA-graph capture fails. A padded batched
     GEMM would avoid the read at (local experts)x the FLOPs and memory (docs/moe.md): refused instead."""
-    from megatron_ext.platform.target import GPUS, resolve
+    from megatron_ext.moe.sync_detector import GROUPED_GEMM_ARCHS
+    from megatron_ext.platform.target import resolve
 
     target = resolve(args)
     if not target.cuda:
@@ -161,14 +157,14 @@ def check_grouped_gemm_platform(args, on: str) -> None:
                           "offsets on the host except in bf16 (2 syncs forward, 4 backward per layer): add --bf16, "
                           "or use --moe-expert-capacity-factor (capacity mode has no sync in any precision)")
     if target.declared:
-        arch = GPUS[target.gpu][0][0]
+        arch = target.arch
         gpu = f"--target-gpu={target.gpu}"
     else:
         import torch
 
-        arch = torch.cuda.get_device_capability()[0]
-        gpu = f"this GPU ({torch.cuda.get_device_name()}"
-        gpu += f", compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+        capability = torch.cuda.get_device_capability()
+        arch = capability[0]
+        gpu = f"this GPU ({torch.cuda.get_device_name()}, compute capability {'.'.join(map(str, capability))})"
     if arch not in GROUPED_GEMM_ARCHS:
         raise ConfigError(f"{on} on {gpu}: torch's bf16 grouped-GEMM kernel needs compute capability 9.x or "
                           "10.x (Hopper, Blackwell); elsewhere it reads its expert offsets on the host; use "

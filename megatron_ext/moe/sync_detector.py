@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatron_ext.patching import set_attr, undo_all
+from megatron_ext.platform.target import DEFAULT_GPU, GPUS
 from megatron_ext.seams import moe as moe_seams
 
 aten = torch.ops.aten
@@ -96,8 +97,11 @@ _SHAPE_OPS = {
     "nonzero", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
     "unique_consecutive", "bincount",
 }
-# Hopper: the GPU a declared CUDA target is validated for by default (megatron_ext/platform/target.py)
-DEFAULT_CAPABILITY = (9, 0)
+# the GPU a declared CUDA target is validated for by default (a Hopper)
+DEFAULT_CAPABILITY = GPUS[DEFAULT_GPU][0]
+# GPUs whose grouped GEMM runs without reading its offsets on the host (torch._grouped_mm's CUTLASS kernel,
+# bf16 only; aten/src/ATen/native/cuda/GroupedBlas.cpp): compute capability major 9 (Hopper) and 10 (Blackwell)
+GROUPED_GEMM_ARCHS = (9, 10)
 
 
 def _grouped_mm_sync(args, kwargs, capability) -> Optional[str]:
@@ -107,7 +111,7 @@ def _grouped_mm_sync(args, kwargs, capability) -> Optional[str]:
     a, b = args[0], args[1]
     out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
     bf16 = a.dtype == b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16)
-    if bf16 and capability[0] in (9, 10):
+    if bf16 and capability[0] in GROUPED_GEMM_ARCHS:
         return None
     why = f"{a.dtype}" if not bf16 else f"compute capability {capability[0]}.{capability[1]}"
     return f"torch's grouped-GEMM fallback reads the offsets on the host ({why})"
