@@ -212,12 +212,16 @@ def _residual(w: _Work, dev, sh: Shapes, width: float):
     w.add("memory_s", dev.memory_s(3 * n), dev.memory_s(3 * n))
 
 
+def _glu(args) -> bool:
+    """A gated linear unit: fc1 = [gate; up] (--swiglu, or --quick-geglu as gpt-oss)."""
+    return bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False))
+
+
 def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, weighted: bool = False):
     """The MLP activation on ``elements`` outputs: a fused gated unit reads both halves and writes one
     (backward: reads them and the gradient, writes two); unfused, the separate ops about twice that.
     ``weighted``: the routing probabilities applied too."""
-    glu = getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False) or bool(
-        getattr(args, "quick_geglu", False))
+    glu = _glu(args)
     fused = (getattr(args, "bias_swiglu_fusion", False) if getattr(args, "swiglu", False)
              else getattr(args, "bias_activation_fusion", False) or getattr(args, "bias_gelu_fusion", False))
     fwd, bwd = (3, 5) if glu else (2, 3)
@@ -292,8 +296,7 @@ def window_share(args) -> float:
 
 
 def _mlp(w: _Work, dev, args, sh: Shapes, ffn: int, tokens: int, module: str = "mlp"):
-    glu = 2 if (getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False)
-                or getattr(args, "quick_geglu", False)) else 1
+    glu = 2 if _glu(args) else 1
     _linear(w, dev, sh, tokens, glu * ffn // sh.tp, args.hidden_size, module)
     _activation(w, dev, args, sh, tokens * ffn // sh.tp, module)
     _linear(w, dev, sh, tokens, args.hidden_size, ffn // sh.tp, module)
@@ -303,8 +306,7 @@ def _moe_block(w: _Work, dev, args, sh: Shapes):
     h = args.hidden_size
     E, topk = args.num_experts, args.moe_router_topk or 1
     ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
-    glu = 2 if (getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False)
-                or getattr(args, "quick_geglu", False)) else 1
+    glu = 2 if _glu(args) else 1
     Tm = sh.moe_tokens
     _linear(w, dev, sh, Tm, E, h, "router", fp8=False)
     w.add("memory_s", dev.memory_s(6 * Tm * E * 4), dev.memory_s(4 * Tm * E * 4), "router")  # scores, top-k (fp32)
