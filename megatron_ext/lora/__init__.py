@@ -182,9 +182,9 @@ def _validate_targets(args) -> dict:
         matched[target.given] = hits
     for name in args.lora_fused_adapters or []:
         try:
-            target = targets.resolve(name, args)
+            target = targets.resolve(name, args, "--lora-fused-adapters")
         except ConfigError as e:
-            problems.append(str(e).replace("--lora-target-modules=", "--lora-fused-adapters="))
+            problems.append(str(e))
             continue
         if target.part is not None:
             problems.append(f"--lora-fused-adapters={name}: a fused adapter spans a whole linear, not its "

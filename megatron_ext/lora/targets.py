@@ -168,13 +168,14 @@ def closest(word: str, pool) -> str | None:
     return close[0] if close else None
 
 
-def resolve(given: str, args) -> Target:
+def resolve(given: str, args, flag: str = "--lora-target-modules") -> Target:
     """``q_proj`` -> Target("q_proj", "linear_qkv", "q"); a megatron name as it is; ``name`` None for
     a peft name of a linear this model cannot have (k_proj under multi-latent attention, gate_proj of
-    a non-gated MLP). Refuses a name LoRA does not adapt, with the closest that it does."""
+    a non-gated MLP). Refuses a name LoRA does not adapt, with the closest that it does, naming
+    ``flag`` (the flag that gave it)."""
     *scope, leaf = given.split(".")
     if any(c.isdigit() for c in scope):
-        raise ConfigError(f"--lora-target-modules={given}: no layer or expert index: a target names its linear "
+        raise ConfigError(f"{flag}={given}: no layer or expert index: a target names its linear "
                           f"in every layer (and expert); did you mean {'.'.join(c for c in scope if not c.isdigit())}"
                           f"{'.' if scope else ''}{leaf}?")
     scope = [_PEFT_SCOPES.get(c, c) for c in scope]
@@ -185,7 +186,7 @@ def resolve(given: str, args) -> Target:
         close = closest(leaf, [*NAMES, *PEFT_NAMES])
         hint = f"did you mean {'.'.join([*given.split('.')[:-1], close])}?" if close else (
             f"one of {', '.join(NAMES)}, or peft's {', '.join(PEFT_NAMES)}")
-        raise ConfigError(f"--lora-target-modules={given}: not a linear LoRA adapts; {hint}")
+        raise ConfigError(f"{flag}={given}: not a linear LoRA adapts; {hint}")
     mapped = entry(args) if callable(entry) else entry
     if mapped is None:
         return Target(given, None)

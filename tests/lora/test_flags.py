@@ -27,6 +27,8 @@ MOE = ["--recipe", "recipes/tiny_moe.yaml"]
          r"^--lora-target-modules=linear_kv_down_proj: this model has no such linear"),
         (MOE + ["--lora-rank", "4", "--lora-target-modules", "shared_experts.linear_fc1"],
          r"^--lora-target-modules=shared_experts\.linear_fc1: this model has no such linear"),
+        (DENSE + ["--lora-rank", "4", "--lora-fused-adapters", "linear_qvk"],
+         r"^--lora-fused-adapters=linear_qvk: not a linear LoRA adapts; did you mean linear_qkv\?$"),
         (DENSE + ["--lora-rank", "4", "--lora-target-modules", "word_embeddings"],
          r"^--lora-target-modules=word_embeddings: not a linear LoRA adapts"),
         (DENSE + ["--lora-alpha", "16"], r"^--lora-alpha=16\.0: needs --lora-rank$"),
