@@ -398,9 +398,7 @@ class Checkpointer:
         same_layout = common["layout"] == ckpt_state.layout(args)
         # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
         with_rng = same_layout and not args.no_load_rng and not args.finetune and common.get("has_rng", False)
-        with_optimizer = (not args.no_load_optim and optim.has_state(args) and not args.finetune
-                          and "optimizer" in common)
-        self._note_no_optimizer_state(path, "optimizer" in common)
+        with_optimizer = self._optimizer_to_load(path, "optimizer" in common)
         template = sharded_state_dict(
             args, self.model, self.optimizer, self.scheduler, iteration,
             loading=True, with_optimizer=with_optimizer, with_rng=with_rng, part=part,
@@ -454,14 +452,16 @@ class Checkpointer:
             f"(consumed samples {common['consumed_samples']}; loaded in {time.perf_counter() - t0:.2f} s{verified})"
         )
 
-    def _note_no_optimizer_state(self, path: str, saved: bool) -> None:
-        """A run that trains, resuming (not --finetune, not --no-load-optim) from a checkpoint saved
-        without optimizer state (--no-save-optim, or --freeze-all-layers, where nothing trained):
-        its optimizer starts fresh, which the user should see."""
+    def _optimizer_to_load(self, path: str, saved: bool) -> bool:
+        """Whether the load reads the optimizer state: a run that trains, resuming (not --finetune, not
+        --no-load-optim), from a checkpoint that ``saved`` it. One saved without it (--no-save-optim,
+        or --freeze-all-layers, where nothing trained) starts its optimizer fresh, which the user sees."""
         args = self.args
-        if not saved and not args.no_load_optim and optim.has_state(args) and not args.finetune:
+        wanted = not args.no_load_optim and optim.has_state(args) and not args.finetune
+        if wanted and not saved:
             self._print(f"note: {path} holds no optimizer state (saved with --no-save-optim or "
                         "--freeze-all-layers): the optimizer starts fresh")
+        return wanted and saved
 
     def restore_rng(self) -> None:
         """Put back the loaded checkpoint's RNG states. Call after building the data iterators:

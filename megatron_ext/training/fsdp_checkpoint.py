@@ -115,9 +115,10 @@ def load(ckpt, path: str, iteration: int, verifier) -> tuple[dict, dict | None]:
     to be restored), which the caller puts back once the data iterators exist."""
     args, rank = ckpt.args, torch.distributed.get_rank()
     common = verifier.config["megatron_ext"]  # metadata.json, as the Verifier's inspect() read (and verified) it
-    with_rng = common["layout"] == ckpt_state.layout(args) and not args.no_load_rng and common["has_rng"]
-    with_optimizer = not args.no_load_optim and optim.has_state(args) and common["has_optimizer"]
-    ckpt._note_no_optimizer_state(path, common["has_optimizer"])
+    # --finetune: the model weights only, as megatron's load_checkpoint (fresh optimizer, schedule, RNG)
+    with_rng = (common["layout"] == ckpt_state.layout(args) and not args.no_load_rng and not args.finetune
+                and common["has_rng"])
+    with_optimizer = ckpt._optimizer_to_load(path, common["has_optimizer"])
     state = _state(ckpt, loading=True, with_optimizer=with_optimizer)
     raw = dict(state)  # the preprocessing rewrites keys; the load fills the same tensors in place
     prepared = _prepared(args, {k: dict(v) for k, v in state.items()}, ckpt.model[0])
@@ -127,7 +128,8 @@ def load(ckpt, path: str, iteration: int, verifier) -> tuple[dict, dict | None]:
         ckpt.model[0].load_state_dict(raw["model"], strict=True)
         if with_optimizer:
             ckpt.optimizer.load_state_dict(raw["optimizer"])
-    ckpt.scheduler.load_state_dict(common["scheduler"])
+    if not args.finetune:
+        ckpt.scheduler.load_state_dict(common["scheduler"])
     if with_rng:
         name = RNG.format(rank=rank)
         if verifier.files is not None:

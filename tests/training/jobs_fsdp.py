@@ -45,11 +45,13 @@ def gathers_in_flight_at_teardown(argv: list[str]) -> dict:
     return {"pipelines": len(pipelines), "in flight": in_flight}
 
 
-def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: bool = True) -> dict:
+def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: bool = True,
+           finetune: bool = False) -> dict:
     """6 iterations straight; 3 (saved at 2 and 3, with `save_flags`), then resumed to 6 in a fresh
     model; then the newest checkpoint damaged in the middle of a tensor and the run resumed again,
     once with --no-ckpt-fallback (refused, naming the file) and, if `fallback`, once falling back to
-    iteration 2."""
+    iteration 2. With ``finetune``, also 2 iterations --finetune from it, and with --no-load-optim
+    --no-load-rng besides."""
     import os
 
     import torch
@@ -63,6 +65,9 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
         first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir,
                                 "--save-interval", "2", *save_flags])
     resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--auto-detect-ckpt-format"])
+    # --finetune: the weights only, as megatron's (a fresh optimizer, no RNG): as if told so explicitly
+    finetune = [_losses(argv + ["--train-iters", "2", "--load", save_dir, "--finetune", *no_state])
+                for no_state in ((), ("--no-load-optim", "--no-load-rng"))] if finetune else None
     cross = None
     if "--use-megatron-fsdp" in argv:  # the same checkpoint into a DDP model: auto-detection reads fsdp_dtensor
         ddp = [a for a in argv if a not in FSDP and a not in ("--data-parallel-sharding-strategy", "optim_grads_params")]
@@ -85,7 +90,7 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     if fallback:
         fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
-            "fallback": fallback, "cross": cross}
+            "fallback": fallback, "cross": cross, "finetune": finetune}
 
 
 def _geometry(model: list) -> list[dict]:

@@ -190,13 +190,17 @@ def test_refusals_name_the_flag():
 def test_resume_is_exact_and_checkpoints_are_verified(tmp_path):
     """MoE EP2 under optim_grads_params (SwiGLU, experts, two optimizers: every preprocessing step of
     the fsdp_dtensor format): saved at 2 and 3, resumed, bitwise the uninterrupted run; a flipped
-    tensor byte in the newest checkpoint is named, and the run falls back to iteration 2 exactly."""
+    tensor byte in the newest checkpoint is named, and the run falls back to iteration 2 exactly;
+    --finetune from it loads the weights only."""
     argv = MOE + strategy("optim_grads_params") + ["--expert-model-parallel-size", "2", "--world-size", "2"]
     out = run_distributed(2, "tests.training.jobs_fsdp:resume", argv=_without_iters(argv),
-                          save_dir=str(tmp_path / "ckpt"))[-1]
+                          save_dir=str(tmp_path / "ckpt"), finetune=True)[-1]
     straight = [(r["lm loss"], r["grad norm"]) for r in out["straight"]]
     assert [(r["lm loss"], r["grad norm"]) for r in out["first"]] == straight[:3]
     assert [(r["lm loss"], r["grad norm"]) for r in out["resumed"]] == straight[3:]
+    # --finetune: the weights only, as megatron's (a fresh optimizer, no RNG state)
+    finetune, weights_only = ([(r["lm loss"], r["grad norm"]) for r in run] for run in out["finetune"])
+    assert finetune == weights_only and len(finetune) == 2, (finetune, weights_only)
     assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "recipe.yaml",
                             "rng_state.0.pt", "rng_state.1.pt"]
     assert out["refused"].startswith("damaged checkpoint ") and "iter_0000003: __1_0.distcp checksum mismatch" in out["refused"]
