@@ -37,7 +37,7 @@ ATTENTION_KINDS = ("unfused", *FLASH_KINDS)
 # backward of flash-class attention: 2.5 forwards (the recomputed scores and four products against two)
 FLASH_BACKWARD_OVER_FORWARD = 2.5
 # share of the unfused attention's forward + backward traffic in its forward (counted, as
-# hardware.UNFUSED_BYTES_PER_SCORE: 41.8 of 82.3 bytes per score element)
+# hardware.UNFUSED_BYTES_PER_SCORE: 41.8 of 82.0 bytes per score element)
 UNFUSED_FORWARD_SHARE = 0.51
 
 
