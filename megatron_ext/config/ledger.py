@@ -356,8 +356,9 @@ honoured("megatron_ext.training.checkpointing:Checkpointer._apply_retention", "s
 honoured("megatron_ext.training.checkpointing:Checkpointer.load", "load finetune ckpt_step exit_on_missing_checkpoint "
          "pretrained_checkpoint")
 honoured("megatron_ext.training.checkpointing:Checkpointer._load", """
-    ckpt_format auto_detect_ckpt_format ckpt_fully_parallel_load dist_ckpt_strictness no_load_optim no_load_rng
+    ckpt_format auto_detect_ckpt_format ckpt_fully_parallel_load dist_ckpt_strictness no_load_rng
 """)
+honoured("megatron_ext.training.checkpointing:Checkpointer._optimizer_to_load", "no_load_optim")
 honoured("megatron_ext.training.checkpointing:Checkpointer._save_strategy",
          "ckpt_fully_parallel_save ckpt_assume_constant_structure")
 honoured("megatron_ext.training.checkpointing:Checkpointer.save", "async_save no_save_optim no_save_rng")
