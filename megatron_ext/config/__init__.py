@@ -2,6 +2,7 @@
 
     recipes.py           YAML recipes through the parser's own actions (a key accepts what its flag does)
     domains.py           every numeric flag -> the values it accepts
+    typed.py             a capability's options as one typed dataclass (group, defaults, ranges, slice)
     rules.py             cross-field rules, in the order they are checked
     megatron_checks.py   megatron's own asserts and errors -> the flags they check
     naming.py            how a refusal names flags and values

@@ -242,12 +242,15 @@ def _values(value):
 
 
 def check_domains(args, actions: dict) -> dict[str, str]:
-    """Every flag whose value is outside its domain: dest -> its refusal line."""
+    """Every flag whose value is outside its domain: dest -> its refusal line. The domains are this
+    table's and those a typed options class put on its actions (config/typed.py)."""
+    domains = {dest: (fam.domain, fam.name) for dest, fam in DOMAINS.items()}
+    domains.update({dest: (a.domain, a.meaning) for dest, a in actions.items() if getattr(a, "domain", None)})
     refused = {}
-    for dest, fam in DOMAINS.items():
+    for dest, (domain, meaning) in domains.items():
         value = getattr(args, dest, None)
         if value is None or isinstance(value, str):
             continue
-        if fam.domain.refuses(value):
-            refused[dest] = f"{flag_of(actions, dest)}={show(value)}: must be {fam.domain} ({fam.name})"
+        if domain.refuses(value):
+            refused[dest] = f"{flag_of(actions, dest)}={show(value)}: must be {domain}" + (f" ({meaning})" if meaning else "")
     return refused

@@ -1,0 +1,59 @@
+"""A typed options class is one declaration: its argparse group, its defaults, its ranges, its slice."""
+import argparse
+import dataclasses
+
+import pytest
+
+from megatron_ext.config import domains
+from megatron_ext.config.domains import Domain
+from megatron_ext.config.typed import Options, add_group, option
+from megatron_ext.errors import ConfigError
+from megatron_ext.training.command_line import flag_actions
+
+
+@dataclasses.dataclass
+class ExampleOptions(Options):
+    PREFIX = "example_"
+
+    pool_mb: float = option(1024.0, Domain(float, 0, lo_open=True), "a size in MiB")
+    """Size of the pool."""
+
+    modules: list[str] | None = option(None, metavar="MODULE")
+    """What to act on."""
+
+    mode: str = option("fast", choices=("fast", "slow"))
+    """How to act."""
+
+    debug: bool = False
+    """Poison what is released."""
+
+
+def _parser():
+    parser = argparse.ArgumentParser()
+    add_group(parser, ExampleOptions, "megatron_ext: example")
+    return parser
+
+
+def test_the_group_is_the_dataclass():
+    parser = _parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert sorted(actions) == ["example_debug", "example_mode", "example_modules", "example_pool_mb"]
+    assert actions["example_pool_mb"].option_strings == ["--example-pool-mb"]
+    assert actions["example_pool_mb"].help == "Size of the pool."
+    assert actions["example_modules"].nargs == "+" and actions["example_modules"].metavar == "MODULE"
+    args = parser.parse_args(["--example-pool-mb", "8", "--example-modules", "a", "b", "--example-debug"])
+    opts = ExampleOptions.from_args(args)
+    assert opts == ExampleOptions(pool_mb=8.0, modules=["a", "b"], mode="fast", debug=True)
+    assert ExampleOptions.from_args(parser.parse_args([])) == ExampleOptions()
+
+
+def test_a_value_out_of_range_is_refused_by_one_check_naming_the_flag():
+    parser = _parser()
+    refused = domains.check_domains(parser.parse_args(["--example-pool-mb", "0"]), flag_actions(parser))
+    line = "--example-pool-mb=0.0: must be a number > 0 (a size in MiB)"
+    assert refused == {"example_pool_mb": line}
+    with pytest.raises(ConfigError) as built_in_code:
+        ExampleOptions(pool_mb=0.0)
+    assert str(built_in_code.value) == line
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--example-mode", "medium"])
