@@ -2,8 +2,8 @@
 (defaults < recipe < command line). Every entry point hands ``parse`` to the one bring-up, as Megatron-LM's
 pretrain_gpt.py hands its extra_args_provider to pretrain:
 
-    run.use_arguments(arguments.parse)      # train.py, scripts/*.py: then Run.from_argv(argv) parses with it
-    args = arguments.parse(argv)            # every flag checked before any compute; --dry-run exits here
+    Run.from_argv(argv, parse=arguments.parse)    # train.py, scripts/*.py: the run parses with it
+    args = arguments.parse(argv)                  # every flag checked before any compute; --dry-run exits here
 
 A recipe is a YAML mapping whose keys are the flags' names (``num_layers`` or ``num-layers``). Unknown
 keys and wrongly typed values are errors that name the key and suggest the closest valid one.

@@ -44,9 +44,7 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
     import torch
 
     import arguments
-    from megatron_ext.training.run import Run, use_arguments
-
-    use_arguments(arguments.parse)  # this job is the rank's entry point
+    from megatron_ext.training.run import Run
 
     class Checksums:  # the run's probe: checksums on or off for its saves, its checkpointer kept
         def after_load(self, run):
@@ -55,12 +53,12 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
 
     made = []
     with Run.from_argv(argv + ["--save", save_dir, "--save-interval", "1", "--log-interval", "1000"],
-                       probes=[Checksums()]) as run:
+                       probes=[Checksums()], parse=arguments.parse) as run:
         run.train()
     saves = made[-1].saves
     loaded = []
     for _ in range(loads):
-        with Run.from_argv(argv + ["--load", save_dir], probes=[Checksums()]) as run:
+        with Run.from_argv(argv + ["--load", save_dir], probes=[Checksums()], parse=arguments.parse) as run:
             run.train()
         loaded.append(made[-1].loaded)
     torch.distributed.barrier()

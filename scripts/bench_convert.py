@@ -74,16 +74,13 @@ def convert(step: str, src: str, dst: str, flags: list) -> dict:
 
     platform.setup()
     import arguments  # megatron-core imported: the baseline holds it
-    from megatron_ext.training.run import use_arguments
-
-    use_arguments(arguments.parse)  # this job is the rank's entry point: the conversion's run parses with it
 
     base = _status("VmRSS")
     t0 = time.perf_counter()
     if step == "import":
-        hf.import_hf(src, dst, extra=flags)
+        hf.import_hf(src, dst, extra=flags, parse=arguments.parse)
     else:
-        hf.export_hf(src, dst)
+        hf.export_hf(src, dst, parse=arguments.parse)
     return {"base": base, "peak": _status("VmHWM"),
             "seconds": time.perf_counter() - t0}
 

@@ -138,13 +138,13 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     from megatron_ext.schedules import lanes
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.seams.schedules import plan_nodes_recorded
-    from megatron_ext.training.run import Run, use_arguments
+    from megatron_ext.training.run import Run
 
     import arguments
 
-    use_arguments(arguments.parse)  # this job is the rank's entry point
     registry.install_schedules_seams()
-    run = Run.from_argv(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])), exit_on_dry_run=False)
+    run = Run.from_argv(_moe_argv(tp, pp, vpp, ep, shape, int(os.environ["WORLD_SIZE"])), parse=arguments.parse,
+                        exit_on_dry_run=False)
     model, args, config = run.build(), run.args, run.config
     registry.install_schedules_seams()
     config.finalize_model_grads_func = finalize_model_grads
@@ -293,13 +293,12 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     from megatron_ext.platform import faithful, nccl_p2p
     from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
-    from megatron_ext.training.run import Run, use_arguments
+    from megatron_ext.training.run import Run
 
     import arguments
 
-    use_arguments(arguments.parse)  # this job is the rank's entry point
     registry.install_schedules_seams()
-    run = Run.from_argv(_argv(tp, pp, vpp, shape), exit_on_dry_run=False)
+    run = Run.from_argv(_argv(tp, pp, vpp, shape), parse=arguments.parse, exit_on_dry_run=False)
     model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
     lanes.set_groups()

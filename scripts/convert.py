@@ -55,17 +55,17 @@ def _import_arguments(p) -> None:
                    help="a peft LoRA adapter of the --hf model, imported with it (one process; docs/finetune.md)")
 
 
-def _import(args, rest: list[str]) -> None:
+def _import(args, rest: list[str], parse) -> None:
     from megatron_ext import hf
 
     if args.peft:
         if rest or args.overwrite or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("import --peft: runs on one process into a new --save, without layout flags or "
                               "--overwrite (train.py reshards the checkpoint onto any layout)")
-        recipe = hf.import_peft(args.hf, args.peft, args.save)
+        recipe = hf.import_peft(args.hf, args.peft, args.save, parse=parse)
         print(f"imported {args.hf} with the adapter {args.peft} -> {args.save} (recipe {recipe})")
         return
-    recipe = hf.import_hf(args.hf, args.save, extra=rest, overwrite=args.overwrite)
+    recipe = hf.import_hf(args.hf, args.save, extra=rest, overwrite=args.overwrite, parse=parse)
     if _rank0():
         print(f"imported {args.hf} -> {args.save} (recipe {recipe})")
 
@@ -82,18 +82,18 @@ def _export_arguments(p) -> None:
     p.add_argument("--max-shard-size", default="5GB", type=_size)
 
 
-def _export(args, rest: list[str]) -> None:
+def _export(args, rest: list[str], parse) -> None:
     from megatron_ext import hf
 
     if rest:
         raise ConfigError(f"export: unknown arguments {' '.join(rest)}")
     if args.peft:
-        keys = hf.export_peft(args.load, args.peft, recipe=args.recipe, overwrite=args.overwrite)
+        keys = hf.export_peft(args.load, args.peft, recipe=args.recipe, overwrite=args.overwrite, parse=parse)
         print(f"exported the adapters of {args.load} -> {args.peft} ({len(keys)} tensors)")
         return
     replacing = args.overwrite and os.path.isdir(args.hf) and bool(os.listdir(args.hf))
     names, iteration = hf.export_hf(args.load, args.hf, recipe=args.recipe, max_shard_bytes=args.max_shard_size,
-                                    overwrite=args.overwrite)
+                                    overwrite=args.overwrite, parse=parse)
     if _rank0():
         shards = f"{len(names)} shard{'s' if len(names) != 1 else ''}"
         print(f"exported {args.load} (iteration {iteration}) -> {args.hf} ({shards}"
@@ -108,11 +108,11 @@ def _logits_arguments(p) -> None:
     p.add_argument("--recipe", default=None, help="default: the recipe the checkpoint records")
 
 
-def _logits(args, rest: list[str]) -> None:
+def _logits(args, rest: list[str], parse) -> None:
     from megatron_ext import hf
     from megatron_ext.hf import packed
 
-    out = hf.logits(args.load, packed.parse_ids(args.input_ids), recipe=args.recipe, extra=rest)
+    out = hf.logits(args.load, packed.parse_ids(args.input_ids), recipe=args.recipe, extra=rest, parse=parse)
     if out is not None:
         hf.save_logits(out, args.out)
 
@@ -136,9 +136,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None):
     args, rest = parser().parse_known_args(argv)
-    _hand_arguments()
+    parse = _argument_layer()
     try:
-        COMMANDS[args.command][2](args, rest)
+        COMMANDS[args.command][2](args, rest, parse)
     except (ConfigError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # torch's CheckpointException is a BaseException
@@ -147,15 +147,14 @@ def main(argv: list[str] | None = None):
         raise ConfigError(_explain_unexpected(args.command, e)) from e
 
 
-def _hand_arguments() -> None:
-    """The run a conversion opens parses with the repository's argument layer (arguments.py)."""
+def _argument_layer():
+    """What the run a conversion opens parses with: the repository's argument layer (arguments.py)."""
     from megatron_ext import platform
 
     platform.setup()  # before megatron-core is imported (its unguarded triton import)
     import arguments
-    from megatron_ext.training.run import use_arguments
 
-    use_arguments(arguments.parse)
+    return arguments.parse
 
 
 def _explain_unexpected(command: str, exc: BaseException) -> str:

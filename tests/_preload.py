@@ -9,5 +9,6 @@ import megatron.core.optimizer  # noqa: E402,F401
 import megatron.core.pipeline_parallel  # noqa: E402,F401
 import megatron.training.training  # noqa: E402,F401
 
+import arguments  # noqa: E402,F401  (every job parses with it)
 import train  # noqa: E402,F401
 import megatron_ext.training.data  # noqa: E402,F401  (megatron's tokenizer package imports transformers when installed)

@@ -14,4 +14,3 @@ def pytest_configure(config):
         return
     dist.start_server()  # the worker pools' fork server imports megatron-core while this process does
     platform.setup()
-    dist.hand_arguments()

@@ -130,15 +130,6 @@ def _teardown() -> None:
         parallel.destroy()
 
 
-def hand_arguments() -> None:
-    """The suite is an entry point: a Run parses with the repository's argument layer (top-level
-    arguments.py), in the test processes (conftest.py) and in every worker."""
-    import arguments
-    from megatron_ext.training import run
-
-    run.use_arguments(arguments.parse)
-
-
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -150,7 +141,6 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     from megatron_ext import platform
 
     platform.dump_native_crashes(rank)  # a native crash prints every thread's stack, prefixed [rank<R>]:
-    hand_arguments()
 
     platform.init_distributed(timeout_s=DEFAULT_TIMEOUT_S)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

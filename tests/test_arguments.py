@@ -64,8 +64,26 @@ def test_a_flag_added_in_arguments_py_reaches_a_capability(tmp_path, monkeypatch
         parse("--my-ratio", "2")
     shown = arguments.build_parser().format_help()
     assert shown.index("--my-ratio") < shown.index("Megatron: common flags")
-    run = Run.from_argv(["--recipe", TINY, "--mock-data", "--my-ratio", "1"])
+    run = Run.from_argv(["--recipe", TINY, "--mock-data", "--my-ratio", "1"], parse=arguments.parse)
     assert run.args.my_ratio == 1.0 and read[-1] == 1.0
+
+
+def test_a_run_without_its_argument_layer_fails_at_the_call(monkeypatch):
+    """The argument layer is an argument, held nowhere for the process: a call that forgets it is a
+    TypeError at the call, before the platform is set up or anything is parsed."""
+    from megatron_ext import hf, planner, platform
+    from megatron_ext.training import run as runs
+
+    monkeypatch.setattr(platform, "setup", lambda: pytest.fail("got past the call"))
+    argv = ["--recipe", TINY, "--mock-data"]
+    for call in (lambda: runs.Run.from_argv(argv), lambda: runs.Run.for_model(argv), lambda: runs.main(argv),
+                 lambda: hf.export_hf("ckpt", "out"), lambda: hf.import_hf("hf", "ckpt"), lambda: hf.logits("ckpt", [1]),
+                 lambda: hf.export_peft("ckpt", "out"), lambda: hf.import_peft("hf", "peft", "ckpt"),
+                 lambda: planner.main(argv)):
+        with pytest.raises(TypeError, match="parse"):
+            call()
+    with pytest.raises(TypeError, match=r"^parse=\['--mock-data'\]: the entry point's argument layer"):
+        runs.Run.from_argv(argv, parse=["--mock-data"])
 
 
 def test_megatron_flags_keep_their_meaning():

@@ -168,7 +168,8 @@ def test_every_file_is_a_room():
 
 def test_no_package_module_imports_the_argument_layer():
     """Top-level arguments.py is the entry points' layer: they hand its parse to the bring-up
-    (megatron_ext/training/run.py use_arguments), so a flag added there reaches the package as args."""
+    (megatron_ext/training/run.py ``Run.from_argv(argv, parse=arguments.parse)``), so a flag added
+    there reaches the package as args."""
     _, imports = _graph()
     assert [f"{name}:{line}" for name, found in imports.items() if name.startswith("megatron_ext")
             for target, line in found if target == "arguments"] == []

@@ -2,7 +2,8 @@
 ``export_hf`` (checkpoint of any layout -> HF directory; a LoRA run's merged), ``logits`` (the model's
 forward on ids, several sequences packed into one) and ``save_logits`` (their file, written whole or
 not at all), ``import_peft`` / ``export_peft`` (LoRA adapters in and out of peft's format). The weight
-mapping is one table per family in ``families.py``; the CLI is scripts/convert.py.
+mapping is one table per family in ``families.py``; the CLI is scripts/convert.py. Each but
+``save_logits`` opens a run and takes the entry point's argument layer, ``parse=arguments.parse``.
 
     importer.py  exporter.py  peft.py  packed.py      import, export, adapters, logits
     checkpoint.py   the megatron side: the run's model-only bring-up of a recipe, --load read once and loaded

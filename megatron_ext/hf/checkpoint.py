@@ -4,8 +4,11 @@
     found = find(load, recipe)              the one read of --load: its checkpoints listed, the recipe,
                                             the newest intact checkpoint (checksums verified) and its
                                             common state (the LoRA record)
-    with loaded(found, layout) as run:      the model-only run with that checkpoint's weights (run.model)
-    with open_model(recipe, flags) as run:  the model-only run of a recipe (an import fills and saves it)
+    with loaded(found, layout, parse=parse) as run:      the model-only run with that checkpoint's weights
+    with open_model(recipe, flags, parse=parse) as run:  the model-only run of a recipe (an import fills it)
+
+``parse``: the entry point's argument layer (top-level ``arguments.parse``), which the run parses with
+(training/run.py); every public function of the package takes it from its caller.
 
 The run is handed what ``find`` read (training/checkpointing.py ``first_read``): its parser takes the
 recipe from there (moving a moved directory's tokenizer path onto the copy beside it), its load the
@@ -26,14 +29,14 @@ from megatron_ext.hf import families, hfdir, shards
 RECIPE = "recipe.yaml"  # as training/ckpt_recipe.py names it (imported there with megatron-core)
 
 
-def open_model(recipe: str | None, flags: list[str], first_read=None):
+def open_model(recipe: str | None, flags: list[str], first_read=None, *, parse):
     """The model-only run of the recipe's model (None: the recipe the --load checkpoint in ``flags``
     records) with these flags (``first_read``: what :func:`find` read of --load, handed to the run).
     Entering it brings the process groups up; leaving it tears them down, and a teardown that fails
     after the conversion's own error does not replace it."""
     from megatron_ext.training.run import Run
 
-    return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags], first_read=first_read)
+    return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags], first_read=first_read, parse=parse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +98,15 @@ def find(load: str, recipe: str | None = None) -> Found:
 
 
 @contextlib.contextmanager
-def loaded(found: Found, flags: list[str]):
+def loaded(found: Found, flags: list[str], *, parse):
     """The model-only run of the checkpoint's recipe with the newest intact checkpoint under
     ``found.load`` loaded, weights only, as --finetune loads them (``run.model``;
     ``run.checkpointer.loaded["iteration"]``: the one loaded). A LoRA adapter checkpoint loads with
     the LoRA flags it records, its base first (training/ckpt_lora.py)."""
     with open_model(found.recipe if found.given else None,
                     ["--load", found.load, "--finetune", "--no-load-optim", "--no-load-rng",
-                     "--exit-on-missing-checkpoint", *found.lora_flags(), *flags], first_read=found.read) as run:
+                     "--exit-on-missing-checkpoint", *found.lora_flags(), *flags], first_read=found.read,
+                    parse=parse) as run:
         from megatron_ext import lora
 
         model = run.build()

@@ -19,16 +19,17 @@ from megatron_ext.hf import checkpoint, families, hfdir, outputs, table, world
 
 
 def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30,
-              overwrite: bool = False) -> tuple[list[str], int]:
+              overwrite: bool = False, *, parse) -> tuple[list[str], int]:
     """Megatron checkpoint -> HF directory `out` (fresh, or with `overwrite` replaced as a whole);
     returns (the shard file names, the iteration exported). Under torchrun each rank is a pipeline
-    stage and writes the shards of its layers."""
+    stage and writes the shards of its layers. ``parse``: the entry point's argument layer
+    (``arguments.parse``)."""
     outputs.check_fresh("--hf", out, overwrite, "an export")
     found = checkpoint.find(load, recipe)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     layout = stage_flags(found.num_layers(), processes)
     with checkpoint.loaded(found, ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1",
-                                   "--context-parallel-size", "1", *layout]) as run:
+                                   "--context-parallel-size", "1", *layout], parse=parse) as run:
         from megatron_ext import lora
 
         args, model, iteration = run.args, run.model, run.checkpointer.loaded["iteration"]

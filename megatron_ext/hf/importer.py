@@ -27,10 +27,11 @@ TOKENIZER = "tokenizer"  # CKPT/tokenizer, as training/ckpt_recipe.py names a ch
 DTYPE_FLAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = False) -> str:
+def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = False, *, parse) -> str:
     """HF directory -> megatron checkpoint under `save` (a fresh directory, or with `overwrite` a
     replaced one), on this process's layout (`extra`: its flags; under torchrun every rank reads only
-    its shard's slices); returns the recipe's path."""
+    its shard's slices); returns the recipe's path. ``parse``: the entry point's argument layer
+    (``arguments.parse``)."""
     from megatron_ext import platform
 
     platform.setup()
@@ -45,7 +46,7 @@ def import_hf(hf_dir: str, save: str, extra: list[str] = (), overwrite: bool = F
     try:
         write_recipe(parsed, dict(flags, tokenizer_model=os.path.abspath(hf_dir)), model_type)
         run = checkpoint.open_model(parsed, ["--save", save, "--save-interval", "1", "--no-save-optim",
-                                             "--no-save-rng", *extra])
+                                             "--no-save-rng", *extra], parse=parse)
     finally:
         os.remove(parsed)
     recipe = os.path.join(save, checkpoint.RECIPE)

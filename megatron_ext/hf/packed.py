@@ -38,7 +38,7 @@ def row(sequences: list[list[int]], multiple: int) -> tuple[torch.Tensor, torch.
     return tokens, positions, torch.tensor([bounds], dtype=torch.int32)
 
 
-def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> torch.Tensor | None:
+def logits(load: str, ids, recipe: str | None = None, extra: list[str] = (), *, parse) -> torch.Tensor | None:
     """The model's fp32 logits [tokens, vocab] on ``ids`` (one sequence of token ids, or a list of
     sequences packed into one forward: one row per token, in order) under this process's layout
     (every rank calls; rank 0 returns them, the others None)."""
@@ -61,7 +61,7 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
     tokens, positions, cu_seqlens = row(sequences, world.layout_flag(extra, "--tensor-model-parallel-size"))
     total, seq = sum(len(s) for s in sequences), tokens.shape[1]
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    with checkpoint.loaded(checkpoint.find(load, recipe), ["--seq-length", str(seq), *extra]) as run:
+    with checkpoint.loaded(checkpoint.find(load, recipe), ["--seq-length", str(seq), *extra], parse=parse) as run:
         args, model = run.args, run.model
         device = platform.current().device
         vocab = checkpoint.hf_config(args, load)[1]["vocab_size"]

@@ -450,7 +450,7 @@ def target_names(covered: list, model_paths: list) -> list:
     return out
 
 
-def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
+def import_peft(hf_dir: str, peft_dir: str, save: str, *, parse) -> str:
     """HF base + peft adapter -> SAVE/base (the base import) and an adapter checkpoint at SAVE whose
     recipe (SAVE/recipe.yaml) carries the LoRA flags; returns that recipe's path."""
     import yaml
@@ -465,7 +465,7 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
     if ckpt_dirs.committed_iterations(save):
         raise ConfigError(f"--save={save}: holds checkpoints already; an adapter import writes a new directory")
     base_dir = os.path.join(save, BASE)
-    base_recipe = importer.import_hf(hf_dir, base_dir)
+    base_recipe = importer.import_hf(hf_dir, base_dir, parse=parse)
     rows = _hf_rows(model_type, c, _base_shapes(hf_dir))
     paths = [targets.target_path(m[0][: -len(".weight")]) for m, _, _ in rows if m[0].endswith(".weight")]
     flags = {"lora_rank": adapter.rank, "lora_alpha": adapter.alpha, "lora_rslora": adapter.rslora,
@@ -480,7 +480,8 @@ def import_peft(hf_dir: str, peft_dir: str, save: str) -> str:
                        f"the base model is {BASE}/\n")
         yaml.safe_dump(flags, f, sort_keys=False)
     with checkpoint.loaded(checkpoint.find(base_dir, recipe), ["--save", save, "--save-interval", "1", "--no-save-optim",
-                                                               "--no-save-rng", "--world-size", "1"]) as run:
+                                                               "--no-save-rng", "--world-size", "1"],
+                           parse=parse) as run:
         from megatron_ext import seams
 
         params = dict(seams.unwrapped(run.model[0]).named_parameters())
@@ -520,7 +521,7 @@ def _inert(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not a.any() and not b.any()
 
 
-def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool = False) -> list[str]:
+def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool = False, *, parse) -> list[str]:
     """A LoRA run's adapters (any layout, resharded to one process on load) -> OUT/adapter_config.json
     and OUT/adapter_model.safetensors, a fresh directory (with `overwrite` replaced as a whole);
     returns the peft keys written."""
@@ -532,7 +533,7 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
     if record is None:
         raise ConfigError(f"--load={load}: its newest checkpoint holds no LoRA adapters (a full or imported "
                           "model): export it with --hf")
-    with checkpoint.loaded(found, ["--world-size", "1"]) as run:
+    with checkpoint.loaded(found, ["--world-size", "1"], parse=parse) as run:
         args = run.args
         model_type, c = checkpoint.hf_config(args, load)
         from megatron_ext import seams

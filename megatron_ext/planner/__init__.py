@@ -40,7 +40,7 @@ def plan(*args, **kwargs):
     return _plan(*args, **kwargs)
 
 
-def main(argv: list | None = None, prefix: str = "--", parse=None):
+def main(argv: list | None = None, prefix: str = "--", *, parse):
     """The command line: scripts/plan.py's flags (prefix "--": --gpu, --memory-gb, ...) or
     train.py's (prefix "--plan-": --plan-gpu, --plan-memory-gb, ...). ``parse``: the argument
     table's parse (``arguments.parse``), handed in by the entry point."""

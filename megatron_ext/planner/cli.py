@@ -39,7 +39,7 @@ def target_flags(argv: list) -> list:
     return out
 
 
-def parse(argv: list, prefix: str = "--", parse_run=None):
+def parse(argv: list, prefix: str, parse_run):
     """(planner options as a dict, the run's parsed arguments validated for the GPU cluster). Both
     come from one parse of the argument table (``parse_run``: ``arguments.parse``), so a recipe's
     ``plan_gpu:`` is read as --plan-gpu is."""

@@ -13,8 +13,8 @@ argument layer: megatron's flags, this project's, the user's, the recipe merge):
     explain(exc, parser)  the one-line refusal for an error megatron raised from a flag after parsing
 
 It reads the command line's own flags, which arguments.py declares: --dry-run, --all, --world-size.
-No module of the package imports arguments.py: the entry points hand its parse to the bring-up
-(megatron_ext/training/run.py use_arguments).
+No module of the package imports arguments.py: the entry points hand its parse to each call that
+parses (megatron_ext/training/run.py ``Run.from_argv(argv, parse=arguments.parse)``).
 """
 from __future__ import annotations
 

@@ -1,12 +1,17 @@
 """One run of a model, from the command line to teardown: the bring-up every entry point shares
 (train.py, scripts/convert.py, the planner's trace, the dry-run's key check, the benchmarks).
 
-    run.use_arguments(arguments.parse)      # the entry point's argument layer (top-level arguments.py)
-    with Run.from_argv(argv) as run:        # platform set up, every flag checked (--dry-run exits)
+    with Run.from_argv(argv, parse=arguments.parse) as run:   # platform set up, every flag checked
         run.train()                         # build -> optimizer -> load -> data -> loop -> save/eval
 
-    with Run.for_model(argv) as run:        # a model-only run: the model's flags, no training flags
+    with Run.for_model(argv, parse=arguments.parse) as run:   # a model-only run: the model's flags
         model = run.build()                 # the bare model chunks; load() / save() their weights
+
+``parse`` is the entry point's argument layer, top-level arguments.py's ``parse`` (megatron's flags,
+this project's, the user's, the recipe merge), handed to every call that parses a command line, as
+pretrain_gpt.py hands its extra_args_provider to pretrain; no module of the package imports
+arguments.py, so a flag added there reaches the package as ``args.<dest>``. There is no default: a
+call without it is a TypeError where it is made.
 
 A model-only run (``Run.for_model(argv)``, or ``Run(args, model_only=True)`` of parsed arguments) has no
 optimizer, data or loop: those stages refuse. It builds the model in the world the platform sets up
@@ -50,28 +55,6 @@ import torch
 from megatron_ext import platform
 from megatron_ext.training import parallel
 
-POINTS = ("after_parse", "around_build", "around_wrap", "after_build", "after_load", "around_step", "around_schedule",
-          "after_step")
-
-_ARGUMENTS: list = []  # the parse the entry point handed in (use_arguments)
-
-
-def use_arguments(parse) -> None:
-    """The entry point's argument layer: top-level arguments.py's ``parse`` (megatron's flags, this
-    project's, the user's, the recipe merge), handed in once per process, as pretrain_gpt.py hands its
-    extra_args_provider to pretrain. Every Run.from_argv of the process parses with it; no module of
-    the package imports arguments.py, so a flag added there reaches the package as args.<dest>."""
-    _ARGUMENTS[:] = [parse]
-
-
-def parse(argv: list[str] | None = None, **kwargs):
-    """The command line through the argument layer the entry point handed in (use_arguments)."""
-    if not _ARGUMENTS:
-        raise RuntimeError("no argument layer: the entry point hands top-level arguments.py's parse to the "
-                           "bring-up first (megatron_ext.training.run.use_arguments(arguments.parse))")
-    return _ARGUMENTS[0](argv, **kwargs)
-
-
 # What megatron's validate_args asks of every run and a model-only run never reads: data, a batch, a
 # length of training and a learning rate. Given before the caller's flags (which win) and left out of
 # what a checkpoint records of how the run was launched.
@@ -92,17 +75,17 @@ class Run:
         self._at("after_parse")
 
     @classmethod
-    def from_argv(cls, argv: list[str] | None = None, probes=(), *, exit_on_dry_run: bool = True) -> "Run":
-        """Platform set up, then the flags parsed and checked by the argument layer the entry point
-        handed in (use_arguments); --dry-run --load then places the checkpoint's keys in the run's whole
-        model (:func:`check_load`)."""
+    def from_argv(cls, argv: list[str] | None = None, probes=(), *, parse, exit_on_dry_run: bool = True) -> "Run":
+        """Platform set up, then the flags parsed and checked by ``parse`` (the entry point's argument
+        layer, top-level ``arguments.parse``); --dry-run --load then places the checkpoint's keys in the
+        run's whole model (:func:`check_load`)."""
         import io
         import sys
 
         argv = list(sys.argv[1:] if argv is None else argv)
         shown = io.StringIO()  # a dry-run's configuration, held back until the key check has passed
         with contextlib.redirect_stdout(shown) if "--dry-run" in argv else contextlib.nullcontext():
-            args = _parse(argv)
+            args = _parse(parse, argv)
         if args.dry_run:
             if args.load:
                 check_load(args)  # a refusal is the one line printed
@@ -114,19 +97,19 @@ class Run:
         return cls(args, probes)
 
     @classmethod
-    def for_model(cls, argv: list[str], probes=(), first_read=None) -> "Run":
+    def for_model(cls, argv: list[str], probes=(), first_read=None, *, parse) -> "Run":
         """A model-only run of these flags: the model's (a recipe, or the one --load's checkpoint
         records; the architecture, the layout, --load / --save and how they load and save), no training
         flags. It builds, loads and saves the model; it has no optimizer, data or loop. ``first_read``:
         what its caller read of --load already (training/checkpointing.py first_read): its parse, checks
-        and load take it from there and read none of it again."""
+        and load take it from there and read none of it again. ``parse``: as for :meth:`from_argv`."""
         import os
 
         # one micro-batch per process: a multiple of any data-parallel size of this world
         stand_ins = {flag: value for flag, value in {**_MODEL_ONLY, "--global-batch-size": os.environ.get(
             "WORLD_SIZE", "1")}.items() if flag not in argv}
-        args = _parse([*(part for flag, value in stand_ins.items() for part in (flag, value) if part is not None),
-                       *argv], first_read=first_read)
+        args = _parse(parse, [*(part for flag, value in stand_ins.items() for part in (flag, value)
+                                if part is not None), *argv], first_read=first_read)
         for flag in stand_ins:
             dest = flag.removeprefix("--").replace("-", "_")
             getattr(args, "recorded_recipe", {}).get("run", {}).pop(dest, None)
@@ -363,8 +346,7 @@ class Run:
 def main(argv: list[str] | None, parse_run) -> list[dict]:
     """train.py: parse with the argument layer it hands in (``parse_run``: top-level arguments.parse),
     train, tear down; returns the logged history (one dict per log line)."""
-    use_arguments(parse_run)
-    with Run.from_argv(argv) as run:
+    with Run.from_argv(argv, parse=parse_run) as run:
         return run.train()
 
 
@@ -380,10 +362,12 @@ def log_restart(args) -> None:
     print(f"[restart] restart {restarts} of this job ({counts}): resuming from {where}", flush=True)
 
 
-def _parse(argv: list[str], **handed):
+def _parse(parse, argv: list[str], **handed):
     """The platform set up (CPU shims or this rank's GPU, before megatron-core is imported), then the
-    flags parsed and checked; a --dry-run does not exit here (Run.from_argv). ``handed``: what the
-    argument layer is handed besides (``first_read``)."""
+    flags parsed and checked by ``parse``; a --dry-run does not exit here (Run.from_argv). ``handed``:
+    what the argument layer is handed besides (``first_read``)."""
+    if not callable(parse):
+        raise TypeError(f"parse={parse!r}: the entry point's argument layer, top-level arguments.parse")
     platform.setup()
     return parse(argv, exit_on_dry_run=False, **handed)
 

@@ -81,6 +81,8 @@ def build_stack(experts: int, c: dict):
     the process groups, the model megatron-core builds from the flags) as a Stack; (stack, config)."""
     from megatron_ext.training.run import Run
 
+    import arguments
+
     flags = ["--num-layers", c["layers"], "--hidden-size", c["hidden"], "--num-attention-heads", c["heads"],
              "--ffn-hidden-size", c["ffn"], "--num-experts", experts, "--moe-router-topk", c["topk"],
              "--moe-ffn-hidden-size", c["moe_ffn"], "--moe-token-dispatcher-type", "alltoall",
@@ -89,7 +91,7 @@ def build_stack(experts: int, c: dict):
              "--position-embedding-type", "learned_absolute", "--seq-length", c["seq"],
              "--max-position-embeddings", c["seq"], "--tokenizer-type", "NullTokenizer", "--vocab-size", 1,
              "--make-vocab-size-divisible-by", 1, "--seed", c["seed"], *UNFUSED]
-    run = Run.for_model([str(f) for f in flags])
+    run = Run.for_model([str(f) for f in flags], parse=arguments.parse)
     (model,) = run.build()
     return Stack(list(model.decoder.layers)), run.config
 

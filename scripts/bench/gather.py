@@ -320,18 +320,18 @@ def measure(argv: list[str], counted_steps: int = 1, timed_steps: int = 3, seams
     ddp_defaults=True resets the recipe's DDP keys (DDP_KEYS) to megatron's flag defaults after
     parsing (the distributed optimizer stays on)."""
     from megatron_ext.seams import registry as seam_mod
-    from megatron_ext.training.run import Run, use_arguments
+    from megatron_ext.training.run import Run
 
     import arguments
 
-    use_arguments(arguments.parse)  # the job is its rank's entry point
     iters = 1 + counted_steps + timed_steps
     argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1000000"]  # quiet stdout (--json)
     result: dict = {}
     installed_before = seam_mod.sharded_params_seams_installed()
     probe = GatherProbe()
     try:
-        with probe, Run.from_argv(argv, probes=[_Measurement(probe, result, counted_steps, seams, ddp_defaults)]) as run:
+        with probe, Run.from_argv(argv, probes=[_Measurement(probe, result, counted_steps, seams, ddp_defaults)],
+                                     parse=arguments.parse) as run:
             history = run.train()
     finally:
         if installed_before:

@@ -34,8 +34,10 @@ def build(**kw):
     returns (chunks, config, c). Torn down with megatron_ext.training.parallel.destroy."""
     from megatron_ext.training.run import Run
 
+    import arguments
+
     c = dict(DEFAULTS, **kw)
-    run = Run.for_model(model_flags(c))
+    run = Run.for_model(model_flags(c), parse=arguments.parse)
     chunks = run.build()
     for ch in chunks:
         for p in ch.parameters():

@@ -80,13 +80,12 @@ def measure(argv: list, tracer=None) -> dict:
     from megatron_ext import offload, planner
     from megatron_ext.measure.memtrack import CudaPeak, LiveBytesTracker, model_state_ptrs
     from megatron_ext.planner.record import global_buffer_bytes
-    from megatron_ext.training.run import Run, use_arguments
+    from megatron_ext.training.run import Run
 
     import arguments
 
-    use_arguments(arguments.parse)  # the job is its rank's entry point
     with contextlib.redirect_stdout(io.StringIO()):
-        run = Run.from_argv(list(argv))
+        run = Run.from_argv(list(argv), parse=arguments.parse)
     try:
         with run:
             run.step()  # warm: what persists across steps exists before the measured one

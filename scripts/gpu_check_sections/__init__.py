@@ -29,19 +29,14 @@ RUNNERS = {"cuda_facts": section_cuda_facts, "multihot": section_multihot, "moe_
 
 
 def run_section(name: str, size: dict) -> tuple:
-    """(result, claims) of ``RUNNERS[name]`` in this process (a world of one, the platform set up, the
-    argument layer handed to the bring-up): a section that raises is reported with its traceback, never
-    raised."""
+    """(result, claims) of ``RUNNERS[name]`` in this process (a world of one, the platform set up): a
+    section that raises is reported with its traceback, never raised."""
     import torch
 
     from megatron_ext import platform
     from gpu_check_sections.common import single_process_env, stdout_to_stderr
 
-    platform.setup()  # before megatron-core is imported (the argument layer imports it)
-    import arguments
-    from megatron_ext.training.run import use_arguments
-
-    use_arguments(arguments.parse)  # a section's process is an entry point: its runs parse with the argument layer
+    platform.setup()  # before megatron-core is imported
     claims: list = []
     with single_process_env(), stdout_to_stderr():
         started_pg = not torch.distributed.is_initialized()

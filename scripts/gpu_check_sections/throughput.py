@@ -216,11 +216,13 @@ def measure_run(argv: list, steps: dict) -> dict:
     from megatron_ext.training.run import Run
     from megatron.training.training import num_floating_point_operations
 
+    import arguments
+
     clock = StepClock()
     out = {}
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            run = Run.from_argv(argv, probes=[clock])
+            run = Run.from_argv(argv, probes=[clock], parse=arguments.parse)
         with run:
             args = run.args
             model = run.build()

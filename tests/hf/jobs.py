@@ -1,6 +1,8 @@
 """Job functions of the Hugging Face tests (run on every rank of a gloo world, see tests/dist.py)."""
 from __future__ import annotations
 
+import arguments
+
 
 def import_export(hf_dir: str, ckpt: str, out: str, max_shard_bytes: int = 40 * 2**10) -> dict:
     """One rank: import, export; the shard names and the peak RSS."""
@@ -8,21 +10,21 @@ def import_export(hf_dir: str, ckpt: str, out: str, max_shard_bytes: int = 40 * 
 
     from megatron_ext import hf
 
-    hf.import_hf(hf_dir, ckpt)
-    names, _ = hf.export_hf(ckpt, out, max_shard_bytes=max_shard_bytes)
+    hf.import_hf(hf_dir, ckpt, parse=arguments.parse)
+    names, _ = hf.export_hf(ckpt, out, max_shard_bytes=max_shard_bytes, parse=arguments.parse)
     return {"shards": names, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def export(load: str, out: str, recipe: str) -> list:
     from megatron_ext import hf
 
-    return hf.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10)[0]
+    return hf.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, parse=arguments.parse)[0]
 
 
 def logits(load: str, ids: list, flags: list, recipe: str | None = None):
     from megatron_ext import hf
 
-    out = hf.logits(load, ids, recipe=recipe, extra=flags)
+    out = hf.logits(load, ids, recipe=recipe, extra=flags, parse=arguments.parse)
     return None if out is None else out.numpy()  # a tensor would go through shared memory (a sharer thread)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import arguments
+
 
 @contextlib.contextmanager
 def _bytes_read(counts: dict):
@@ -67,7 +69,7 @@ def import_counting_reads(imports: list) -> dict:
         for hf_dir, ckpt, flags in imports:
             counts: dict = {}
             with _bytes_read(counts):
-                importer.import_hf(hf_dir, ckpt, extra=flags)
+                importer.import_hf(hf_dir, ckpt, extra=flags, parse=arguments.parse)
             out.append({"read": sum(counts.values()), "held": held["bytes"], "tensors": sorted(counts)})
     finally:
         importer._fill = original
@@ -116,7 +118,8 @@ def export_recording_stages(load: str, out: str, recipe: str | None = None, fail
 
     exporter._write_shards = write
     try:
-        names, iteration = exporter.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, overwrite=overwrite)
+        names, iteration = exporter.export_hf(load, out, recipe=recipe, max_shard_bytes=40 * 2**10, overwrite=overwrite,
+                                              parse=arguments.parse)
         error = None
     except ConfigError as e:
         names, iteration, error = None, None, str(e)
@@ -131,7 +134,7 @@ def import_refused(hf_dir: str, save: str, flags: list) -> str | None:
     from megatron_ext.hf import importer
 
     try:
-        importer.import_hf(hf_dir, save, extra=flags)
+        importer.import_hf(hf_dir, save, extra=flags, parse=arguments.parse)
     except ConfigError as e:
         return str(e)
     return None
@@ -140,7 +143,7 @@ def import_refused(hf_dir: str, save: str, flags: list) -> str | None:
 def import_overwriting(hf_dir: str, save: str) -> None:
     from megatron_ext.hf import importer
 
-    importer.import_hf(hf_dir, save, overwrite=True)
+    importer.import_hf(hf_dir, save, overwrite=True, parse=arguments.parse)
 
 
 def convert_cli(argv: list) -> str | None:
@@ -193,7 +196,7 @@ def conversions_counting_reads(conversions: list, peft: tuple | None = None) -> 
     from megatron_ext.training import ckpt_integrity
 
     if peft is not None:
-        hf_peft.import_peft(*peft)
+        hf_peft.import_peft(*peft, parse=arguments.parse)
     run_py = os.path.join("megatron_ext", "training", "run.py")
     originals = (os.listdir, builtins.open, FileSystemReader.__dict__["read_data"], ckpt_integrity.read_config,
                  ckpt_integrity.crc32_file)
@@ -242,11 +245,11 @@ def conversions_counting_reads(conversions: list, peft: tuple | None = None) -> 
         try:
             iteration = None
             if command == "hf":
-                iteration = exporter.export_hf(load, target)[1]
+                iteration = exporter.export_hf(load, target, parse=arguments.parse)[1]
             elif command == "peft":
-                hf_peft.export_peft(load, target)
+                hf_peft.export_peft(load, target, parse=arguments.parse)
             else:
-                packed.logits(load, [3, 17, 42])
+                packed.logits(load, [3, 17, 42], parse=arguments.parse)
         finally:
             os.listdir, builtins.open, FileSystemReader.read_data = originals[:3]
             ckpt_integrity.read_config, ckpt_integrity.crc32_file = originals[3:]

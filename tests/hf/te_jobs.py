@@ -6,6 +6,8 @@ import contextlib
 import io
 import os
 
+import arguments
+
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "deepseek_v2_lite", "kimi_k2", "gpt_oss", "llama4_text")
 
 
@@ -18,7 +20,7 @@ def imports(hf_dirs: dict, root: str) -> dict:
     for family, hf_dir in hf_dirs.items():
         out[family] = os.path.join(root, f"{family}_ckpt")
         with contextlib.redirect_stdout(io.StringIO()):
-            hf.import_hf(hf_dir, out[family])
+            hf.import_hf(hf_dir, out[family], parse=arguments.parse)
     return out
 
 
@@ -30,7 +32,7 @@ def parse(recipe: str, *flags: str):
     with contextlib.redirect_stdout(io.StringIO()):
         return Run.from_argv(["--recipe", recipe, "--mock-data", "--num-workers", "0", "--lr", "1e-5",
                               "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-                              "--finetune", "--dry-run", *flags], exit_on_dry_run=False).args
+                              "--finetune", "--dry-run", *flags], exit_on_dry_run=False, parse=arguments.parse).args
 
 
 def through(args, save: str) -> list:
@@ -97,7 +99,7 @@ def finetune_and_forward(recipe: str, load: str, save: str, layout: list, world:
     from megatron_ext import hf
 
     losses = finetune(recipe, load, save, layout, world)
-    ours = hf.logits(save, ids, recipe=recipe, extra=layout)
+    ours = hf.logits(save, ids, recipe=recipe, extra=layout, parse=arguments.parse)
     return dict(losses=losses, ours=None if ours is None else ours.numpy())
 
 
@@ -108,7 +110,7 @@ def one_process(recipe: str, load: str, save: str, ids: list, exports: dict) -> 
 
     out = finetune_and_forward(recipe, load, save, [], 1, ids)
     for run, hf_dir in exports.items():
-        hf.export_hf(run, hf_dir, recipe=recipe, max_shard_bytes=1 << 30)
+        hf.export_hf(run, hf_dir, recipe=recipe, max_shard_bytes=1 << 30, parse=arguments.parse)
     return out
 
 
@@ -147,7 +149,6 @@ def planner_traces(runs: list) -> list:
     """One rank: the planner's trace of each run's model ([recipe, *flags]) at its base shape (scripts/plan.py's first
     step: a tiny copy of the model on this process at the recipe's tensor parallelism, forward and
     backward, planned for the GPU cluster: transformer-engine); what each traced."""
-    import arguments
     from megatron_ext.planner import cli, run, tiny, trace
 
     out = []

@@ -6,6 +6,7 @@ a sharded layout with offload and the TP-overlapped schedule, and its export equ
 the trained checkpoint; every refusal is one line naming what is refused."""
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 from tests.hf import models
@@ -216,12 +218,13 @@ def test_grouped_gemm_loads_an_import_unchanged(workdir):
 def test_refusals_are_one_line_naming_what(workdir):
     from megatron_ext import hf
 
+    import_hf = functools.partial(hf.import_hf, parse=arguments.parse)
     r = imported(workdir, "llama")
     bad = workdir / "bad"
     with pytest.raises(ConfigError, match=r"no such directory"):
-        hf.import_hf(str(workdir / "nowhere"), str(bad))
+        import_hf(str(workdir / "nowhere"), str(bad))
     with pytest.raises(ConfigError, match=r"no config.json"):
-        hf.import_hf(str(workdir), str(bad))
+        import_hf(str(workdir), str(bad))
 
     def variant(name, edit=None, drop=None, src=r["hf"]):
         d = str(workdir / name)
@@ -237,28 +240,28 @@ def test_refusals_are_one_line_naming_what(workdir):
         return d
 
     with pytest.raises(ConfigError, match=r"architecture JambaForCausalLM \(model_type jamba\) is not supported"):
-        hf.import_hf(variant("jamba", lambda c: c.update(model_type="jamba", architectures=["JambaForCausalLM"])), str(bad))
+        import_hf(variant("jamba", lambda c: c.update(model_type="jamba", architectures=["JambaForCausalLM"])), str(bad))
     with pytest.raises(ConfigError, match=r"Llama4ForConditionalGeneration \(model_type llama4\) is not supported "
                        r"\(a text-and-vision Llama-4: import its text model alone, a Llama4ForCausalLM"):
-        hf.import_hf(variant("l4", lambda c: c.update(model_type="llama4",
+        import_hf(variant("l4", lambda c: c.update(model_type="llama4",
                                                       architectures=["Llama4ForConditionalGeneration"])), str(bad))
     with pytest.raises(ConfigError, match=r"missing shard model-00002-of-"):
-        hf.import_hf(variant("noshard", drop=_hf_shards(r["hf"])[1]), str(bad))
+        import_hf(variant("noshard", drop=_hf_shards(r["hf"])[1]), str(bad))
     with pytest.raises(ConfigError, match=r"attention_bias=True: attention biases are not mapped"):
-        hf.import_hf(variant("bias", lambda c: c.update(attention_bias=True)), str(bad))
+        import_hf(variant("bias", lambda c: c.update(attention_bias=True)), str(bad))
     with pytest.raises(ConfigError, match=r"rope_parameters.rope_type='dynamic': supported: default, llama3"):
-        hf.import_hf(variant("rope", lambda c: c["rope_parameters"].update(rope_type="dynamic")), str(bad))
+        import_hf(variant("rope", lambda c: c["rope_parameters"].update(rope_type="dynamic")), str(bad))
     oss = imported(workdir, "gpt_oss")["hf"]
     with pytest.raises(ConfigError, match=r"swiglu_alpha=1.5: megatron's --quick-geglu fixes alpha at 1.702"):
-        hf.import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
+        import_hf(variant("alpha", lambda c: c.update(swiglu_alpha=1.5), src=oss), str(bad))
     with pytest.raises(ConfigError, match=r"quantization_config=.*this field is not representable"):  # MXFP4
-        hf.import_hf(variant("mxfp4", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), src=oss), str(bad))
+        import_hf(variant("mxfp4", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), src=oss), str(bad))
     l4 = imported(workdir, "llama4_text")["hf"]
     with pytest.raises(ConfigError, match=r"num_experts_per_tok=2: megatron scales the expert input by the router "
                        r"score \(--moe-apply-probs-on-input\) for top-1 routing only"):
-        hf.import_hf(variant("l4top2", lambda c: c.update(num_experts_per_tok=2), src=l4), str(bad))
+        import_hf(variant("l4top2", lambda c: c.update(num_experts_per_tok=2), src=l4), str(bad))
     with pytest.raises(ConfigError, match=r"config.json: some_new_field=3: this field is not representable"):
-        hf.import_hf(variant("field", lambda c: c.update(some_new_field=3)), str(bad))
+        import_hf(variant("field", lambda c: c.update(some_new_field=3)), str(bad))
     jobs = run_distributed(1, "tests.hf.test_hf:_refused_in_build",
                            shape=variant("shape", lambda c: c.update(intermediate_size=80)),
                            dtype=variant("dtype", lambda c: c.update(dtype="bfloat16")), bad=str(bad),
@@ -281,7 +284,7 @@ def _refused_in_build(shape, dtype, bad, ckpt):
     out = {}
     for name, d in (("shape", shape), ("dtype", dtype)):
         try:
-            hf.import_hf(d, bad)
+            hf.import_hf(d, bad, parse=arguments.parse)
         except ConfigError as e:
             out[name] = str(e)
     try:
@@ -331,7 +334,7 @@ def _dry_run(argv: list) -> str:
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        Run.from_argv(argv, exit_on_dry_run=False)
+        Run.from_argv(argv, exit_on_dry_run=False, parse=arguments.parse)
     return printed.getvalue()
 
 

@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 from tests.hf import models
@@ -113,7 +114,7 @@ def test_export_never_leaves_stale_or_partial_files(imports):
     (out / "notes.txt").write_text("kept until replaced")
     with pytest.raises(ConfigError, match=r"--hf=.*stale: not empty \(an export writes a fresh directory; "
                                           r"--overwrite replaces it as a whole\)"):
-        hf.export_hf(str(root / "qwen3_moe_1"), str(out))
+        hf.export_hf(str(root / "qwen3_moe_1"), str(out), parse=arguments.parse)
     assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
     failed = run_distributed(2, "tests.hf.jobs_convert:export_recording_stages", load=str(root / "qwen3_moe_1"),
                              out=str(out), fail_after=1, overwrite=True, slow_rank=1)
@@ -151,7 +152,7 @@ def test_failed_import_leaves_nothing_and_overwrite_replaces(imports, tmp_path):
 
     os.makedirs(os.path.join(save, "iter_0000009"))
     with pytest.raises(ConfigError, match=r"--save=.*ckpt: not empty \(an import writes a fresh directory"):
-        hf.import_hf(imports["hf"]["qwen3_moe"], save)
+        hf.import_hf(imports["hf"]["qwen3_moe"], save, parse=arguments.parse)
     run_distributed(1, "tests.hf.jobs_convert:import_overwriting", hf_dir=imports["hf"]["qwen3_moe"], save=save)
     assert sorted(os.listdir(save)) == ["iter_0000000", "latest_checkpointed_iteration.txt", "recipe.yaml", "tokenizer"]
 

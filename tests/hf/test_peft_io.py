@@ -27,6 +27,7 @@ import sys
 import pytest
 import torch
 
+import arguments
 from megatron_ext.errors import ConfigError
 from tests.dist import run_distributed
 from tests.hf import models
@@ -248,11 +249,12 @@ def test_refusals_name_what_is_not_representable(workdir):
     }
     for name, (edit, expected) in cases.items():
         with pytest.raises(ConfigError, match=expected) as caught:
-            hf.import_peft(s["hf"], _variant(s["peft"], str(workdir / f"peft_{name}"), **edit), bad)
+            hf.import_peft(s["hf"], _variant(s["peft"], str(workdir / f"peft_{name}"), **edit), bad,
+                           parse=arguments.parse)
         assert "\n" not in str(caught.value) and str(caught.value).startswith("--peft="), (name, caught.value)
     assert not os.path.exists(bad)  # refused before anything is written
     with pytest.raises(ConfigError, match=r"no adapter_config.json \(not a peft adapter directory\)"):
-        hf.import_peft(s["hf"], s["hf"], bad)
+        hf.import_peft(s["hf"], s["hf"], bad, parse=arguments.parse)
     from megatron_ext.hf import packed
 
     assert packed.parse_ids("3,17; 42,7,1;") == [[3, 17], [42, 7, 1]]

@@ -1,6 +1,8 @@
 """Job functions for the LoRA tests (run on every rank of a gloo world, see tests/dist.py)."""
 from __future__ import annotations
 
+import arguments
+
 
 def _adapter_pieces(chunks) -> list:
     """(key, global shape, global offset, prepended axes, value, gradient) of every adapter factor this
@@ -61,7 +63,7 @@ def train_adapters(argv: list[str]) -> dict:
     from megatron_ext.training.run import Run
 
     values, grads = {}, {}
-    with Run.from_argv(list(argv)) as run:
+    with Run.from_argv(list(argv), parse=arguments.parse) as run:
         history = run.train()
         if "--use-megatron-fsdp" not in argv:  # its parameters are DTensor shards: the losses say it
             values, grads = _collect(run.model)
@@ -197,7 +199,7 @@ def one_lora_step(hf_dir: str, ckpt: str, argv: list[str]) -> dict:
     from megatron_ext.lora import adapters
     from megatron_ext.training import step
 
-    hf.import_hf(hf_dir, ckpt)
+    hf.import_hf(hf_dir, ckpt, parse=arguments.parse)
     draw, forward_step, batches = adapters.init_adapters, step.forward_step, []
 
     def init_with_random_b(chunks, seed):

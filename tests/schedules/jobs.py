@@ -8,6 +8,8 @@ import time
 
 import torch
 
+import arguments
+
 RECIPES = {"dense": "recipes/tiny_dense.yaml", "moe": "recipes/tiny_moe.yaml"}
 
 
@@ -40,7 +42,7 @@ def build(argv):
     from megatron_ext.training import data
     from megatron_ext.training.run import Run
 
-    run = Run.from_argv(argv, exit_on_dry_run=False)
+    run = Run.from_argv(argv, exit_on_dry_run=False, parse=arguments.parse)
     model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce:
@@ -296,8 +298,6 @@ EP_DISPATCHERS = {
 def check_ep_only(dispatchers=tuple(EP_DISPATCHERS), extra=()):
     """TP1 x EP2 MoE, one model build per dispatcher: plain vs ours bit for bit (check_bitwise);
     the flag's own validate accepts the layout (an EP collective to hide)."""
-    import arguments
-
     out = {}
     for name in dispatchers:
         argv = argv_for("moe", 1, extra=["--expert-model-parallel-size", "2",

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+import arguments
+
 
 def latent_attention_against_formula() -> dict:
     """MLA's core attention on the local spec (seams.architectures.LocalLatentAttention), against
@@ -59,7 +61,7 @@ def global_gradients(argv: list[str], seed: int = 7, without: str | None = None)
     from megatron_ext.training.run import Run
 
     with contextlib.redirect_stdout(io.StringIO()):
-        run = Run.from_argv(argv, exit_on_dry_run=False)
+        run = Run.from_argv(argv, exit_on_dry_run=False, parse=arguments.parse)
     with run:
         args = run.args
         chunk = run.build(wrap=False)[0]

@@ -1,6 +1,8 @@
 """Jobs for the SFT tests, run on every rank of a persistent gloo world (tests/dist.py)."""
 from __future__ import annotations
 
+import arguments
+
 
 def packed_rows(argv: list[str], windowed: list[str]) -> dict:
     """On the model megatron-core builds (local spec): a packed row's logits against each of its
@@ -16,7 +18,7 @@ def packed_rows(argv: list[str], windowed: list[str]) -> dict:
     out = {}
     for name, extra in (("plain", []), ("window", windowed)):
         with contextlib.redirect_stdout(io.StringIO()):
-            run = Run.from_argv(argv + extra, exit_on_dry_run=False)
+            run = Run.from_argv(argv + extra, exit_on_dry_run=False, parse=arguments.parse)
         with run:
             model = run.build(wrap=False)[0]
             model.eval()

@@ -3,6 +3,8 @@
 compare the strategies' losses with DDP's: tests/training/jobs_fsdp_compose.py `variants`."""
 from __future__ import annotations
 
+import arguments
+
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 
 
@@ -14,7 +16,7 @@ def _losses(argv: list[str], probes=()) -> list[dict]:
     from megatron_ext.training.run import Run
 
     keep = ("lm loss", "grad norm", "params norm", "num zeros", *MEMORY)
-    with Run.from_argv(argv, probes) as run:
+    with Run.from_argv(argv, probes, parse=arguments.parse) as run:
         history = run.train()
     return [{k: r[k] for k in keep if k in r} for r in history]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
+import arguments
+
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 
 
@@ -37,7 +39,7 @@ def _run(argv: list[str]) -> dict:
 
     installed, calls = moe.installed, overlap_1f1b.STATS["calls"]
     try:
-        with Run.from_argv(list(argv), probes=[Shards()]) as run:
+        with Run.from_argv(list(argv), probes=[Shards()], parse=arguments.parse) as run:
             history = run.train()
         manager = offload.current()
         stats = dict(manager.stats) if manager is not None else {}

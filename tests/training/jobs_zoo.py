@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 
+import arguments
+
 
 def _digest(t) -> str:
     import torch
@@ -24,7 +26,7 @@ def train_digest(argv: list[str]) -> dict:
             built.extend(unwrapped(c) for c in run.model)
 
     try:
-        with Run.from_argv(list(argv), probes=[Keep()]) as run:
+        with Run.from_argv(list(argv), probes=[Keep()], parse=arguments.parse) as run:
             history = run.train()
         mgr = offload.current()
         by_module = {f"{m}/{path}": dict(v) for (m, path), v in mgr.module_stats.items()} if mgr else {}

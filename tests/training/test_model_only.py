@@ -2,6 +2,7 @@
 alone, in the world the platform sets up, with no optimizer, data or loop."""
 from __future__ import annotations
 
+import arguments
 from tests.dist import run_distributed
 
 STAND_INS = ("lr", "min_lr", "lr_warmup_iters", "mock_data", "train_iters", "micro_batch_size", "global_batch_size",
@@ -12,7 +13,7 @@ def _model_only(argv: list) -> dict:
     """Job: a model-only run of argv; what it built and what each training stage answered."""
     from megatron_ext.training.run import Run
 
-    with Run.for_model(argv) as run:
+    with Run.for_model(argv, parse=arguments.parse) as run:
         chunks = run.build()
         refused = {}
         for stage in ("optimize", "data", "step", "train"):
