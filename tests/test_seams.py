@@ -37,6 +37,7 @@ from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.moe import router, token_dispatcher
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import GlobalMemoryBuffer
+from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
 
 from megatron_ext.seams import registry as seams
 from megatron_ext.seams.schedules import label_plain_schedule_passes
@@ -67,6 +68,7 @@ TARGETS = {
     "FusedScaleMaskSoftmax": FusedScaleMaskSoftmax,
     "torch.nn.LayerNorm": torch.nn.LayerNorm, "rope_utils": rope_utils, "gpt_layer_specs": gpt_layer_specs,
     "megatron.core.utils": megatron_utils, "LanguageModule": LanguageModule,
+    "huggingface_tokenizer": huggingface_tokenizer,
 }
 
 
@@ -143,3 +145,35 @@ def test_scoped_seams_last_only_for_their_block(pristine):
     with SyncDetector():
         assert "token_dispatcher.maybe_move_tensor_to_cpu" in changed(pristine)
     assert changed(pristine) == []
+
+
+def test_the_local_files_tokenizer_lasts_only_while_megatron_builds_one(pristine, tmp_path, monkeypatch):
+    """GPT-2's hub name with local vocab/merges files builds GPT-2's tokenizer from them, no hub
+    look-up, inside the block (training/tokenizer.py build holds it there) and nowhere else."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_ext.training import tokenizer
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}))
+    merges.write_text("#version: 0.2\na b\n")
+    seam = seams.SEAMS["megatron_training.local_files_tokenizer"]
+    with seam.applied():
+        assert changed(pristine) == ["huggingface_tokenizer.AutoTokenizer"]
+        made = huggingface_tokenizer.AutoTokenizer.from_pretrained("gpt2", vocab_file=str(vocab), merges_file=str(merges))
+        assert type(made).__name__.startswith("GPT2Tokenizer") and made("ab")["input_ids"] == [2]
+    assert changed(pristine) == []
+    seen = []
+
+    def build_tokenizer(view):  # megatron's builder, as training/tokenizer.py calls it
+        seen.append(seam.active)
+        return SimpleNamespace()
+
+    from megatron.core.tokenizers.utils import build_tokenizer as builder
+
+    monkeypatch.setattr(builder, "build_tokenizer", build_tokenizer)
+    monkeypatch.setattr(tokenizer, "check", lambda args: None)
+    monkeypatch.setattr(tokenizer, "_CACHE", {})
+    tokenizer.build(SimpleNamespace(tokenizer_type="GPT2BPETokenizer"))
+    assert seen == [True] and changed(pristine) == []

@@ -61,7 +61,11 @@ aten = torch.ops.aten
 
 @dataclass
 class SyncEvent:
-    kind: str  # one of KINDS
+    # what the detector flags, by class: the host reads ("scalar-read", "d2h-copy",
+    # "data-dependent-shape", "explicit-sync"), a host tensor in a device op
+    # ("host-tensor-in-device-op": a host-to-device copy; fails inside CUDA-graph capture), and an op
+    # that syncs in this dtype only ("dtype-dependent-sync")
+    kind: str
     op: str
     phase: str
     where: str
@@ -69,11 +73,6 @@ class SyncEvent:
     def __str__(self) -> str:
         return f"[{self.phase}] {self.kind}: {self.op} at {self.where}"
 
-
-# What the detector flags, by class: the host reads (the first four), a host tensor in a device op
-# (a host-to-device copy; fails inside CUDA-graph capture), and an op that syncs in this dtype only.
-KINDS = ("scalar-read", "d2h-copy", "data-dependent-shape", "explicit-sync", "host-tensor-in-device-op",
-         "dtype-dependent-sync")
 
 _HERE = (os.path.abspath(__file__), os.path.abspath(moe_seams.__file__))  # our frames, not the site
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))

@@ -27,8 +27,9 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        local shards
     fsdp_fetch.py      Megatron-FSDP: parameter and gradient views of the unsharded buckets made
                        once, gradients handled per FSDP unit, not per parameter
-    megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up;
-                       megatron.training's global args/timers/writer set for the length of a run
+    megatron_training.py  GPT2BPETokenizer/BertWordPiece from local files without a hub look-up (a
+                       record applied while the tokenizer is built); megatron.training's global
+                       args/timers/writer set for the length of a run
 
 Two floors. The modules above are what the capabilities use (moe, offload, schedules and training
 import them); schedules.py binds megatron-core to the overlap's lanes and offload's groups, so it
@@ -38,7 +39,7 @@ run installs the records its flags need once, before its model is built (registr
 from training/model.py build_chunks), and its teardown removes what it installed
 (registry.uninstall()). Where offload attaches (nothing replaced) lives with offload:
 megatron_ext/offload/targets.py. Scoped records (a benchmark's labels, the sync detector's
-emulation) are applied only inside a block (`Patch.applied()`); the torch-norm record is held for
+emulation, the tokenizer's local files) are applied only inside a block (`Patch.applied()`); the torch-norm record is held for
 the process (by the CPU shim registry, or by the model builder on CUDA). CPU-only compatibility
 shims are not here: megatron_ext/platform/cpu_shims.py.
 """
@@ -49,7 +50,7 @@ from megatron_ext.seams.checkpointing import (  # noqa: F401 (the package's API)
     restore_optimizer_step, set_write_results_queue, verified_reads,
 )
 from megatron_ext.seams.fsdp import complete_fsdp_optimizer_state, wait_for_prefetched_gathers  # noqa: F401
-from megatron_ext.seams.megatron_training import install_tokenizer_seams, megatron_training_globals  # noqa: F401
+from megatron_ext.seams.megatron_training import LOCAL_FILES_TOKENIZER, megatron_training_globals  # noqa: F401
 from megatron_ext.seams.moe import replace_token_dispatcher, reset_moe_aux_loss_scale, run_experts_grouped  # noqa: F401
 from megatron_ext.seams.training import TORCH_NORM_SEQUENCE_PARALLEL, reset_megatron_globals, unwrapped  # noqa: F401
 
@@ -58,5 +59,5 @@ __all__ = [
     "set_write_results_queue", "checksummed_writes", "verified_reads", "common_state_given",
     "complete_fsdp_optimizer_state",
     "wait_for_prefetched_gathers", "replace_token_dispatcher", "reset_moe_aux_loss_scale", "run_experts_grouped",
-    "reset_megatron_globals", "install_tokenizer_seams", "megatron_training_globals", "unwrapped",
+    "reset_megatron_globals", "LOCAL_FILES_TOKENIZER", "megatron_training_globals", "unwrapped",
 ]

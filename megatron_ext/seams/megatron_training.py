@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_ext.patching import Patch, set_attr
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer (training/tokenizer.py)
@@ -15,6 +16,7 @@ import os
 # --vocab-file / --merge-file. Without a network that look-up fails, so for those hub names with
 # local files we build that class (GPT2's byte-level BPE, BERT's WordPiece) from the files directly.
 # Everything else (HuggingFaceTokenizer --tokenizer-model DIR, ...) goes to AutoTokenizer unchanged.
+# A scoped record: applied only while megatron builds the tokenizer (training/tokenizer.py build).
 # ---------------------------------------------------------------------------------------------
 _HUB_NAME_CLASSES = {  # hub name -> (transformers class, its file names, extra kwargs)
     "gpt2": ("GPT2TokenizerFast", ("vocab.json", "merges.txt"), {}),
@@ -24,15 +26,17 @@ _HUB_NAME_CLASSES = {  # hub name -> (transformers class, its file names, extra 
 
 
 class _LocalFilesAutoTokenizer:
-    wrapped = None  # transformers.AutoTokenizer
+    """transformers.AutoTokenizer (``wrapped``) with the hub names above built from local files."""
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, vocab_file=None, merges_file=None, **kwargs):
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def from_pretrained(self, pretrained_model_name_or_path, *args, vocab_file=None, merges_file=None, **kwargs):
         spec = _HUB_NAME_CLASSES.get(pretrained_model_name_or_path)
         files = [f for f in (vocab_file, merges_file) if f]
         if spec is None or not vocab_file or not all(os.path.isfile(f) for f in files):
             extra = {k: v for k, v in (("vocab_file", vocab_file), ("merges_file", merges_file)) if v}
-            return cls.wrapped.from_pretrained(pretrained_model_name_or_path, *args, **extra, **kwargs)
+            return self.wrapped.from_pretrained(pretrained_model_name_or_path, *args, **extra, **kwargs)
         import tempfile
 
         import transformers
@@ -45,14 +49,25 @@ class _LocalFilesAutoTokenizer:
             return getattr(transformers, class_name).from_pretrained(tmp, **extra, **kwargs)
 
 
-def install_tokenizer_seams() -> None:
+def _install_local_files_tokenizer():
     from megatron.core.tokenizers.text.libraries import huggingface_tokenizer as hf
 
     current = getattr(hf, "AutoTokenizer", None)
-    if current is None or current is _LocalFilesAutoTokenizer:
-        return  # transformers not installed (refused by name before this) or already installed
-    _LocalFilesAutoTokenizer.wrapped = current
-    hf.AutoTokenizer = _LocalFilesAutoTokenizer
+    if current is None:
+        return lambda: None  # transformers not installed: the tokenizer flags that need it are refused by name
+    return set_attr(hf, "AutoTokenizer", _LocalFilesAutoTokenizer(current))
+
+
+LOCAL_FILES_TOKENIZER = Patch(
+    "megatron_training.local_files_tokenizer",
+    ["megatron/core/tokenizers/text/libraries/megatron_hf_tokenizer.py:97",
+     "megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:76",
+     "megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:83"],
+    "GPT2BPETokenizer / BertWordPiece* with local --vocab-file/--merge-file ask the hub for the class of "
+    "'gpt2' / 'bert-large-*' (no network: the build fails)",
+    _install_local_files_tokenizer,
+)
+SEAMS = [LOCAL_FILES_TOKENIZER]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ from typing import Dict, List
 
 from megatron_ext.patching import Patch
 from megatron_ext.seams import (
-    architectures, attention, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, moe, planner, schedules, sft,
-    sharded_params, te_spec, training,
+    architectures, attention, checkpointing, fsdp, fsdp2, fsdp_fetch, lora, megatron_training, moe, planner,
+    schedules, sft, sharded_params, te_spec, training,
 )
 
 _CAPABILITIES = (
     training, architectures, attention, schedules, moe, checkpointing, sharded_params, fsdp, fsdp2, fsdp_fetch,
-    planner, sft, lora, te_spec,
+    planner, sft, lora, te_spec, megatron_training,
 )
 SEAMS: Dict[str, Patch] = {s.name: s for module in _CAPABILITIES for s in getattr(module, "SEAMS", ())}
 _RUN: List[Patch] = []  # applied for the current run, in order; uninstall() removes them

@@ -86,10 +86,11 @@ def build(args):
 
         from megatron_ext import seams
 
-        seams.install_tokenizer_seams()  # local vocab/merges files for GPT2BPETokenizer, no hub look-up
         view = _TokenizerArgs(args)
         try:
-            _CACHE[key] = build_tokenizer(view)
+            # local vocab/merges files for GPT2BPETokenizer, no hub look-up: while megatron builds it
+            with seams.LOCAL_FILES_TOKENIZER.applied():
+                _CACHE[key] = build_tokenizer(view)
         except (ValueError, AssertionError, OSError) as e:
             files = " ".join(f"{_flag(d)}={getattr(args, d)}" for d in _NEEDS[args.tokenizer_type][0])
             raise ConfigError(f"--tokenizer-type={args.tokenizer_type} {files}: {str(e).splitlines()[0]}") from None
