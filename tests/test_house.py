@@ -1,18 +1,26 @@
-"""The house's shape, read from the code's own imports: no import circle, arrows run down the floors
-below (an upward one says why in a comment at the import), and the planner is built on the runtime's
-vocabulary, never on the measurement package."""
+"""The house's shape, read from the code's own imports of every Python file of the repository: each
+module on a floor, no import circle, arrows run down the floors below (an upward one says why, in
+words, in a comment at the import), and the planner is built on the runtime's vocabulary, never on the
+measurement package."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP_LEVEL = ("train", "arguments")  # the rooms at the repository's top: the entry point and its argument layer
-WALKED = (("megatron_ext", ROOT), (os.path.join("scripts", "bench"), os.path.join(ROOT, "scripts")))
+SCRIPTS = os.path.join(ROOT, "scripts")
+# Folders whose files the guard does not walk: the environment and what runs write, nothing of the code.
+NOT_CODE = {".venv", ".git", "data", "checkpoints", "runs", "build", "__pycache__", ".pytest_cache"}
+# A package root is a room of its own __init__ only: its modules each need their floor.
+ROOTS = ("megatron_ext",)
 
-# Floors, lowest first: a module may import from its own floor and the floors below it.
+# Floors, lowest first: a module may import from its own floor and the floors below it. A room is a
+# module, or a package and everything in it (a package root: its __init__ alone). docs/architecture.md
+# ("Floors") describes the same floors; tests/test_docs_layout.py holds the two equal.
 FLOORS = (
-    ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters"),
+    ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters", "megatron_ext.helptext"),
     ("megatron_ext.platform",),
     ("megatron_ext.attention.kernels",),  # pure torch, below the seam that runs it (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
@@ -24,23 +32,36 @@ FLOORS = (
     ("megatron_ext.hf",),
     ("arguments",),  # the entry points' argument layer: no package module imports it (Run is handed its parse)
     ("train",),
-    ("bench",),  # the benchmarks' helpers, scripts/bench/, beside the scripts that use them
+    ("bench", "gpu_check_sections"),  # the benchmarks' and the device check's helpers, beside their scripts
+    ("scripts",),  # the scripts of scripts/ (and scripts/slurm/), each an entry point
+    ("tests",),
 )
 
 
-def _modules() -> dict:
-    """module name -> file, for every .py file the guard walks: the top level's rooms, megatron_ext/, and
-    scripts/bench/ (imported as `bench`)."""
-    found = {name: os.path.join(ROOT, name + ".py") for name in TOP_LEVEL}
-    for top, base in WALKED:
-        for folder, _, files in os.walk(os.path.join(ROOT, top)):
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                path = os.path.join(folder, f)
-                name = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
-                found[name.removesuffix(".__init__")] = path
+def _code_files(root: str = ROOT) -> list:
+    """Every .py file of the repository (not the environment or what runs write)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in NOT_CODE and not d.startswith("."))
+        found += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
     return found
+
+
+def _module_name(path: str, root: str = ROOT) -> str:
+    """The name a file is imported by: scripts/ is on sys.path of a script (`python scripts/x.py`), so
+    its packages (scripts/bench/, scripts/gpu_check_sections/) go by their own names; a script itself
+    by its path (scripts.x, as the tests import one); everything else by its path from the root."""
+    rel = os.path.relpath(path, root)[:-3]
+    parts = rel.split(os.sep)
+    if parts[0] == "scripts" and len(parts) > 2 and os.path.isfile(os.path.join(root, "scripts", parts[1],
+                                                                                 "__init__.py")):
+        parts = parts[1:]
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def _modules(root: str = ROOT) -> dict:
+    """module name -> file, for every .py file of the repository."""
+    return {_module_name(path, root): path for path in _code_files(root)}
 
 
 def _imports(name: str, path: str, modules: dict):
@@ -77,7 +98,9 @@ def _loaded_on_the_way(target: str, name: str, node) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=1)
 def _graph():
+    """(modules, their imports) of the repository, read once per session."""
     modules = _modules()
     return modules, {name: list(_imports(name, path, modules)) for name, path in modules.items()}
 
@@ -94,28 +117,62 @@ def _import_time_lines(path: str) -> set:
     return lines
 
 
+# what a comment may hold that is no reason: a linter's or type checker's directive
+_DIRECTIVES = re.compile(r"\bnoqa\b(:\s*[A-Z]+[0-9]+(\s*,\s*[A-Z]+[0-9]+)*)?|\btype:\s*ignore(\[[^\]]*\])?|"
+                         r"\bpragma:?\s*no\s*cover\b|\bpylint:\s*\S+|\bfmt:\s*\w+", re.IGNORECASE)
+
+
+def _reason(comment: str) -> bool:
+    """A comment gives a reason: two words or more, once the linters' directives are taken out."""
+    return len(re.findall(r"[A-Za-z]{2,}", _DIRECTIVES.sub(" ", comment))) >= 2
+
+
+def _comment(line: str) -> str:
+    """The comment of a source line (a # inside a string is not one)."""
+    import io
+    import tokenize
+
+    try:
+        return next((t.string for t in tokenize.generate_tokens(io.StringIO(line).readline)
+                     if t.type == tokenize.COMMENT), "")
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return line[line.index("#"):] if "#" in line else ""
+
+
 def _said_why(lines: list, lineno: int) -> bool:
-    return "#" in lines[lineno - 1] or lines[lineno - 2].strip().startswith("#")
+    """The import's line, or the comment lines right above it, say why in words."""
+    said = [_comment(lines[lineno - 1].strip())]
+    k = lineno - 2
+    while k >= 0 and lines[k].strip().startswith("#"):
+        said.append(lines[k].strip())
+        k -= 1
+    return any(_reason(c) for c in said)
 
 
 def _upward(modules: dict, imports: dict) -> list:
     """(module, line, target, said why, at import time) for every arrow running up a floor."""
     found = []
     for name, targets in imports.items():
-        lines, eager = open(modules[name]).read().splitlines(), _import_time_lines(modules[name])
-        for target, lineno in sorted(set(targets)):
-            if _floor(target) > _floor(name):
-                found.append((name, lineno, target, _said_why(lines, lineno), lineno in eager))
+        up = [(target, lineno) for target, lineno in sorted(set(targets)) if _floor(target) > _floor(name)]
+        if up:
+            lines, eager = open(modules[name]).read().splitlines(), _import_time_lines(modules[name])
+            found += [(name, lineno, target, _said_why(lines, lineno), lineno in eager) for target, lineno in up]
     return found
 
 
-def _floor(name: str) -> int:
+class NoFloor(AssertionError):
+    """A module in no room of FLOORS."""
+
+
+def _floor(name: str, floors=FLOORS) -> int:
     best = None
-    for level, rooms in enumerate(FLOORS):
+    for level, rooms in enumerate(floors):
         for room in rooms:
-            if (name == room or name.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+            inside = name == room or (name.startswith(room + ".") and room not in ROOTS)
+            if inside and (best is None or len(room) > len(best[1])):
                 best = (level, room)
-    assert best is not None, f"{name}: on no floor of tests/test_house.py's FLOORS"
+    if best is None:
+        raise NoFloor(f"{name}: on no floor of tests/test_house.py's FLOORS (add its room where it belongs)")
     return best[0]
 
 
@@ -149,21 +206,70 @@ def _cycles(edges: dict) -> list:
     return found
 
 
-MAX_UPWARD = 3  # imports running up a floor, each made inside a function and said why at the import
+MAX_UPWARD = 1  # imports running up a floor, each made inside a function and said why at the import
 
 
-def test_every_file_is_a_room():
-    """The guard sees every module: one per .py file under the walked folders (counted here on their
-    own, by glob), the top level's rooms included, so its picture can never silently shrink."""
-    import glob
+def test_every_file_is_a_room_on_a_floor():
+    """The guard sees every Python file of the repository (counted here on their own, by git), each
+    module on a floor, so its picture can never silently shrink."""
+    import subprocess
 
-    files = {os.path.join(ROOT, name + ".py") for name in TOP_LEVEL}
-    for top, _ in WALKED:
-        files |= set(glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True))
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
     modules = _modules()
-    assert all(os.path.isfile(os.path.join(ROOT, name + ".py")) for name in TOP_LEVEL)
-    assert len(modules) == len(files) and set(modules.values()) == files
-    assert {"train", "arguments", "megatron_ext.training.run", "bench"} <= set(modules)
+    assert set(modules.values()) == {os.path.join(ROOT, f) for f in listed} and len(modules) == len(listed)
+    assert {"train", "arguments", "megatron_ext.training.run", "bench", "bench.offload", "gpu_check_sections",
+            "scripts.bench_offload", "scripts.slurm.launch_env", "tests.test_house"} <= set(modules)
+    assert [name for name in modules if _floor_or_none(name) is None] == []
+
+
+def _floor_or_none(name: str, floors=FLOORS):
+    try:
+        return _floor(name, floors)
+    except NoFloor:
+        return None
+
+
+def test_negative_control_a_module_on_no_floor(tmp_path):
+    """A new package of megatron_ext (or of scripts/) in no room is on no floor: the package root does
+    not take it in."""
+    (tmp_path / "megatron_ext" / "newcapability").mkdir(parents=True)
+    (tmp_path / "megatron_ext" / "newcapability" / "__init__.py").write_text("from megatron_ext import errors\n")
+    (tmp_path / "scripts" / "newhelpers").mkdir(parents=True)
+    (tmp_path / "scripts" / "newhelpers" / "__init__.py").write_text("")
+    modules = _modules(str(tmp_path))
+    assert sorted(modules) == ["megatron_ext.newcapability", "newhelpers"]
+    assert [name for name in modules if _floor_or_none(name) is None] == sorted(modules)
+    assert _floor("megatron_ext") == 0 and _floor("megatron_ext.training.run") == _floor("megatron_ext.training")
+
+
+def test_negative_control_an_upward_import(tmp_path):
+    """A platform module importing training (up the floors): refused unless a comment says why in words;
+    `# noqa`, `# noqa: E402` or a bare `#` are no reason; made at import time, it is refused even so."""
+    (tmp_path / "megatron_ext" / "platform").mkdir(parents=True)
+    (tmp_path / "megatron_ext" / "training").mkdir(parents=True)
+    (tmp_path / "megatron_ext" / "training" / "run.py").write_text("")
+    cases = {
+        "silent": "def f():\n    from megatron_ext.training import run\n",
+        "noqa": "def f():\n    from megatron_ext.training import run  # noqa\n",
+        "noqa_code": "def f():\n    from megatron_ext.training import run  # noqa: F401,E402\n",
+        "bare": "def f():\n    #\n    from megatron_ext.training import run  #\n",
+        "said": "def f():\n    from megatron_ext.training import run  # noqa: F401 (the run's own bring-up)\n",
+        "said_above": "def f():\n    # the run's own bring-up, lazily\n    from megatron_ext.training import run\n",
+        "eager": "from megatron_ext.training import run  # the run's own bring-up\n",
+    }
+    for name, source in cases.items():
+        (tmp_path / "megatron_ext" / "platform" / f"{name}.py").write_text(source)
+    modules = _modules(str(tmp_path))
+    imports = {name: list(_imports(name, path, modules)) for name, path in modules.items()}
+    upward = {name.rpartition(".")[2]: (said, eager) for name, _, target, said, eager in _upward(modules, imports)
+              if target == "megatron_ext.training.run"}
+    assert upward == {"silent": (False, False), "noqa": (False, False), "noqa_code": (False, False),
+                      "bare": (False, False), "said": (True, False), "said_above": (True, False),
+                      "eager": (True, True)}
+    assert sorted(_unexplained(_upward(modules, imports))) == sorted(
+        f"megatron_ext.platform.{n}:{line} -> megatron_ext.training.run"
+        for n, line in (("silent", 2), ("noqa", 2), ("noqa_code", 2), ("bare", 3), ("eager", 1)))
 
 
 def test_no_package_module_imports_the_argument_layer():
@@ -204,11 +310,14 @@ def test_a_package_importing_its_own_init_is_an_arrow(tmp_path):
     assert [t for t, _ in _imports("p.a", str(path), modules)] == ["p"]
 
 
+def _unexplained(upward: list) -> list:
+    return [f"{name}:{lineno} -> {target}" for name, lineno, target, said, eager in upward if not said or eager]
+
+
 def test_arrows_run_down_or_say_why():
     modules, imports = _graph()
     upward = _upward(modules, imports)
-    unexplained = [f"{name}:{lineno} -> {target}" for name, lineno, target, said, eager in upward if not said or eager]
-    assert unexplained == []
+    assert _unexplained(upward) == []
     assert len({(name, lineno) for name, lineno, *_ in upward}) <= MAX_UPWARD, upward
 
 
