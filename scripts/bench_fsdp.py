@@ -2,6 +2,7 @@
 of experts.
 
     .venv/bin/python scripts/bench_fsdp.py [--experts 8 32 128] [--wrappers megatron_fsdp fsdp2] [--json]
+    .venv/bin/python scripts/bench_fsdp.py --smoke      # E = 2 and 4, one timed step: seconds (the suite's run)
 
 A stack of megatron-core MoE TransformerLayers (local spec, SequentialMLP experts, EP1: every
 expert local) on a 2-process data-parallel world (gloo on CPU, NCCL with CUDA), wrapped by:
@@ -43,6 +44,9 @@ KEYS = ("E", "impl", "wrapper", "collectives_per_layer", "host_ops_per_layer", "
         "post_gather_copy_bytes_per_layer", "record_stream_per_layer", "event_calls_per_layer",
         "bytes_before_fetch_per_layer", "bytes_after_fetch_per_layer", "bytes_after_release_per_layer",
         "resident_after_step", "params_per_layer", "param_tensors_per_layer", "collective_names")
+
+
+SMOKE_EXPERTS = [2, 4]
 
 
 def case_list(experts, wrappers) -> list:
@@ -88,7 +92,10 @@ def main(argv=None) -> None:
     p.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=list(WRAPPERS))
     p.add_argument("--timed", type=int, default=5, help="uncounted steps timed (best of)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny: E = 2 and 4, one timed step (seconds)")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.experts, a.timed = SMOKE_EXPERTS, 1
     out = run(a.experts, a.wrappers, timed=a.timed)  # workers log to stderr
     if a.json:
         print(json.dumps(out))

@@ -3,6 +3,7 @@ theoretical saving from shapes and schedule, R = saved / theoretical, whether lo
 are bit-identical, and the compute-stream time spent waiting for copies (exposed_copy_s).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_offload.py [--json [FILE]] [--png docs/offload_timeline.png]
+    PYTHONPATH=. .venv/bin/python scripts/bench_offload.py --smoke [--json]   # seconds: the suite's run
 
 Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2; dense and MoE (all seven modules offloaded for MoE); every PP
 rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
@@ -30,20 +31,24 @@ SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=
 OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False,
                cross_pass_prefetch="after-forward")
 LINKS = {"fast": "x0.1", "slow": "x1.5"}  # one layer's copy time / that layer's forward time
+# --smoke: every schedule and both models at the full size, the fast link alone, one micro-batch per
+# pipeline stage; no timeline
+SMOKE = dict(microbatches=2, links={"fast": "x0.1"})
 # the vocabulary (8192 against hidden 64) puts the last stage's peak at the logits gradient, where only
 # the last layer of the pass is resident (offload/theory.py); other stages peak in a layer's backward
 PEAK = "loss_backward"
 
 
-def run_schedule(schedule: str, timeline_case: str, offload=None) -> list:
+def run_schedule(schedule: str, timeline_case: str, offload=None, smoke: bool = False) -> list:
     """Job (every rank): both models under one schedule, rows in (model, link) order."""
     rows = []
     for model in ("dense", "moe"):
-        rows += run_case(schedule, model, timeline=timeline_case == f"{schedule}:{model}", offload=offload)
+        rows += run_case(schedule, model, timeline=timeline_case == f"{schedule}:{model}", offload=offload,
+                         smoke=smoke)
     return rows
 
 
-def run_case(schedule: str, model: str, timeline: bool = False, offload=None, links=None):
+def run_case(schedule: str, model: str, timeline: bool = False, offload=None, links=None, smoke: bool = False):
     """Offload off vs on, on the same model and data, once per link."""
     import torch
 
@@ -54,6 +59,9 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
     kw = dict(MODEL, **SCHEDULES[schedule], model=model, shared=128 if moe else 0)
     offload = offload or OFFLOAD
     links = links if links is not None else ({"device": None} if torch.cuda.is_available() else LINKS)
+    if smoke:
+        kw["microbatches"] = SMOKE["microbatches"]
+        links = links if torch.cuda.is_available() else SMOKE["links"]
     r = bench.compare(modules=MOE if moe else DENSE, steps=2, offload_kw=offload, track=True, timeline=timeline,
                       links=list(links.values()), peak=PEAK, **kw)
     pp, vpp = kw["pp"], kw.get("vpp")
@@ -134,7 +142,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", nargs="?", const="-", default=None,
                     help="write JSON to FILE, or with no FILE print only JSON on stdout (the table goes to stderr)")
-    ap.add_argument("--png", default=os.path.join(ROOT, "docs", "offload_timeline.png"))
+    ap.add_argument("--png", default=None, help="the timeline's picture (default docs/offload_timeline.png; none "
+                    "with --smoke)")
     ap.add_argument("--timeline-case", default="PP=2xVPP=2:moe")
     ap.add_argument("--overhead", action="store_true",
                     help="also time steps with/without offload at a GPU-sized shape (GPU only; on CPU: "
@@ -143,7 +152,13 @@ def main(argv=None):
                     help="model of the --overhead run (comma-separated key=value)")
     ap.add_argument("--cross-pass-prefetch", choices=("off", "after-forward", "always"), default="after-forward",
                     help="as --activation-offload-cross-pass-prefetch")
+    ap.add_argument("--smoke", action="store_true", help="seconds: every case, 2 micro-batches, the fast link "
+                    "alone, no timeline unless --png is given")
     a = ap.parse_args(argv)
+    if a.png is None and not a.smoke:
+        a.png = os.path.join(ROOT, "docs", "offload_timeline.png")
+    if a.png is None:
+        a.timeline_case = ""  # no timeline recorded
     OFFLOAD["cross_pass_prefetch"] = a.cross_pass_prefetch
 
     import torch
@@ -158,7 +173,7 @@ def main(argv=None):
     cases = []
     for schedule, extra in SCHEDULES.items():
         per_rank = run_world(extra["pp"], run_schedule, timeout=3600, schedule=schedule,
-                             timeline_case=a.timeline_case, offload=OFFLOAD)
+                             timeline_case=a.timeline_case, offload=OFFLOAD, smoke=a.smoke)
         for model in ("dense", "moe"):  # rows ordered (model, link, rank)
             rows = [row for rank_rows in per_rank for row in rank_rows if row["model"] == model]
             cases += sorted(rows, key=lambda r: (r["link"] != "fast", r["pp_rank"]))
