@@ -18,7 +18,7 @@ ROOTS = ("megatron_ext",)
 
 # Floors, lowest first: a module may import from its own floor and the floors below it. A room is a
 # module, or a package and everything in it (a package root: its __init__ alone). docs/architecture.md
-# ("Floors") describes the same floors; tests/test_docs_layout.py holds the two equal.
+# ("The floors") draws the same floors, top first (test_the_floors_are_drawn_once_in_architecture_md).
 FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters", "megatron_ext.helptext"),
     ("megatron_ext.platform",),
@@ -411,3 +411,43 @@ def test_planner_does_not_import_the_measurement_package():
     planner_to_bench = [f"{name} -> {target}" for name, found in imports.items() if name.startswith("megatron_ext.planner")
                         for target, _ in found if target.split(".")[0] == "bench"]
     assert planner_to_bench == []
+
+
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
+# the picture's names of rooms outside megatron_ext/
+_OUTSIDE = {"tests/": "tests", "scripts/": "scripts", "scripts/bench/": "bench",
+            "scripts/gpu_check_sections/": "gpu_check_sections", "train.py": "train", "arguments.py": "arguments"}
+
+
+def _room(path: str) -> str:
+    """A room as the picture names it: a path under megatron_ext/ (its __init__.py: the root) or one
+    of _OUTSIDE."""
+    if path in _OUTSIDE:
+        return _OUTSIDE[path]
+    inner = path.removesuffix("/").removesuffix(".py").replace("/", ".")
+    return "megatron_ext" if inner == "__init__" else f"megatron_ext.{inner}"
+
+
+def drawn_floors(text: str) -> list:
+    """The floors of the first fenced picture under "## The floors", lowest first: each line that
+    starts in the picture's first column (one space in) is a floor, its leading paths its rooms."""
+    section = text.split("## The floors", 1)[1]
+    picture = section.split("```", 2)[1]
+    floors = []
+    for line in picture.splitlines():
+        if not line.startswith(" ") or line.startswith("  "):
+            continue
+        rooms = []
+        for word in line.split():
+            if not (word.endswith("/") or word.endswith(".py")):
+                break
+            rooms.append(_room(word))
+        floors.append(tuple(rooms))
+    return floors[::-1]
+
+
+def test_the_floors_are_drawn_once_in_architecture_md():
+    """docs/architecture.md draws the guard's floors: the same rooms on the same floors, in order."""
+    assert [set(rooms) for rooms in drawn_floors(open(ARCHITECTURE).read())] == [set(rooms) for rooms in FLOORS]
+    swapped = "## The floors\n\n```\n hf/   up\n planner/   down\n   planner/ a continuation\n```\n"
+    assert drawn_floors(swapped) == [("megatron_ext.planner",), ("megatron_ext.hf",)]  # read as drawn

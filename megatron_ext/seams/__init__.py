@@ -31,17 +31,16 @@ capability, each entry naming the upstream site (file:line in megatron-core 0.19
                        record applied while the tokenizer is built); megatron.training's global
                        args/timers/writer set for the length of a run
 
-Two floors. The modules above are what the capabilities use (moe, offload, schedules and training
-import them); schedules.py binds megatron-core to the overlap's lanes and offload's groups, so it
-sits above those packages, with registry.py: every replacement of a megatron (or torch) attribute is
-a reversible record in registry.SEAMS (the record type of the CPU shims, megatron_ext/patching.py). A
-run installs the records its flags need once, before its model is built (registry.install(args),
-from training/model.py build_chunks), and its teardown removes what it installed
-(registry.uninstall()). Where offload attaches (nothing replaced) lives with offload:
-megatron_ext/offload/targets.py. Scoped records (a benchmark's labels, the sync detector's
-emulation, the tokenizer's local files) are applied only inside a block (`Patch.applied()`); the torch-norm record is held for
-the process (by the CPU shim registry, or by the model builder on CUDA). CPU-only compatibility
-shims are not here: megatron_ext/platform/cpu_shims.py.
+The modules above are what the capabilities use; registry.py composes them (the floors:
+docs/architecture.md). Every replacement of a megatron (or torch) attribute is a reversible record in
+registry.SEAMS (the record type of the CPU shims, megatron_ext/patching.py). A run installs the
+records its flags need once, before its model is built (registry.install(args), from
+training/model.py build_chunks), and its teardown removes what it installed (registry.uninstall()).
+Where offload attaches (nothing replaced) lives with offload: megatron_ext/offload/targets.py. Scoped
+records (a benchmark's labels, the sync detector's emulation, the tokenizer's local files) are
+applied only inside a block (`Patch.applied()`); the torch-norm record is held for the process (by
+the CPU shim registry, or by the model builder on CUDA). CPU-only compatibility shims are not here:
+megatron_ext/platform/cpu_shims.py.
 """
 from __future__ import annotations
 
