@@ -3,6 +3,7 @@ bytes per rank, measured side by side in one launch.
 
     .venv/bin/python scripts/bench_lora.py [--recipe recipes/tiny_dense.yaml] [--nproc 2] [--rank 8]
         [--targets all-linear] [--rounds 2] [--iters 8] [--extra "--tensor-model-parallel-size 2"] [--json]
+    .venv/bin/python scripts/bench_lora.py --smoke     # one round of 3 iterations per mode: seconds
 
 Both modes train the same recipe (mock data, --layout-invariant-init) under the same flags; LoRA adds
 ``--lora-rank R --lora-alpha 2R [--lora-target-modules ...]``. The timed runs alternate (full, LoRA,
@@ -75,7 +76,10 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--extra", default="", help="more flags for both modes, one string")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="one round of 3 iterations per mode (seconds)")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.rounds, a.iters = 1, 3
     out = run(a.recipe, a.nproc, a.rank, a.targets, a.rounds, a.iters, shlex.split(a.extra))  # workers log to stderr
     print(json.dumps(out) if a.json else table(out))
 

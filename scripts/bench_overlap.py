@@ -3,6 +3,7 @@
 (--overlap-tp-comm-1f1b), on this machine (CPU + gloo), plus a structural figure.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py [--steps 7] [--timed-steps 21] [--json] [--out docs/overlap]
+    PYTHONPATH=. .venv/bin/python scripts/bench_overlap.py --smoke [--layouts tp2]   # tiny: the suite's run
 
 Runs in the CUDA-faithful CPU mode by default (--no-cuda-faithful: plain CPU semantics; on a GPU
 the real CUDA rules apply and the mode is off): every backward on the autograd device thread and
@@ -442,8 +443,7 @@ def main(argv=None):
                    help="recorded steps per schedule: exposed communication (median) and timelines")
     p.add_argument("--timed-steps", type=int, default=21,
                    help="timed steps per schedule, no recorder: the wall-clock figures (median)")
-    p.add_argument("--layouts", default=",".join([*LAYOUTS, *MOE_LAYOUTS]),
-                   help=f"of {','.join([*LAYOUTS, *MOE_LAYOUTS])}")
+    p.add_argument("--layouts", default=None, help=f"of {','.join([*LAYOUTS, *MOE_LAYOUTS])} (default: all)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -455,7 +455,12 @@ def main(argv=None):
                    "without CUDA only")
     p.add_argument("--out", default=None, help="folder for the Chrome traces and PNGs")
     p.add_argument("--json", action="store_true", help="print the JSON result only (table on stderr)")
+    p.add_argument("--smoke", action="store_true", help="seconds: one recorded and one timed step of a tiny model "
+                   "(2 layers, hidden 64, seq 32, 2 micro-batches), the layouts given (default tp2)")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.steps, a.timed_steps, a.layers, a.hidden, a.seq, a.microbatches = 1, 1, 2, 64, 32, 2
+    a.layouts = a.layouts or ("tp2" if a.smoke else ",".join([*LAYOUTS, *MOE_LAYOUTS]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megatron_ext import platform
 

@@ -1,4 +1,5 @@
 """A script of scripts/ loaded as a module, so a test calls its functions (scripts are not a package)."""
+import contextlib
 import importlib.util
 import os
 
@@ -10,3 +11,22 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def warm_worlds():
+    """Inside the block a script's fresh world of processes (megatron_ext.measure.launch.run_world) is
+    the suite's warm gloo workers (tests/dist.py): the same function on every rank, results in rank
+    order, without each rank's imports paid again. Load the script inside the block (a script that
+    imports run_world at its top binds it then)."""
+    from megatron_ext.measure import launch
+    from tests.dist import run_distributed
+
+    def run_world(world_size, fn, timeout=900, **kwargs):
+        return run_distributed(world_size, f"{fn.__module__}:{fn.__qualname__}", **kwargs)
+
+    original, launch.run_world = launch.run_world, run_world
+    try:
+        yield
+    finally:
+        launch.run_world = original

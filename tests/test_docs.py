@@ -18,7 +18,10 @@ whose lines start like a command fails: label it (bash, console) so it is run or
 
 train.py and scripts/convert.py run in the warm gloo workers (tests/jobs_docs.py; torchrun's
 --nproc-per-node is the world size; train.py with --num-workers 0, as the daemonic workers start no
-data-loader processes), scripts/prepare_data.py and Python heredocs in this process."""
+data-loader processes), scripts/prepare_data.py and Python heredocs in this process, a benchmark
+(scripts/bench_*.py) in its smoke form: --smoke appended, its main in this process, its ranks on the
+warm workers (tests/scripts.py warm_worlds), its exit status its main's (`> FILE` writes its stdout
+there)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.dist import run_distributed
-from tests.scripts import load_script
+from tests.scripts import load_script, warm_worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ["README.md", "docs/offline.md", "docs/finetune.md"]  # finetune.md uses offline.md's tiny/qwen3
@@ -49,10 +52,10 @@ RULES = (
     (r"^git clone ", "clones the repository: the suite runs in a clone"),
     (r"^make ", "builds the virtual environment (and runs the suite): the suite runs in what it builds"),
     (r"-m pytest", "the test suite itself"),
-    (r"scripts/bench_\w+\.py", "a benchmark: timed, repeated runs (minutes); every script's --help runs in "
-                               "tests/test_entry_points.py"),
     (r"scripts/plan\.py|\s--plan(\s|$)", "plans a cluster recipe: a trace and a search, about a minute of CPU "
                                          "each; tests/planner/ checks the planner"),
+    (r"scripts/bench_overlap\.py", "a benchmark of six 2- and 4-process layouts; tests/test_scripts.py runs "
+                                   "its smoke form on one (tp2)"),
     (r"(^|\s)sbatch\s", "submits a slurm job; tests/test_slurm.py runs the batch script (DRY_RUN)"),
     (r"-m pip |^export ", "sets up the GPU machine"),
     (r"scripts/gpu_check\.py(?!.*--cpu-smoke)", "needs a GPU; tests/test_gpu_check.py runs its --cpu-smoke"),
@@ -221,6 +224,27 @@ def _in_process(workdir: str, fn) -> Result:
     return Result(rc, out.getvalue(), err.getvalue())
 
 
+def _benchmark_smoke(workdir: str, script: str, argv: list[str]) -> Result:
+    """A benchmark's command in its smoke form (--smoke appended); `> FILE` receives its stdout."""
+    target = None
+    if ">" in argv:
+        at = argv.index(">")
+        argv, target = argv[:at], argv[at + 1]
+    name = os.path.basename(script)[:-3]
+
+    def main():
+        with warm_worlds():
+            status = load_script(name).main([*argv, "--smoke"])
+        if isinstance(status, int) and status:
+            raise SystemExit(status)
+
+    result = _in_process(workdir, main)
+    if target is not None and not result.rc:
+        with open(os.path.join(workdir, target), "w") as f:
+            f.write(result.out)
+    return result
+
+
 def run(cmd: Command, workdir: str) -> Result:
     heredoc = HEREDOC.search(cmd.text.split("\n", 1)[0])
     if heredoc:  # `[mkdir -p D &&] python - <<'EOF' ... `: the script, in this process
@@ -260,6 +284,8 @@ def run(cmd: Command, workdir: str) -> Result:
             result = Result(max(r["rc"] for r in ranks), ranks[0]["stdout"], ranks[0]["stderr"])
         elif script == "scripts/prepare_data.py":
             result = _in_process(workdir, lambda: load_script("prepare_data").main(argv))
+        elif re.fullmatch(r"scripts/bench_\w+\.py", script):
+            result = _benchmark_smoke(workdir, script, argv)
         else:
             raise AssertionError(f"{cmd.where()}: {script}: not an entry point this test runs; skip it with a "
                                  "reason (a rule, or a marker)")
@@ -284,6 +310,7 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs")
     for name in LINKED:
         os.symlink(os.path.join(ROOT, name), root / name)
+    os.makedirs(root / "docs")  # where a benchmark's command writes its results (not the repository's docs/)
     return str(root)
 
 

@@ -1,7 +1,8 @@
 """Every script of scripts/ runs end to end in the suite: a benchmark or tool whose full run takes minutes
-in its --smoke form (tiny sizes, seconds), here, or the whole script by the test named for it. Here a
+in its --smoke form (tiny sizes, seconds), here or as the docs give it (tests/test_docs.py runs a
+documented benchmark command with --smoke), or the whole script by the test named for it. Here a
 script's main() runs in this process as its command line would, its ranks on the suite's warm gloo
-workers (tests/dist.py) where the script launches a fresh world of its own
+workers (tests/scripts.py warm_worlds) where the script launches a fresh world of its own
 (megatron_ext.measure.launch.run_world): the same function on every rank, without paying each
 rank's imports again."""
 from __future__ import annotations
@@ -10,10 +11,10 @@ import glob
 import json
 import os
 
-import pytest
+from tests import test_docs
+from tests.scripts import ROOT, load_script, warm_worlds
 
-from tests.dist import run_distributed
-from tests.scripts import ROOT, load_script
+DOCS = "tests/test_docs.py::test_doc_commands_run"  # a documented command of the script, run (smoke form)
 
 # script -> the test that runs it end to end: "here" (this file: its smoke form) or a test elsewhere,
 # named as path::test
@@ -23,12 +24,12 @@ RUN_BY = {
     "bench_dispatcher": "not yet: no --smoke",
     "bench_fsdp": "here",
     "bench_gather": "not yet: no --smoke",
-    "bench_lora": "not yet: no --smoke",
-    "bench_offload": "here",
-    "bench_overlap": "not yet: no --smoke",
+    "bench_lora": DOCS,
+    "bench_offload": DOCS,
+    "bench_overlap": "here",
     "bench_plan": "not yet: no --smoke",
     "bench_startup": "not yet: no --smoke",
-    "convert": "tests/test_docs.py::test_doc_commands_run",
+    "convert": DOCS,
     "estimate_memory": "here",
     "flags_doc": "here",
     "gloo_coalesced_crash": "not yet: no --smoke",
@@ -44,44 +45,25 @@ RUN_BY = {
 def test_every_script_says_where_it_runs_end_to_end():
     scripts = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "scripts", "*.py")))
     assert sorted(RUN_BY) == scripts
+    documented = {word for doc in test_docs.DOCS for cmd in test_docs.commands(doc) if not test_docs.skipped(cmd)
+                  for word in cmd.text.split() if word.startswith("scripts/")}
     for script, where in RUN_BY.items():
-        if where.startswith("tests/"):
+        if where == DOCS:  # the docs give a command of it that the doc test runs
+            assert f"scripts/{script}.py" in documented, script
+        elif where.startswith("tests/"):
             path, _, test = where.partition("::")
             source = open(os.path.join(ROOT, path)).read()
             assert script in source and (not test or f"def {test}(" in source), (script, where)
 
 
-@pytest.fixture
-def pooled(monkeypatch):
-    """run_world on the suite's warm workers: fn(**kwargs) on every rank of a gloo world, results in
-    rank order, as the script's own fresh world returns them."""
-    from megatron_ext.measure import launch
-
-    def run_world(world_size, fn, timeout=900, **kwargs):
-        return run_distributed(world_size, f"{fn.__module__}:{fn.__qualname__}", **kwargs)
-
-    monkeypatch.setattr(launch, "run_world", run_world)
-
-
 def _main(script: str, argv: list, capsys):
-    """(exit status, stdout) of the script's main on this command line."""
-    status = load_script(script).main(argv)
+    """(exit status, stdout) of the script's main on this command line, its ranks on warm workers."""
+    with warm_worlds():
+        status = load_script(script).main(argv)
     return status, capsys.readouterr().out
 
 
-def test_bench_offload_smoke(pooled, capsys):
-    """docs/offload.md's table in its smoke form: every schedule and model, every PP rank, R >= 0.99
-    and loss and gradients bit-identical with offload."""
-    status, out = _main("bench_offload", ["--smoke", "--json"], capsys)
-    cases = json.loads(out)["cases"]
-    assert status == 0
-    assert {(c["schedule"], c["model"], c["pp_rank"]) for c in cases} == {
-        (s, m, r) for s, ranks in (("PP=1", 1), ("PP=2 1F1B", 2), ("PP=2xVPP=2", 2)) for m in ("dense", "moe")
-        for r in range(ranks)}
-    assert all(c["R"] >= 0.99 and c["grads_bitwise_equal"] and c["offloaded_bytes"] > 0 for c in cases), cases
-
-
-def test_bench_fsdp_smoke(pooled, capsys):
+def test_bench_fsdp_smoke(capsys):
     """docs/fsdp.md's table in its smoke form: Megatron-FSDP with our seams does host work flat in the
     number of experts, the stock paths grow with it; every fetched byte is released."""
     status, out = _main("bench_fsdp", ["--smoke", "--json"], capsys)
@@ -92,6 +74,16 @@ def test_bench_fsdp_smoke(pooled, capsys):
     stock = [rows["megatron_fsdp", "stock", e]["host_ops_per_layer"] for e in (small, large)]
     assert ours[0] == ours[1] and stock[1] > stock[0] > ours[0], (ours, stock)
     assert all(c["released_bytes_per_layer"] == c["bytes_after_fetch_per_layer"] > 0 for c in rows.values())
+
+
+def test_bench_overlap_smoke(capsys):
+    """docs/overlap.md's benchmark in its smoke form (TP2): every backward-lane collective handed off to
+    the other micro-batch's compute, the pipeline messages checked, gradients bit-identical to
+    megatron's plain schedule."""
+    _, out = _main("bench_overlap", ["--smoke", "--json"], capsys)
+    (case,) = json.loads(out)["cases"]
+    assert case["layout"] == "tp2" and case["grads_bitwise_equal"] and case["p2p_checked"]
+    assert case["b_lane_handed_off"] == case["b_lane_collectives"] > 0
 
 
 def test_estimate_memory_and_flags_doc(capsys):
