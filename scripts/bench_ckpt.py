@@ -1,6 +1,7 @@
 """What checkpoint checksums cost: saves and loads of the tiny recipes with and without them.
 
     .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
+    .venv/bin/python scripts/bench_ckpt.py --smoke [--json]    # tiny_dense, 3 saves per case: seconds (the suite's run)
 
 Runs the training loop (megatron_ext/training/run.py) on a fresh 2-process gloo world per case (megatron_ext.measure.launch), DP2
 with the distributed optimizer, saving every iteration, synchronously and with --async-save, with
@@ -129,7 +130,10 @@ def main(argv=None) -> None:
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--saves", type=int, default=8, help="iterations, one save each (the first is left out)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="seconds: tiny_dense, 3 saves per case")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.recipes, a.saves = ["tiny_dense"], 3
     # a fresh world of processes per case (megatron_ext.measure.launch): they log to stderr
     rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
             for sums in (True, False)]

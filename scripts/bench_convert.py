@@ -1,6 +1,7 @@
 """Per-rank peak host memory of a Hugging Face import and export on N processes, against the weights.
 
     .venv/bin/python scripts/bench_convert.py [--sizes 1 2 4] [--layers 12] [--hidden 1024] [--json]
+    .venv/bin/python scripts/bench_convert.py --smoke [--json]    # 2 layers, hidden 64: seconds (the suite's run)
 
 A random Llama-style model (bf16, hidden 1024, FFN 4096, 16 heads in 4 groups, 12 layers, a
 640-id vocabulary so that the layers hold the weights; 366 MiB in 100 MB safetensors files) is
@@ -166,7 +167,10 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="seconds: 2 layers, hidden 64, on 1 and 2 processes")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.sizes, a.layers, a.hidden = [1, 2], 2, 64
     result = run(a.sizes, a.layers, a.hidden)
     print(json.dumps(result, indent=1) if a.json else table(result))
 

@@ -2,6 +2,7 @@
 megatron-core's own.
 
     .venv/bin/python scripts/bench_dispatcher.py [--json] [--ep 2] [--tokens 16384] [--dtype bfloat16]
+    .venv/bin/python scripts/bench_dispatcher.py --smoke [--json]     # tiny sizes: seconds (the suite's run)
 
 Part 1 (one process): indices_to_multihot vs megatron-core's _DeepepManager._indices_to_multihot:
 syncs counted by the CPU SyncDetector (on CUDA additionally torch.cuda.set_sync_debug_mode("error")
@@ -307,7 +308,11 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the MoE layers' precision (float32: the zero-sync experts' grouped GEMM would sync on CUDA, "
                     "and the detector counts it)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: T=512 K=4 E=16, 2 repeats; the layer audit "
+                    "at 32 tokens per sequence, one timed repeat")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.tokens, a.topk, a.experts, a.reps, a.seq, a.layer_reps = 512, 4, 16, 2, 32, 1
 
     platform.setup()
     result = {"device": device_name()}
