@@ -2,6 +2,7 @@
 of experts.
 
     .venv/bin/python scripts/bench_gather.py [--experts 8 32 128] [--json]
+    .venv/bin/python scripts/bench_gather.py --smoke [--json]     # E = 4 alone: seconds (the suite's run)
 
 Runs train.py's main() (recipes/tiny_moe_many_experts.yaml, --num-experts E) on a 2-process gloo
 world (DP2 / EP2) under scripts/bench/gather.measure, and the same model with megatron-core's
@@ -140,7 +141,10 @@ def main(argv=None) -> None:
     p.add_argument("--num-buckets", type=int, default=None, help="override the recipe's ddp_num_buckets")
     p.add_argument("--configs", nargs="+", default=None, choices=["mcore-default", "mcore-overlap", "ours"])
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="seconds: E = 4 alone")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.experts = [4]
     out = run(a.experts, ep=a.ep, num_buckets=a.num_buckets, which=a.configs)  # workers log to stderr
     if a.json:
         for group in [out["cases"], *out["baselines"].values()]:

@@ -24,7 +24,7 @@ RUN_BY = {
                      "workers' leak check refuses",
     "bench_dispatcher": "here",
     "bench_fsdp": "here",
-    "bench_gather": "not yet: no --smoke",
+    "bench_gather": "here",
     "bench_lora": DOCS,
     "bench_offload": DOCS,
     "bench_overlap": "here",
@@ -75,6 +75,20 @@ def test_bench_fsdp_smoke(capsys):
     stock = [rows["megatron_fsdp", "stock", e]["host_ops_per_layer"] for e in (small, large)]
     assert ours[0] == ours[1] and stock[1] > stock[0] > ours[0], (ours, stock)
     assert all(c["released_bytes_per_layer"] == c["bytes_after_fetch_per_layer"] > 0 for c in rows.values())
+
+
+def test_bench_gather_smoke(capsys):
+    """docs/sharded_params.md's table in its smoke form (E = 4): ours, megatron's defaults and its overlap
+    each trained; ours does fewer host ops and bucket calls per step than megatron's overlap, every
+    parameter a view of its buffer."""
+    _, out = _main("bench_gather", ["--smoke", "--json"], capsys)
+    result = json.loads(out)
+    (ours,), baselines = result["cases"], result["baselines"]
+    (overlap,) = baselines["mcore-overlap"]
+    assert sorted(baselines) == ["mcore-default", "mcore-overlap"] and ours["experts"] == 4
+    assert ours["host_ops_per_step"] < overlap["host_ops_per_step"]
+    assert ours["bucket_calls_per_step"] < overlap["bucket_calls_per_step"]
+    assert all(c["params_are_buffer_views"] for group in (result["cases"], *baselines.values()) for c in group)
 
 
 def test_bench_overlap_smoke(capsys):
