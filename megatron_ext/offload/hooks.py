@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from megatron_ext.errors import ConfigError
 from megatron_ext.offload.records import OFFLOADED, PACKED, RELOADING, Group, Pass, Record
 from megatron_ext.platform import streams
 
@@ -88,13 +87,6 @@ class Hooks:
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
             for layer in where.offload_layers(root):
-                fused = [m for m in modules if m in ("router_fc1", "router_fc2", "moe_act")]
-                if fused and where.offload_fused_experts(layer):
-                    raise ConfigError(
-                        f"--use-transformer-engine-op-fuser=True: the experts run as one fused op that never "
-                        f"calls their linear_fc1/linear_fc2; --activation-offload-modules {' '.join(fused)} "
-                        "would offload nothing"
-                    )
                 targets = where.offload_targets(layer, modules)
                 if not targets:
                     continue

@@ -43,7 +43,7 @@ Life of a group (one layer of one micro-batch)::
 Here: the engine (the pool, the two copy streams, offload / release / reload of a group). Beside it:
 ``records.py`` (what a record, a group and a pass hold), ``hooks.py`` (the module, saved-tensor and
 backward hooks that drive the engine), ``predictor.py`` (which pass runs backward next),
-``vocabulary.py`` (the module names and ``Options``).
+``vocabulary.py`` (the module names and ``OffloadOptions``, the flags' one declaration).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from megatron_ext.offload.hooks import Hooks
 from megatron_ext.offload.pool import POISON, HostPool
 from megatron_ext.offload.predictor import BackwardOrder
 from megatron_ext.offload.records import COPYING, KEPT, OFFLOADED, PACKED, RELOADING, Group, Pass
-from megatron_ext.offload.vocabulary import Options
+from megatron_ext.offload.vocabulary import OffloadOptions
 from megatron_ext.platform import streams
 
 
@@ -89,11 +89,13 @@ class OffloadManager(Hooks):
     """The engine: a host pool, a D2H and an H2D stream, the groups in flight. Its hooks (``hooks.py``)
     tell it when a group is saved, when a layer or pass ends and when backward reaches a group."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: OffloadOptions, deferred_copies: bool | None = None):
+        """``deferred_copies``: the CPU copy streams run only when waited on (the latest a device
+        could); None: as ``options.debug``."""
         self.options = options
         self.debug = options.debug
         self.pool = HostPool(options.pool_bytes, options.chunk_bytes, debug=options.debug)
-        deferred = options.debug if options.deferred_copies is None else options.deferred_copies
+        deferred = options.debug if deferred_copies is None else deferred_copies
         self.d2h = streams.Stream(deferred=deferred)
         self.h2d = streams.Stream(deferred=deferred)
         self._timed = not streams.cuda()  # on CUDA a compute-stream wait does not block the host
@@ -317,12 +319,12 @@ class OffloadManager(Hooks):
 _MANAGER: OffloadManager | None = None
 
 
-def attach(model_chunks, options: Options) -> OffloadManager:
+def attach(model_chunks, options: OffloadOptions, deferred_copies: bool | None = None) -> OffloadManager:
     global _MANAGER
     from megatron_ext.seams import schedules as seams
 
     detach()
-    _MANAGER = OffloadManager(options).attach(model_chunks)
+    _MANAGER = OffloadManager(options, deferred_copies).attach(model_chunks)
     seams.bind_offload_manager(_MANAGER)  # megatron's combined-1F1B plan delimits its groups
     return _MANAGER
 

@@ -79,9 +79,11 @@ def _args(**kw):
     ns = argparse.Namespace(
         activation_offload_modules=["core_attention"], activation_offload_pool_mb=64.0,
         activation_offload_chunk_mb=1.0, activation_offload_prefetch_depth=1, activation_offload_min_tensor_kb=64.0,
-        activation_offload_debug=False, num_layers=4, pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None, recompute_granularity=None, recompute_method=None,
-        recompute_num_layers=None, recompute_modules=None,
+        activation_offload_debug=False, activation_offload_cross_pass_prefetch="after-forward", num_layers=4,
+        pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, recompute_granularity=None,
+        recompute_method=None, recompute_num_layers=None, recompute_modules=None, moe_layer_recompute=False,
+        fine_grained_activation_offloading=False, cuda_graph_impl="none",
+        enable_cuda_graph=False, external_cuda_graph=False, use_transformer_engine_op_fuser=False,
     )
     for k, v in kw.items():
         setattr(ns, k, v)
@@ -137,17 +139,29 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     assert opts.chunk_bytes == 1 << 20 and opts.pool_bytes == 64 << 20 and opts.min_tensor_bytes == 64 << 10
 
 
-def test_fused_expert_op_is_seen_on_the_built_layer():
-    """attach() refuses expert modules on a layer whose experts run TE's fused op (the seam reads
-    TEGroupedMLP._with_fused_impl); SequentialMLP and dense layers are not affected."""
-    from types import SimpleNamespace as NS
+def test_the_flags_are_the_typed_options():
+    """One declaration: the argparse group, its defaults and ranges are OffloadOptions'; a value out of
+    range built in code is refused as the flag is, naming it."""
+    import dataclasses
 
-    from megatron_ext.offload import targets
+    import arguments
+    from megatron_ext.config import domains
+    from megatron_ext.offload import MODULES, OffloadOptions
+    from megatron_ext.training.command_line import flag_actions
 
-    assert targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
-    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
-    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
-    assert not targets.offload_fused_experts(NS(mlp=NS()))
+    parser = arguments.build_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest.startswith("activation_offload_")}
+    fields = {OffloadOptions.dest(f.name): f for f in dataclasses.fields(OffloadOptions)}
+    assert set(actions) - {"activation_offload_fraction"} == set(fields)  # megatron's own --activation-offload-fraction
+    assert all(actions[d].default == f.default for d, f in fields.items())
+    assert all(m in actions["activation_offload_modules"].help for m in MODULES)
+    assert not {d for d in fields if d in domains.DOMAINS}  # the ranges live in the dataclass alone
+    line = "--activation-offload-pool-mb=0.0: must be a number > 0 (a scale, factor, size or duration)"
+    args = parser.parse_args(["--activation-offload-pool-mb", "0"])
+    assert domains.check_domains(args, flag_actions(parser))["activation_offload_pool_mb"] == line
+    with pytest.raises(ConfigError, match=line.replace("(", r"\(").replace(")", r"\)")):
+        OffloadOptions(pool_mb=0.0)
+    assert OffloadOptions(chunk_mb=1 / 16, min_tensor_kb=1.0).chunk_bytes == 64 << 10
 
 
 def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
@@ -207,10 +221,10 @@ def test_pp1_moe_all_modules_chunked_exact():
 
 
 def test_pool_exhausted_and_tiny_tensors_stay_on_device():
-    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(pool_bytes=96 << 10))
+    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(pool_mb=96 / 1024))
     _check_exact([r])
     assert r["stats"]["kept_pool_full_bytes"] > 0
-    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(min_tensor_bytes=1 << 20))
+    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(min_tensor_kb=1024.0))
     _check_exact([r], offloaded=False)
     assert r["stats"]["offloaded_bytes"] == 0 and r["stats"]["kept_small_bytes"] > 0
 
