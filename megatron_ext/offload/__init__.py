@@ -107,9 +107,65 @@ def options_from_args(args) -> OffloadOptions:
 
 def after_model(args, model) -> None:
     if args.activation_offload_modules:
-        attach(model, options_from_args(args))
+        manager = attach(model, options_from_args(args))
+        if manager.pool.slots and manager.pool.slots[0].device.type == "cpu" and _rank() == 0:
+            print("[offload] on CPU the host pool and the device are the same memory: offload moves the saved "
+                  "bytes but cannot lower the process's RSS (on CUDA it lowers device memory)", flush=True)
     else:
         detach()
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _why(reason: str, mib: float, options: OffloadOptions) -> str:
+    return {
+        "pool_full": f"{mib:.2f} MiB because the host pool was full (raise --activation-offload-pool-mb, "
+                     f"now {options.pool_mb:g})",
+        "small": f"{mib:.2f} MiB in tensors under the minimum (lower --activation-offload-min-tensor-kb, "
+                 f"now {options.min_tensor_kb:g})",
+        "last": f"{mib:.2f} MiB of the last layer before its backward, kept by design (offloading it cannot "
+                "lower the peak: docs/offload.md)",
+        "shared": f"{mib:.2f} MiB held by another tensor too (releasing it would free nothing)",
+    }[reason]
+
+
+def explain(manager) -> list[str]:
+    """One line per listed module that kept on the device some of what it saved, for each reason the
+    log has not given yet this run: how much, why, and the flag that changes it."""
+    lines = []
+    moved = manager.offloaded_by_module()
+    for name in manager.options.modules:
+        kept = manager.kept_by_module.get(name, {})
+        new = [r for r, n in kept.items() if n and (name, r) not in manager.explained]
+        if not new:
+            continue
+        manager.explained.update((name, r) for r in new)
+        reasons = "; ".join(_why(r, kept[r] / 2**20, manager.options) for r in new)
+        lines.append(f"{name} moved {moved.get(name, 0) / 2**20:.2f} MiB and kept on the device {reasons}")
+    return lines
+
+
+def at_log_line(args) -> None:
+    """Every rank at a log line: why a listed module kept bytes on the device, once a run per module and
+    reason, said by one rank of each pipeline stage (the first of its tensor and data parallel groups)."""
+    manager = current()
+    if manager is None:
+        return
+    lines = explain(manager)
+    if not lines:
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() or ps.get_data_parallel_rank(with_context_parallel=True):
+        return
+    stage = (f"pipeline stage {ps.get_pipeline_model_parallel_rank()}: "
+             if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+    for line in lines:
+        print(f"[offload] {stage}{line}", flush=True)
 
 
 def teardown() -> None:

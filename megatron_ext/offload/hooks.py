@@ -6,7 +6,7 @@ one ticks it, hands it a group to copy out or to bring back, and feeds the backw
 (``predictor.py``) that decides when prefetch crosses into another pass.
 
 ``Hooks`` is a part of ``manager.OffloadManager``: it reads the manager's state and calls its engine
-(``_tick``, ``_offload``, ``_reload``, ``_prefetch``, ``_cancel``, ``_drop``, ``_count``, ``close``).
+(``_tick``, ``_offload``, ``_reload``, ``_prefetch``, ``_cancel``, ``_drop``, ``_count``, ``_kept``, ``close``).
 """
 from __future__ import annotations
 
@@ -211,10 +211,10 @@ class Hooks:
         ptr = storage.data_ptr()
         rec = group.records.get(ptr)
         if rec is None:
-            if storage.nbytes() < self.options.min_tensor_bytes:
-                self.stats["kept_small_bytes"] += storage.nbytes()
-                return t
             module = self._saving[-1] if self._saving else None
+            if storage.nbytes() < self.options.min_tensor_bytes:
+                self._kept(module, "small", storage.nbytes())
+                return t
             rec = group.records[ptr] = Record(storage, t.device, group, module)
             self._count(rec, "saved")
         elif self._saving and self._saving[-1] != rec.module:

@@ -83,6 +83,9 @@ STAT_KEYS = (
     "kept_small_bytes", "kept_shared_bytes", "kept_pool_full_bytes", "kept_last_bytes", "served_in_flight_bytes",
     "groups", "exposed_d2h_s", "exposed_h2d_s", "exposed_copy_s",
 )
+# why a saved storage stayed on the device: under --activation-offload-min-tensor-kb, held by another
+# tensor too (releasing ours frees nothing), the host pool full, the last layer before its backward
+KEPT_REASONS = ("small", "shared", "pool_full", "last")
 
 
 class OffloadManager(Hooks):
@@ -125,6 +128,9 @@ class OffloadManager(Hooks):
         # {(module name, sub-module path): {"saved": bytes, "offloaded": bytes}}: what each hooked
         # sub-module saved for backward and how much of it left the device (none may be bypassed)
         self.module_stats: dict = {}
+        # {module name: {reason: bytes}}: what each listed module's hooks kept on the device, and why
+        self.kept_by_module: dict = {}
+        self.explained: set = set()  # (module, reason) the log has said (offload.at_log_line), once a run
 
     # ------------------------------------------------------------------ engine
     def close(self) -> None:
@@ -140,6 +146,13 @@ class OffloadManager(Hooks):
         entry = self.module_stats.setdefault(rec.module, {"saved": 0, "offloaded": 0})
         entry[what] += rec.nbytes
 
+    def _kept(self, module, reason: str, nbytes: int) -> None:
+        """``nbytes`` a listed module saved stay on the device, for ``reason`` (KEPT_REASONS)."""
+        self.stats[f"kept_{reason}_bytes"] += nbytes
+        if module is not None:
+            per = self.kept_by_module.setdefault(module[0], dict.fromkeys(KEPT_REASONS, 0))
+            per[reason] += nbytes
+
     def _prefetch(self, groups) -> None:
         for g in groups:
             if g.state in ("offloading", "offloaded"):
@@ -152,7 +165,7 @@ class OffloadManager(Hooks):
         for rec in group.records.values():
             if rec.state == PACKED:
                 rec.state = KEPT
-                self.stats["kept_last_bytes"] += rec.nbytes
+                self._kept(rec.module, "last", rec.nbytes)
         group.state = "kept"
         self._drop(group)
 
@@ -164,12 +177,12 @@ class OffloadManager(Hooks):
                 continue
             if not _solely_ours(rec):  # someone else holds it: releasing ours frees nothing
                 rec.state = KEPT
-                self.stats["kept_shared_bytes"] += rec.nbytes
+                self._kept(rec.module, "shared", rec.nbytes)
                 continue
             slots = self.pool.take(rec.nbytes)
             if slots is None:
                 rec.state = KEPT
-                self.stats["kept_pool_full_bytes"] += rec.nbytes
+                self._kept(rec.module, "pool_full", rec.nbytes)
                 continue
             if compute_done is None:
                 compute_done = streams.Stream.current().record()
@@ -307,6 +320,7 @@ class OffloadManager(Hooks):
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.module_stats = {}
+        self.kept_by_module = {}
 
     def offloaded_by_module(self) -> dict:
         """{module name: bytes offloaded}, over every sub-module hooked for it."""

@@ -176,6 +176,49 @@ def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
     assert "--offload-modules" in names and "--fine-grained-activation-offloading" in names  # megatron's own
 
 
+# ----------------------------------------------------------------------------- why bytes stayed
+TINY = ["--mock-data", "--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+FLAG_OF = {"small": "in tensors under the minimum (lower --activation-offload-min-tensor-kb, now {kb})",
+           "pool_full": "because the host pool was full (raise --activation-offload-pool-mb, now {pool})",
+           "last": "of the last layer before its backward, kept by design", "shared": "held by another tensor too"}
+
+
+def _said(stdout: str) -> dict:
+    return {line.split()[1]: line for line in stdout.splitlines() if line.startswith("[offload] ") and
+            " moved " in line}
+
+
+def test_the_log_says_once_why_a_listed_module_kept_bytes_on_the_device():
+    """tiny_moe with a pool of 4 chunks: each listed module's kept bytes, counted by reason, are said
+    once in the run (two log lines), with the flag that changes it; every kept byte has its module.
+    tiny_dense with --activation-offload-min-tensor-kb 0: qkv_linear's small tensors move, only the
+    last layer stays (by design)."""
+    (r,) = run_distributed(1, "tests.offload.jobs:train_explaining", argv=[
+        "--recipe", "recipes/tiny_moe.yaml", *TINY, "--activation-offload-modules", "core_attention", "qkv_linear",
+        "expert_fc1", "moe_act", "--activation-offload-pool-mb", "0.25", "--activation-offload-chunk-mb", "0.0625"])
+    out = r["stdout"]
+    assert out.splitlines()[0].startswith("[offload] on CPU the host pool and the device are the same memory: "
+                                          "offload moves the saved bytes but cannot lower the process's RSS")
+    said = _said(out)
+    assert sum(line.startswith("[offload] ") for line in out.splitlines()) == 1 + len(said) == 5  # once a run
+    assert r["kept_total"] == sum(n for per in r["kept"].values() for n in per.values())  # all attributed
+    reasons = {m: {k for k, n in per.items() if n} for m, per in r["kept"].items()}
+    assert reasons["qkv_linear"] == reasons["moe_act"] == {"small"} and "pool_full" in reasons["core_attention"]
+    assert r["moved"]["qkv_linear"] == r["moved"]["moe_act"] == 0
+    for module, per in r["kept"].items():  # the line comes at iteration 1 of 2 identical steps: half the bytes
+        line = said[module]
+        assert line.startswith(f"[offload] {module} moved {r['moved'][module] / 2 / 2**20:.2f} MiB and kept "), line
+        for reason, n in per.items():
+            phrase = FLAG_OF[reason].format(kb=64, pool=0.25)
+            assert (f"{n / 2 / 2**20:.2f} MiB {phrase}" in line) == (n > 0), (reason, line)
+
+    (d,) = run_distributed(1, "tests.offload.jobs:train_explaining", argv=[
+        "--recipe", "recipes/tiny_dense.yaml", *TINY, "--activation-offload-modules", "qkv_linear",
+        "--activation-offload-min-tensor-kb", "0"])
+    assert d["moved"]["qkv_linear"] > 0 and {k for k, n in d["kept"]["qkv_linear"].items() if n} == {"last"}
+    assert FLAG_OF["last"] in _said(d["stdout"])["qkv_linear"]
+
+
 # ----------------------------------------------------------------------------- 1 process
 def test_pp1_dense_exact_and_memory_released():
     (r,) = run_distributed(1, JOB, modules=DENSE, steps=2, track=True)
