@@ -115,6 +115,15 @@ def after_model(args, model) -> None:
         detach()
 
 
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): the modules offloaded and the pool."""
+    if not args.activation_offload_modules:
+        return "offload: off (no --activation-offload-modules)"
+    o = OffloadOptions.from_args(args)
+    return (f"offload: {' '.join(o.modules)}; host pool {o.pool_mb:g} MiB in {o.chunk_mb:g} MiB chunks, tensors "
+            f"from {o.min_tensor_kb:g} KiB, prefetch {o.prefetch_depth} layer(s), cross-pass {o.cross_pass_prefetch}")
+
+
 def _rank() -> int:
     import torch
 

@@ -323,6 +323,8 @@ class Run:
 
         args = self.args
         self.optimize()
+        if torch.distributed.get_rank() == 0:
+            print(features.summary(args), flush=True)  # what is on, once, with the model built
         start = self.load()
         iterators = self.data()
         self._schedule()  # megatron's, or our TP-overlap 1F1B

@@ -200,6 +200,7 @@ def test_the_log_says_once_why_a_listed_module_kept_bytes_on_the_device():
     assert out.splitlines()[0].startswith("[offload] on CPU the host pool and the device are the same memory: "
                                           "offload moves the saved bytes but cannot lower the process's RSS")
     said = _said(out)
+    assert out.count("[capabilities]") == 1 and "\n  offload: core_attention qkv_linear router_fc1 moe_act; host pool 0.25 MiB" in out
     assert sum(line.startswith("[offload] ") for line in out.splitlines()) == 1 + len(said) == 5  # once a run
     assert r["kept_total"] == sum(n for per in r["kept"].values() for n in per.values())  # all attributed
     reasons = {m: {k for k, n in per.items() if n} for m, per in r["kept"].items()}

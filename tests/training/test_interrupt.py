@@ -71,6 +71,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_saves_and_resumes
     out = run_distributed(2, "tests.training.jobs_interrupt:train_signalled", argv=[*ARGV, "--save", save], rank=1, at=2)
     assert [o["iterations"] for o in out] == [[1, 2], [1, 2]]  # rank 1 got it during iteration 2; both stop there
     assert all(o["handlers_restored"] for o in out)
+    assert out[0]["stdout"].count("[capabilities]\n") == 1 and "[capabilities]" not in out[1]["stdout"]  # once
     (said,) = LINE.findall(out[0]["stdout"])
     assert not LINE.findall(out[1]["stdout"]) and "Traceback" not in out[0]["stdout"] + out[1]["stdout"]
     assert said[:3] == ("SIGTERM", "2", os.path.join(save, "iter_0000002")) and os.path.isdir(said[2])
