@@ -76,3 +76,23 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_saves_and_resumes
     assert not LINE.findall(out[1]["stdout"]) and "Traceback" not in out[0]["stdout"] + out[1]["stdout"]
     assert said[:3] == ("SIGTERM", "2", os.path.join(save, "iter_0000002")) and os.path.isdir(said[2])
     _resumes_exactly(said[3], save, 2, uninterrupted)
+
+
+def test_the_resume_command_loads_what_was_saved_and_a_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
+    from megatron_ext import errors
+    from megatron_ext.training.exits import resume_command
+
+    argv = ["--recipe", "r.yaml", "--load", "base", "--finetune", "--save", "out dir"]
+    assert resume_command(argv, "out dir", env={"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}) == \
+        "torchrun --nproc-per-node 4 train.py --recipe r.yaml --save 'out dir' --load 'out dir'"
+    assert resume_command(["--load=x"], "s", env={}) == "python train.py --load s"
+
+    def starting():
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        errors.run(starting, explain=lambda e: None)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "[interrupted] SIGINT before a step boundary: stopped, nothing saved\n"
