@@ -32,9 +32,17 @@ def run(main: Callable[[], object], explain: Callable[[BaseException], str | Non
     flags, or returns None for anything else, which keeps its traceback), becomes ``error: LINE`` (one
     per problem) on rank 0's stderr and exit status 1 on every rank: the ranks refuse the same flags.
     Under torchrun every rank also writes the lines to its error file, so torchrun's failure report
-    shows them as the root cause instead of "To enable traceback see ..."."""
+    shows them as the root cause instead of "To enable traceback see ...". Ctrl-C where no loop
+    handles it (while a run starts; a training loop stops at a step boundary itself, training/exits.py):
+    one line on rank 0 and exit status 130, no traceback."""
     try:
         main()
+    except KeyboardInterrupt:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("[interrupted] SIGINT before a step boundary: stopped, nothing saved", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (AssertionError, ValueError, RuntimeError, NotImplementedError) as e:
         line = explain(e)
         if line is None or os.environ.get(TRACEBACK_ENV) == "1":

@@ -28,7 +28,7 @@ MOE = ["qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act", "ro
 MODEL = dict(layers=8, hidden=64, heads=4, seq=64, mbs=2, vocab=8192, ffn=256, experts=4, topk=2, moe_ffn=128,
              microbatches=4)
 SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=2, vpp=2)}
-OFFLOAD = dict(pool_bytes=256 << 20, chunk_bytes=64 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=False,
+OFFLOAD = dict(pool_mb=256.0, chunk_mb=1 / 16, prefetch_depth=1, min_tensor_kb=1.0, debug=False,
                cross_pass_prefetch="after-forward")
 LINKS = {"fast": "x0.1", "slow": "x1.5"}  # one layer's copy time / that layer's forward time
 # --smoke: every schedule and both models at the full size, the fast link alone, one micro-batch per
@@ -182,7 +182,7 @@ def main(argv=None):
         shape = {k: int(v) for k, v in (kv.split("=") for kv in a.overhead_shape.split(","))}
         big = dict(MODEL, mbs=1, vocab=32000, microbatches=4, dtype="bfloat16", **shape)
         overhead = run_world(1, time_steps, timeout=3600, modules=DENSE, offload_kw=dict(
-            OFFLOAD, chunk_bytes=4 << 20, min_tensor_bytes=64 << 10, pool_bytes=16 << 30), **big)[0]
+            OFFLOAD, chunk_mb=4.0, min_tensor_kb=64.0, pool_mb=16384.0), **big)[0]
     timelines = [c for c in cases if "timeline_on" in c]
     if timelines and a.png:
         plot(timelines, a.png)

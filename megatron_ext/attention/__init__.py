@@ -75,3 +75,9 @@ def before_validate(args) -> None:
         args.create_attention_mask_in_dataloader = False
         args.config_sources["create_attention_mask_in_dataloader"] = (
             "default (off: the causal triangle is torch SDPA's is_causal; --reset-attention-mask keeps the mask)")
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): the core attention this run builds."""
+    chosen, why = resolve(args)
+    return f"attention: {chosen} ({why})"

@@ -139,7 +139,6 @@ FAMILIES = (
         inference_dynamic_batching_cuda_graph_mixed_prefill_count dino_local_crops_number
         dino_warmup_teacher_temp_epochs ft_num_warmup_iters flight_recorder_trace_buffer_size
         fault_injector_delay_start_iteration logits_load_msc_prefetch_depth
-        activation_offload_prefetch_depth
     """),
     _family("seed", Domain(int, 0, 2**32 - 1), "a random seed (numpy accepts 0 .. 2^32 - 1)", """
         seed fault_injector_seed
@@ -194,7 +193,7 @@ FAMILIES = (
         inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout
         inprocess_hard_timeout inprocess_heartbeat_timeout inprocess_barrier_timeout
         inprocess_completion_timeout fault_injector_fault_delay fault_injector_mtti_seconds
-        activation_offload_pool_mb activation_offload_chunk_mb plan_memory_gb plan_host_link_gbps lora_alpha
+        plan_memory_gb plan_host_link_gbps lora_alpha
     """),
     _family("non-negative", Domain(float, 0), "a rate, coefficient or amount where 0 means none", """
         lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init weight_decay start_weight_decay
@@ -204,7 +203,7 @@ FAMILIES = (
         mup_attn_scale_power mid_level_dataset_surplus dino_freeze_last_layer
         inference_dynamic_batching_paused_buffer_size_gb
         inference_dynamic_batching_prefix_caching_mamba_gb inprocess_last_call_wait
-        inprocess_termination_grace_time activation_offload_min_tensor_kb
+        inprocess_termination_grace_time
     """),
     _family("signed", Domain(float), "signed: the sign selects a mode, or an offset", """
         glu_linear_offset moe_router_force_biased moe_paged_stash_buffer_size_factor_cuda

@@ -303,3 +303,11 @@ def teardown() -> None:
     from megatron_ext.lora import attach
 
     attach.forget()
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): the adapters, or off."""
+    if not enabled(args):
+        return f"lora: off (no {FLAG})"
+    return (f"lora: rank {args.lora_rank}, scale {scale(args):g}{' (rsLoRA)' if args.lora_rslora else ''}, "
+            f"dropout {args.lora_dropout:g}; on {' '.join(target_list(args))}; the base frozen")

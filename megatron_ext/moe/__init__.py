@@ -268,3 +268,21 @@ def teardown() -> None:
     counter.reset()
     _last_line.clear()
     graphs.teardown()
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): the token dispatcher and the dropless mode."""
+    if not args.num_experts:
+        return "moe: off (a dense model: no --num-experts)"
+    kind = args.moe_token_dispatcher_type
+    dispatcher = f"sync-free multihot ({FLAG}, {kind} communication)" if args.moe_sync_free_dispatcher else \
+        f"megatron's {kind}"
+    if args.moe_expert_capacity_factor is not None:
+        dropping = f"capacity factor {args.moe_expert_capacity_factor:g} (tokens past it dropped)"
+    elif args.moe_zero_sync_dropless:
+        budget = "the worst case" if args.moe_dropless_budget_factor is None else \
+            f"{args.moe_dropless_budget_factor:g} x the balanced load"
+        dropping = f"dropless, zero-sync ({ZERO_SYNC}: budget {budget}, overflow {args.moe_dropless_overflow})"
+    else:
+        dropping = "dropless (megatron's: the split sizes read on the host in each layer)"
+    return f"moe: {args.num_experts} experts, top-{args.moe_router_topk}; dispatcher {dispatcher}; {dropping}"

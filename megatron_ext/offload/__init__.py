@@ -7,13 +7,14 @@ is a different mechanism and cannot be combined with this one.
 """
 from __future__ import annotations
 
+from megatron_ext.config.typed import add_group
+from megatron_ext.counters import SinceLastCall
 from megatron_ext.errors import ConfigError
 from megatron_ext.offload.manager import attach, current, detach
-from megatron_ext.offload.vocabulary import ALIASES, MODULES, Options, canonical_modules
-from megatron_ext.counters import SinceLastCall
+from megatron_ext.offload.vocabulary import ALIASES, MODULES, OffloadOptions, canonical_modules
 
 __all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
-           "MODULES", "ALIASES", "Options"]
+           "MODULES", "ALIASES", "OffloadOptions", "canonical_modules"]
 
 # megatron-core recompute module names (--recompute-modules) -> ours they make pointless to offload
 _RECOMPUTE_CONFLICTS = {
@@ -29,39 +30,12 @@ _EXPERT_LINEAR_MODULES = ("router_fc1", "router_fc2", "moe_act")
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("megatron_ext: activation offload", "chunked, race-free activation offload "
-                                  "(docs/offload.md)")
-    g.add_argument(
-        "--activation-offload-modules", nargs="+", default=None, metavar="MODULE",
-        help="Offload to host memory what these modules save for backward, and bring it back before "
-        f"backward needs it. Any of: {', '.join(MODULES)} (aliases: "
-        f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}). Not given: offload is off.",
-    )
-    g.add_argument("--activation-offload-pool-mb", type=float, default=1024.0,
-                   help="Size of the host pool (pinned on CUDA) that offloaded bytes live in. When it is "
-                   "full a tensor stays on the device.")
-    g.add_argument("--activation-offload-chunk-mb", type=float, default=4.0,
-                   help="Copies move in chunks of this size (one pool slot each).")
-    g.add_argument("--activation-offload-prefetch-depth", type=int, default=1,
-                   help="In backward, reload this many layers ahead of the one being computed.")
-    g.add_argument("--activation-offload-cross-pass-prefetch", choices=("off", "after-forward", "always"),
-                   default="after-forward",
-                   help="Also prefetch the last layers of the micro-batch predicted (from the previous step's "
-                   "observed order) to run backward next: after-forward = when a chunk's forward returns "
-                   "and a backward comes next (overlaps the pipeline wait; no extra peak measured); always = "
-                   "also at the end of a micro-batch's backward when another backward follows (one more "
-                   "layer resident at non-last stages' peak).")
-    g.add_argument("--activation-offload-min-tensor-kb", type=float, default=64.0,
-                   help="Saved tensors (storages) smaller than this stay on the device.")
-    g.add_argument("--activation-offload-debug", action="store_true",
-                   help="Poison released device storage, free pool slots and unfilled reload buffers with "
-                   "NaN bytes (released storage is also resized to 0); on CPU run the copy streams as "
-                   "deferred queues, so a missing wait or early release fails loudly.")
+    add_group(parser, OffloadOptions, "megatron_ext: activation offload")
     return parser
 
 
 def validate(args) -> None:
-    names = getattr(args, "activation_offload_modules", None)
+    names = args.activation_offload_modules
     if not names:
         return
     if isinstance(names, str):
@@ -74,46 +48,34 @@ def validate(args) -> None:
         )
     modules = canonical_modules(names)
     args.activation_offload_modules = list(modules)  # canonical from here on: options_from_args reads it
-
-    pool, chunk = args.activation_offload_pool_mb, args.activation_offload_chunk_mb
-    if not pool > 0:
-        raise ConfigError(f"--activation-offload-pool-mb={pool}: must be > 0")
-    if not chunk > 0:
-        raise ConfigError(f"--activation-offload-chunk-mb={chunk}: must be > 0")
-    if chunk > pool:
-        raise ConfigError(f"--activation-offload-chunk-mb={chunk}: larger than --activation-offload-pool-mb={pool}")
-    if args.activation_offload_prefetch_depth < 0:
-        raise ConfigError(f"--activation-offload-prefetch-depth={args.activation_offload_prefetch_depth}: must be >= 0")
-    if args.activation_offload_min_tensor_kb < 0:
-        raise ConfigError(f"--activation-offload-min-tensor-kb={args.activation_offload_min_tensor_kb}: must be >= 0")
+    options = OffloadOptions.from_args(args)  # each value inside its field's domain, or refused naming its flag
+    if options.chunk_mb > options.pool_mb:
+        raise ConfigError(f"--activation-offload-chunk-mb={options.chunk_mb}: larger than "
+                          f"--activation-offload-pool-mb={options.pool_mb}")
 
     mods = " ".join(modules)
-    if getattr(args, "fine_grained_activation_offloading", False):
+    if args.fine_grained_activation_offloading:
         raise ConfigError(
             "--fine-grained-activation-offloading=True: megatron-core's own activation offload installs "
             f"saved-tensor hooks on the same modules as --activation-offload-modules={mods}; use one of them"
         )
-    if getattr(args, "cpu_offloading", False):
-        raise ConfigError(f"--cpu-offloading=True: transformer-engine's layer offload cannot be combined with "
-                          f"--activation-offload-modules={mods}")
-    if getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False) \
-            or getattr(args, "external_cuda_graph", False):
+    if args.cuda_graph_impl not in (None, "none") or args.enable_cuda_graph or args.external_cuda_graph:
         raise ConfigError(
-            f"--cuda-graph-impl={getattr(args, 'cuda_graph_impl', None)}: a captured graph does not run the "
+            f"--cuda-graph-impl={args.cuda_graph_impl}: a captured graph does not run the "
             f"Python hooks --activation-offload-modules={mods} relies on"
         )
     expert = [m for m in modules if m in _EXPERT_LINEAR_MODULES]
-    if expert and getattr(args, "use_transformer_engine_op_fuser", False):
+    if expert and args.use_transformer_engine_op_fuser:
         raise ConfigError(
             f"--use-transformer-engine-op-fuser=True: the experts run as one fused transformer-engine op that "
             f"never calls their linear_fc1/linear_fc2 (transformer/moe/experts.py:753), so "
             f"--activation-offload-modules {' '.join(expert)} would offload nothing; drop those modules or "
             "--use-transformer-engine-op-fuser"
         )
-    granularity = getattr(args, "recompute_granularity", None)
-    if granularity == "selective" or getattr(args, "moe_layer_recompute", False):
-        recomputed = list(getattr(args, "recompute_modules", None) or ["core_attn"])
-        if getattr(args, "moe_layer_recompute", False):
+    granularity = args.recompute_granularity
+    if granularity == "selective" or args.moe_layer_recompute:
+        recomputed = list(args.recompute_modules or ["core_attn"])
+        if args.moe_layer_recompute:
             recomputed.append("moe")
         for r in recomputed:
             clash = [m for m in _RECOMPUTE_CONFLICTS.get(r, ()) if m in modules]
@@ -125,10 +87,10 @@ def validate(args) -> None:
                     "--recompute-modules"
                 )
     if granularity == "full":
-        method = getattr(args, "recompute_method", None)
-        n = getattr(args, "recompute_num_layers", None) or 0
-        vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-        per_chunk = args.num_layers // max(1, getattr(args, "pipeline_model_parallel_size", 1) * vp)
+        method = args.recompute_method
+        n = args.recompute_num_layers or 0
+        vp = args.virtual_pipeline_model_parallel_size or 1
+        per_chunk = args.num_layers // max(1, args.pipeline_model_parallel_size * vp)
         if method == "uniform" or n >= per_chunk:
             raise ConfigError(
                 f"--recompute-granularity=full with --recompute-method={method} "
@@ -138,24 +100,81 @@ def validate(args) -> None:
             )
 
 
-def options_from_args(args) -> Options:
-    """The options of a validated run (``validate`` left the module names canonical)."""
-    return Options(
-        modules=tuple(args.activation_offload_modules),  # canonicalised by validate
-        pool_bytes=int(args.activation_offload_pool_mb * (1 << 20)),
-        chunk_bytes=max(1, int(args.activation_offload_chunk_mb * (1 << 20))),
-        prefetch_depth=args.activation_offload_prefetch_depth,
-        min_tensor_bytes=int(args.activation_offload_min_tensor_kb * 1024),
-        debug=bool(args.activation_offload_debug),
-        cross_pass_prefetch=getattr(args, "activation_offload_cross_pass_prefetch", "after-forward"),
-    )
+def options_from_args(args) -> OffloadOptions:
+    """Offload's slice of a validated run's arguments (``validate`` left the module names canonical)."""
+    return OffloadOptions.from_args(args)
 
 
 def after_model(args, model) -> None:
-    if getattr(args, "activation_offload_modules", None):
-        attach(model, options_from_args(args))
+    if args.activation_offload_modules:
+        manager = attach(model, options_from_args(args))
+        if manager.pool.slots and manager.pool.slots[0].device.type == "cpu" and _rank() == 0:
+            print("[offload] on CPU the host pool and the device are the same memory: offload moves the saved "
+                  "bytes but cannot lower the process's RSS (on CUDA it lowers device memory)", flush=True)
     else:
         detach()
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): the modules offloaded and the pool."""
+    if not args.activation_offload_modules:
+        return "offload: off (no --activation-offload-modules)"
+    o = OffloadOptions.from_args(args)
+    return (f"offload: {' '.join(o.modules)}; host pool {o.pool_mb:g} MiB in {o.chunk_mb:g} MiB chunks, tensors "
+            f"from {o.min_tensor_kb:g} KiB, prefetch {o.prefetch_depth} layer(s), cross-pass {o.cross_pass_prefetch}")
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _why(reason: str, mib: float, options: OffloadOptions) -> str:
+    return {
+        "pool_full": f"{mib:.2f} MiB because the host pool was full (raise --activation-offload-pool-mb, "
+                     f"now {options.pool_mb:g})",
+        "small": f"{mib:.2f} MiB in tensors under the minimum (lower --activation-offload-min-tensor-kb, "
+                 f"now {options.min_tensor_kb:g})",
+        "last": f"{mib:.2f} MiB of the last layer before its backward, kept by design (offloading it cannot "
+                "lower the peak: docs/offload.md)",
+        "shared": f"{mib:.2f} MiB held by another tensor too (releasing it would free nothing)",
+    }[reason]
+
+
+def explain(manager) -> list[str]:
+    """One line per listed module that kept on the device some of what it saved, for each reason the
+    log has not given yet this run: how much, why, and the flag that changes it."""
+    lines = []
+    moved = manager.offloaded_by_module()
+    for name in manager.options.modules:
+        kept = manager.kept_by_module.get(name, {})
+        new = [r for r, n in kept.items() if n and (name, r) not in manager.explained]
+        if not new:
+            continue
+        manager.explained.update((name, r) for r in new)
+        reasons = "; ".join(_why(r, kept[r] / 2**20, manager.options) for r in new)
+        lines.append(f"{name} moved {moved.get(name, 0) / 2**20:.2f} MiB and kept on the device {reasons}")
+    return lines
+
+
+def at_log_line(args) -> None:
+    """Every rank at a log line: why a listed module kept bytes on the device, once a run per module and
+    reason, said by one rank of each pipeline stage (the first of its tensor and data parallel groups)."""
+    manager = current()
+    if manager is None:
+        return
+    lines = explain(manager)
+    if not lines:
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() or ps.get_data_parallel_rank(with_context_parallel=True):
+        return
+    stage = (f"pipeline stage {ps.get_pipeline_model_parallel_rank()}: "
+             if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+    for line in lines:
+        print(f"[offload] {stage}{line}", flush=True)
 
 
 def teardown() -> None:

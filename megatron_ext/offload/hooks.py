@@ -6,7 +6,7 @@ one ticks it, hands it a group to copy out or to bring back, and feeds the backw
 (``predictor.py``) that decides when prefetch crosses into another pass.
 
 ``Hooks`` is a part of ``manager.OffloadManager``: it reads the manager's state and calls its engine
-(``_tick``, ``_offload``, ``_reload``, ``_prefetch``, ``_cancel``, ``_drop``, ``_count``, ``close``).
+(``_tick``, ``_offload``, ``_reload``, ``_prefetch``, ``_cancel``, ``_drop``, ``_count``, ``_kept``, ``close``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from megatron_ext.errors import ConfigError
 from megatron_ext.offload.records import OFFLOADED, PACKED, RELOADING, Group, Pass, Record
 from megatron_ext.platform import streams
 
@@ -88,13 +87,6 @@ class Hooks:
             self._handles.append(root.register_forward_pre_hook(functools.partial(self._begin_pass, chunk_idx)))
             self._handles.append(root.register_forward_hook(self._end_pass))
             for layer in where.offload_layers(root):
-                fused = [m for m in modules if m in ("router_fc1", "router_fc2", "moe_act")]
-                if fused and where.offload_fused_experts(layer):
-                    raise ConfigError(
-                        f"--use-transformer-engine-op-fuser=True: the experts run as one fused op that never "
-                        f"calls their linear_fc1/linear_fc2; --activation-offload-modules {' '.join(fused)} "
-                        "would offload nothing"
-                    )
                 targets = where.offload_targets(layer, modules)
                 if not targets:
                     continue
@@ -219,10 +211,10 @@ class Hooks:
         ptr = storage.data_ptr()
         rec = group.records.get(ptr)
         if rec is None:
-            if storage.nbytes() < self.options.min_tensor_bytes:
-                self.stats["kept_small_bytes"] += storage.nbytes()
-                return t
             module = self._saving[-1] if self._saving else None
+            if storage.nbytes() < self.options.min_tensor_bytes:
+                self._kept(module, "small", storage.nbytes())
+                return t
             rec = group.records[ptr] = Record(storage, t.device, group, module)
             self._count(rec, "saved")
         elif self._saving and self._saving[-1] != rec.module:

@@ -43,7 +43,7 @@ Life of a group (one layer of one micro-batch)::
 Here: the engine (the pool, the two copy streams, offload / release / reload of a group). Beside it:
 ``records.py`` (what a record, a group and a pass hold), ``hooks.py`` (the module, saved-tensor and
 backward hooks that drive the engine), ``predictor.py`` (which pass runs backward next),
-``vocabulary.py`` (the module names and ``Options``).
+``vocabulary.py`` (the module names and ``OffloadOptions``, the flags' one declaration).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from megatron_ext.offload.hooks import Hooks
 from megatron_ext.offload.pool import POISON, HostPool
 from megatron_ext.offload.predictor import BackwardOrder
 from megatron_ext.offload.records import COPYING, KEPT, OFFLOADED, PACKED, RELOADING, Group, Pass
-from megatron_ext.offload.vocabulary import Options
+from megatron_ext.offload.vocabulary import OffloadOptions
 from megatron_ext.platform import streams
 
 
@@ -83,17 +83,22 @@ STAT_KEYS = (
     "kept_small_bytes", "kept_shared_bytes", "kept_pool_full_bytes", "kept_last_bytes", "served_in_flight_bytes",
     "groups", "exposed_d2h_s", "exposed_h2d_s", "exposed_copy_s",
 )
+# why a saved storage stayed on the device: under --activation-offload-min-tensor-kb, held by another
+# tensor too (releasing ours frees nothing), the host pool full, the last layer before its backward
+KEPT_REASONS = ("small", "shared", "pool_full", "last")
 
 
 class OffloadManager(Hooks):
     """The engine: a host pool, a D2H and an H2D stream, the groups in flight. Its hooks (``hooks.py``)
     tell it when a group is saved, when a layer or pass ends and when backward reaches a group."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: OffloadOptions, deferred_copies: bool | None = None):
+        """``deferred_copies``: the CPU copy streams run only when waited on (the latest a device
+        could); None: as ``options.debug``."""
         self.options = options
         self.debug = options.debug
         self.pool = HostPool(options.pool_bytes, options.chunk_bytes, debug=options.debug)
-        deferred = options.debug if options.deferred_copies is None else options.deferred_copies
+        deferred = options.debug if deferred_copies is None else deferred_copies
         self.d2h = streams.Stream(deferred=deferred)
         self.h2d = streams.Stream(deferred=deferred)
         self._timed = not streams.cuda()  # on CUDA a compute-stream wait does not block the host
@@ -123,6 +128,9 @@ class OffloadManager(Hooks):
         # {(module name, sub-module path): {"saved": bytes, "offloaded": bytes}}: what each hooked
         # sub-module saved for backward and how much of it left the device (none may be bypassed)
         self.module_stats: dict = {}
+        # {module name: {reason: bytes}}: what each listed module's hooks kept on the device, and why
+        self.kept_by_module: dict = {}
+        self.explained: set = set()  # (module, reason) the log has said (offload.at_log_line), once a run
 
     # ------------------------------------------------------------------ engine
     def close(self) -> None:
@@ -138,6 +146,13 @@ class OffloadManager(Hooks):
         entry = self.module_stats.setdefault(rec.module, {"saved": 0, "offloaded": 0})
         entry[what] += rec.nbytes
 
+    def _kept(self, module, reason: str, nbytes: int) -> None:
+        """``nbytes`` a listed module saved stay on the device, for ``reason`` (KEPT_REASONS)."""
+        self.stats[f"kept_{reason}_bytes"] += nbytes
+        if module is not None:
+            per = self.kept_by_module.setdefault(module[0], dict.fromkeys(KEPT_REASONS, 0))
+            per[reason] += nbytes
+
     def _prefetch(self, groups) -> None:
         for g in groups:
             if g.state in ("offloading", "offloaded"):
@@ -150,7 +165,7 @@ class OffloadManager(Hooks):
         for rec in group.records.values():
             if rec.state == PACKED:
                 rec.state = KEPT
-                self.stats["kept_last_bytes"] += rec.nbytes
+                self._kept(rec.module, "last", rec.nbytes)
         group.state = "kept"
         self._drop(group)
 
@@ -162,12 +177,12 @@ class OffloadManager(Hooks):
                 continue
             if not _solely_ours(rec):  # someone else holds it: releasing ours frees nothing
                 rec.state = KEPT
-                self.stats["kept_shared_bytes"] += rec.nbytes
+                self._kept(rec.module, "shared", rec.nbytes)
                 continue
             slots = self.pool.take(rec.nbytes)
             if slots is None:
                 rec.state = KEPT
-                self.stats["kept_pool_full_bytes"] += rec.nbytes
+                self._kept(rec.module, "pool_full", rec.nbytes)
                 continue
             if compute_done is None:
                 compute_done = streams.Stream.current().record()
@@ -305,6 +320,7 @@ class OffloadManager(Hooks):
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.module_stats = {}
+        self.kept_by_module = {}
 
     def offloaded_by_module(self) -> dict:
         """{module name: bytes offloaded}, over every sub-module hooked for it."""
@@ -317,12 +333,12 @@ class OffloadManager(Hooks):
 _MANAGER: OffloadManager | None = None
 
 
-def attach(model_chunks, options: Options) -> OffloadManager:
+def attach(model_chunks, options: OffloadOptions, deferred_copies: bool | None = None) -> OffloadManager:
     global _MANAGER
     from megatron_ext.seams import schedules as seams
 
     detach()
-    _MANAGER = OffloadManager(options).attach(model_chunks)
+    _MANAGER = OffloadManager(options, deferred_copies).attach(model_chunks)
     seams.bind_offload_manager(_MANAGER)  # megatron's combined-1F1B plan delimits its groups
     return _MANAGER
 

@@ -36,8 +36,9 @@ finds, by the names of the flag --activation-offload-modules:
   shared_experts  layer.mlp.shared_experts                 transformer/moe/moe_layer.py:338;
                   under --moe-shared-expert-overlap the dispatcher calls its linear_fc1_forward_and_act
                   and linear_fc2_forward instead of its forward (moe_layer.py:345): those calls are wrapped
-  refused: expert modules when the experts run TE's fused op (TEGroupedMLP._with_fused_impl,
-                  transformer/moe/experts.py:290, taken at :753), which bypasses linear_fc1 / linear_fc2
+  refused: expert modules with --use-transformer-engine-op-fuser (offload.validate): the experts then
+                  run TE's fused op (TEGroupedMLP._with_fused_impl = the flag, transformer/moe/experts.py:290,
+                  taken at :753), which bypasses linear_fc1 / linear_fc2
 Module paths are the same in the local and the transformer-engine layer specs.
 """
 from __future__ import annotations
@@ -59,14 +60,6 @@ def _expert_linears(experts, which: str) -> list:
         return [getattr(e, which) for e in experts.local_experts]
     lin = getattr(experts, which, None)
     return [lin] if lin is not None else []
-
-
-def offload_fused_experts(layer) -> bool:
-    """The layer's experts run transformer-engine's fused grouped MLP (--use-transformer-engine-op-fuser:
-    TEGroupedMLP._with_fused_impl, transformer/moe/experts.py:290, taken at :753), which never calls
-    their linear_fc1 / linear_fc2, so hooks there never fire."""
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    return bool(getattr(experts, "_with_fused_impl", False))
 
 
 # standard attention, then MLA's (transformer/multi_latent_attention.py MLASelfAttention): absent ones are skipped

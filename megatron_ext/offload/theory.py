@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_ext.offload.vocabulary import OffloadOptions
+
 ATTENTION = ("unfused", "sdpa")
 PEAKS = ("layer_backward", "loss_backward", "layer_forward")
 RELEASES = ("last_use", "next_hook")
@@ -200,7 +202,8 @@ def theoretical_saving(group: int, pp: int, vpp: int | None, pp_rank: int, micro
     return group * max(0, passes * layers_per_chunk - sum(r.groups for r in resident))
 
 
-def next_hook_saving(group: int, layers: int, layer_saved: int, consumed: int, prefetch_depth: int = 1) -> int:
+def next_hook_saving(group: int, layers: int, layer_saved: int, consumed: int,
+                     prefetch_depth: int = OffloadOptions.prefetch_depth) -> int:
     """PP=1, release ``next_hook``, the peak inside a layer's backward: the exact saving. At the last
     layer's peak ``layers - 1 - depth`` groups are off the device; at the peak of the layer before it
     (the same working set, ``layer_saved`` bytes of the last layer gone) one group fewer is, and the

@@ -33,6 +33,7 @@ import dataclasses
 import math
 
 from megatron_ext import lora
+from megatron_ext.offload.vocabulary import OffloadOptions
 from megatron_ext.planner import schedule
 from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds
 
@@ -40,8 +41,8 @@ from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds
 @dataclasses.dataclass(frozen=True)
 class Offload:
     modules: tuple = ()
-    prefetch_depth: int = 1
-    min_tensor_bytes: int = 64 << 10
+    prefetch_depth: int = OffloadOptions.prefetch_depth
+    min_tensor_bytes: int = OffloadOptions().min_tensor_bytes
     pool_bytes: float = math.inf
 
     @classmethod

@@ -212,7 +212,7 @@ def _budget_as_the_run(rows_per_token):
 
 def _run_built(run, kinds, seed: int) -> dict:
     from megatron_ext.measure.memtrack import model_state_ptrs
-    from megatron_ext.offload import MODULES, Options
+    from megatron_ext.offload import MODULES, OffloadOptions
     from megatron_ext.seams import unwrapped
     from megatron_ext.seams.planner import buffer_requests
 
@@ -235,7 +235,7 @@ def _run_built(run, kinds, seed: int) -> dict:
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     tagger = _Tagger(root, exclude)
-    manager = _trace_manager_class()(Options(modules=MODULES, min_tensor_bytes=0))
+    manager = _trace_manager_class()(OffloadOptions(modules=list(MODULES), min_tensor_kb=0.0))
     manager.tagger = tagger
     manager.attach(chunks)
     tracker = _AllocTracker(exclude, dev.type)

@@ -153,3 +153,10 @@ def log_counters() -> dict:
 
     delta = _SINCE(lanes.exposed_seconds())
     return {f"{kind.upper()} comm exposed (ms)": f"{delta[kind] * 1e3:.1f}" for kind in sorted(delta)}
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): which schedule runs the micro-batches."""
+    if args.overlap_tp_comm_1f1b:
+        return f"overlap: on ({FLAG}: backward of one micro-batch hides the other's TP/EP communication)"
+    return f"overlap: off (megatron's schedule; {FLAG} hides TP/EP communication)"

@@ -176,3 +176,11 @@ def _flag_of(args, path: str) -> str:
         if path in [p for entry in (getattr(args, dest) or []) for p in str(entry).split()]:
             return "--" + dest.replace("_", "-")
     return "--data-path"
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py): chat data packed per conversation, or off."""
+    if not args.sft:
+        return "sft: off (no --sft)"
+    return (f"sft: conversations of {' '.join(args.data_path or [])} packed into rows of {args.seq_length} "
+            f"tokens, {args.tokenizer_type}'s chat template, token-weighted loss")

@@ -22,6 +22,9 @@ which order. Each capability package may define
     at_log_line(args)              every rank, at each log line, before it is printed (host reads)
     log_counters()                 {name: value} for the log line, counted since the previous line
     teardown()                     forget per-run state (process groups are destroyed after it)
+    summary(args) -> str | None    its line of the startup summary, "<capability>: <effective setting>"
+                                   (off included, so a user sees a flag took effect); a capability that
+                                   lands (context parallelism, FP8) adds its line by defining it
 
 The run (training/run.py Run.build) calls them in this order: the config -> before_model -> the
 model chunks -> layout-invariant init -> before_wrap (LoRA's adapters, a frozen base) -> the
@@ -139,3 +142,10 @@ def log_counters() -> dict:
 def teardown() -> None:
     for fn in _hooks("teardown"):
         fn()
+
+
+def summary(args) -> str:
+    """The startup summary: every capability's line (its ``summary(args)``), in the order above, as one
+    block (Run.train prints it once, on rank 0)."""
+    lines = [line for fn in _hooks("summary") if (line := fn(args))]
+    return "\n".join(["[capabilities]", *(f"  {line}" for line in lines)])

@@ -71,6 +71,7 @@ class Run:
         self.config = self.model = self.optimizer = self.scheduler = None
         self.checkpointer = self.iterators = self.forward_backward = None
         self.iteration = 0  # the last completed iteration (the loaded one before the loop)
+        self.argv: list[str] | None = None  # the command line parsed (from_argv): an interrupt's resume command
         self._initialized = self._own_world = False
         self._at("after_parse")
 
@@ -94,7 +95,9 @@ class Run:
                 print(f"  checkpoint_keys {args.checkpoint_keys!r}  [{args.config_sources['checkpoint_keys']}]")
             if exit_on_dry_run:
                 raise SystemExit(0)
-        return cls(args, probes)
+        run = cls(args, probes)
+        run.argv = argv
+        return run
 
     @classmethod
     def for_model(cls, argv: list[str], probes=(), first_read=None, *, parse) -> "Run":
@@ -297,12 +300,14 @@ class Run:
 
     def train(self) -> list[dict]:
         """The loop, as megatron.training.train runs it; returns the logged history."""
-        from megatron_ext.training import evaluation, exits, features, model as models, observability
+        from megatron_ext.training import ckpt_dirs, evaluation, exits, features, model as models, observability
         from megatron_ext.training import optimizer as optim
         from megatron_ext.training.log_line import TrainingLogger
 
         args = self.args
         self.optimize()
+        if torch.distributed.get_rank() == 0:
+            print(features.summary(args), flush=True)  # what is on, once, with the model built
         start = self.load()
         iterators = self.data()
         self._schedule()  # megatron's, or our TP-overlap 1F1B
@@ -311,7 +316,8 @@ class Run:
         try:
             observer = observability.Observer(args)  # profiler/memory step range, non-finite loss check
             iteration = start
-            with exits.ExitConditions(args) as stop:  # exit interval/duration/signal, manual gc
+            # exit interval/duration/signal, manual gc; a signal's handler stays until the save is written
+            with exits.ExitConditions(args) as stop:
                 last = start if args.skip_train else args.train_iters
                 for iteration in range(start + 1, last + 1):
                     observer.before_step(iteration)
@@ -324,8 +330,10 @@ class Run:
                     self.checkpointer.after_step(iteration)  # saves every --save-interval
                     if stop.after_step(iteration):
                         break
-            observer.close()
-            self.checkpointer.close(iteration)  # saves at exit, waits for async saves
+                observer.close()
+                self.checkpointer.close(iteration)  # saves at exit, waits for async saves
+                saved = self.checkpointer.last_saved == iteration and args.save
+                stop.interrupted(iteration, ckpt_dirs.checkpoint_dir(args.save, iteration) if saved else None, self.argv)
             if not stop.reason:
                 evaluation.after_training(args, iterators, self.model, self.config, iteration, logger.writer)
             return logger.history

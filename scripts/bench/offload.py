@@ -135,11 +135,13 @@ def _same(ga: dict, gb: dict) -> tuple[bool, list]:
 
 
 def offload_options(modules, **kw):
-    from megatron_ext.offload import Options, canonical_modules
+    """The benchmarks' offload options: a small pool of small chunks, every tensor of 1 KiB or more,
+    debug on; ``kw`` as OffloadOptions' fields."""
+    from megatron_ext.offload import OffloadOptions, canonical_modules
 
-    o = dict(pool_bytes=64 << 20, chunk_bytes=16 << 10, prefetch_depth=1, min_tensor_bytes=1024, debug=True)
+    o = dict(pool_mb=64.0, chunk_mb=1 / 64, prefetch_depth=1, min_tensor_kb=1.0, debug=True)
     o.update(kw)
-    return Options(modules=canonical_modules(modules), **o)
+    return OffloadOptions(modules=list(canonical_modules(modules)), **o)
 
 
 def theory_group_bytes(modules, c) -> int:
@@ -313,7 +315,9 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
     from megatron_ext.training import parallel
 
     chunks, config, c = build(**model_kw)
-    opts = offload_options(modules, **(offload_kw or {}))
+    offload_kw = dict(offload_kw or {})
+    deferred = offload_kw.pop("deferred_copies", None)  # the CPU copy streams' mode (OffloadManager)
+    opts = offload_options(modules, **offload_kw)
     try:
         clock = LayerClock(chunks)  # a link given as a ratio is set against the measured step's own compute
         base = [run_step(chunks, config, c, step=s) for s in range(steps)]
@@ -339,7 +343,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
         for spec in links:
             gbps = _link_gbps(spec, group, layer_s)
             with link(gbps):
-                mgr = om.attach(chunks, opts)
+                mgr = om.attach(chunks, opts, deferred)
                 mgr._faults = set(faults)
                 t_on = tracker(mgr.pool.storage_ptrs())
                 on = []

@@ -130,8 +130,8 @@ def _model_rows(kind, layers, sets, size, link) -> list:
         reference = {}
 
         def options(modules):
-            return jobs.offload_options(modules, pool_bytes=pool, chunk_bytes=4 << 20 if cuda() else 64 << 10,
-                                        min_tensor_bytes=64 << 10 if cuda() else 1024, debug=False)
+            return jobs.offload_options(modules, pool_mb=pool / 2**20, chunk_mb=4.0 if cuda() else 1 / 16,
+                                        min_tensor_kb=64.0 if cuda() else 1.0, debug=False)
 
         def step(modules, timed_layers=False):
             """One forward+backward through megatron-core's schedule, offload on with ``modules``:

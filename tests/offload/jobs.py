@@ -73,3 +73,20 @@ def train_losses(argv):
     finally:
         offload.detach()
     return dict(history=history, stats=stats, pp_rank=None)
+
+
+def train_explaining(argv: list[str]) -> dict:
+    """train.main(argv): what it printed on this rank, and its offload manager's counters (what each
+    listed module moved and kept on the device, by reason)."""
+    import contextlib
+    import io
+
+    import train as entry
+    from megatron_ext import offload
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        entry.main(argv)
+    manager = offload.current()
+    return {"stdout": out.getvalue(), "moved": manager.offloaded_by_module(), "kept": manager.kept_by_module,
+            "kept_total": sum(v for k, v in manager.stats.items() if k.startswith("kept_"))}

@@ -79,9 +79,11 @@ def _args(**kw):
     ns = argparse.Namespace(
         activation_offload_modules=["core_attention"], activation_offload_pool_mb=64.0,
         activation_offload_chunk_mb=1.0, activation_offload_prefetch_depth=1, activation_offload_min_tensor_kb=64.0,
-        activation_offload_debug=False, num_layers=4, pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None, recompute_granularity=None, recompute_method=None,
-        recompute_num_layers=None, recompute_modules=None,
+        activation_offload_debug=False, activation_offload_cross_pass_prefetch="after-forward", num_layers=4,
+        pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, recompute_granularity=None,
+        recompute_method=None, recompute_num_layers=None, recompute_modules=None, moe_layer_recompute=False,
+        fine_grained_activation_offloading=False, cuda_graph_impl="none",
+        enable_cuda_graph=False, external_cuda_graph=False, use_transformer_engine_op_fuser=False,
     )
     for k, v in kw.items():
         setattr(ns, k, v)
@@ -137,17 +139,29 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     assert opts.chunk_bytes == 1 << 20 and opts.pool_bytes == 64 << 20 and opts.min_tensor_bytes == 64 << 10
 
 
-def test_fused_expert_op_is_seen_on_the_built_layer():
-    """attach() refuses expert modules on a layer whose experts run TE's fused op (the seam reads
-    TEGroupedMLP._with_fused_impl); SequentialMLP and dense layers are not affected."""
-    from types import SimpleNamespace as NS
+def test_the_flags_are_the_typed_options():
+    """One declaration: the argparse group, its defaults and ranges are OffloadOptions'; a value out of
+    range built in code is refused as the flag is, naming it."""
+    import dataclasses
 
-    from megatron_ext.offload import targets
+    import arguments
+    from megatron_ext.config import domains
+    from megatron_ext.offload import MODULES, OffloadOptions
+    from megatron_ext.training.command_line import flag_actions
 
-    assert targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=True))))
-    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(_with_fused_impl=False))))
-    assert not targets.offload_fused_experts(NS(mlp=NS(experts=NS(local_experts=[]))))
-    assert not targets.offload_fused_experts(NS(mlp=NS()))
+    parser = arguments.build_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest.startswith("activation_offload_")}
+    fields = {OffloadOptions.dest(f.name): f for f in dataclasses.fields(OffloadOptions)}
+    assert set(actions) - {"activation_offload_fraction"} == set(fields)  # megatron's own --activation-offload-fraction
+    assert all(actions[d].default == f.default for d, f in fields.items())
+    assert all(m in actions["activation_offload_modules"].help for m in MODULES)
+    assert not {d for d in fields if d in domains.DOMAINS}  # the ranges live in the dataclass alone
+    line = "--activation-offload-pool-mb=0.0: must be a number > 0 (a scale, factor, size or duration)"
+    args = parser.parse_args(["--activation-offload-pool-mb", "0"])
+    assert domains.check_domains(args, flag_actions(parser))["activation_offload_pool_mb"] == line
+    with pytest.raises(ConfigError, match=line.replace("(", r"\(").replace(")", r"\)")):
+        OffloadOptions(pool_mb=0.0)
+    assert OffloadOptions(chunk_mb=1 / 16, min_tensor_kb=1.0).chunk_bytes == 64 << 10
 
 
 def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
@@ -160,6 +174,50 @@ def test_flags_do_not_clash_with_megatron_and_recipe_key_works(tmp_path):
     assert args.activation_offload_chunk_mb == 0.5
     names = {o for a in arguments.build_parser()._actions for o in a.option_strings}
     assert "--offload-modules" in names and "--fine-grained-activation-offloading" in names  # megatron's own
+
+
+# ----------------------------------------------------------------------------- why bytes stayed
+TINY = ["--mock-data", "--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+FLAG_OF = {"small": "in tensors under the minimum (lower --activation-offload-min-tensor-kb, now {kb})",
+           "pool_full": "because the host pool was full (raise --activation-offload-pool-mb, now {pool})",
+           "last": "of the last layer before its backward, kept by design", "shared": "held by another tensor too"}
+
+
+def _said(stdout: str) -> dict:
+    return {line.split()[1]: line for line in stdout.splitlines() if line.startswith("[offload] ") and
+            " moved " in line}
+
+
+def test_the_log_says_once_why_a_listed_module_kept_bytes_on_the_device():
+    """tiny_moe with a pool of 4 chunks: each listed module's kept bytes, counted by reason, are said
+    once in the run (two log lines), with the flag that changes it; every kept byte has its module.
+    tiny_dense with --activation-offload-min-tensor-kb 0: qkv_linear's small tensors move, only the
+    last layer stays (by design)."""
+    (r,) = run_distributed(1, "tests.offload.jobs:train_explaining", argv=[
+        "--recipe", "recipes/tiny_moe.yaml", *TINY, "--activation-offload-modules", "core_attention", "qkv_linear",
+        "expert_fc1", "moe_act", "--activation-offload-pool-mb", "0.25", "--activation-offload-chunk-mb", "0.0625"])
+    out = r["stdout"]
+    assert out.splitlines()[0].startswith("[offload] on CPU the host pool and the device are the same memory: "
+                                          "offload moves the saved bytes but cannot lower the process's RSS")
+    said = _said(out)
+    assert out.count("[capabilities]") == 1 and "\n  offload: core_attention qkv_linear router_fc1 moe_act; host pool 0.25 MiB" in out
+    assert sum(line.startswith("[offload] ") for line in out.splitlines()) == 1 + len(said) == 5  # once a run
+    assert r["kept_total"] == sum(n for per in r["kept"].values() for n in per.values())  # all attributed
+    reasons = {m: {k for k, n in per.items() if n} for m, per in r["kept"].items()}
+    assert reasons["qkv_linear"] == reasons["moe_act"] == {"small"} and "pool_full" in reasons["core_attention"]
+    assert r["moved"]["qkv_linear"] == r["moved"]["moe_act"] == 0
+    for module, per in r["kept"].items():  # the line comes at iteration 1 of 2 identical steps: half the bytes
+        line = said[module]
+        assert line.startswith(f"[offload] {module} moved {r['moved'][module] / 2 / 2**20:.2f} MiB and kept "), line
+        for reason, n in per.items():
+            phrase = FLAG_OF[reason].format(kb=64, pool=0.25)
+            assert (f"{n / 2 / 2**20:.2f} MiB {phrase}" in line) == (n > 0), (reason, line)
+
+    (d,) = run_distributed(1, "tests.offload.jobs:train_explaining", argv=[
+        "--recipe", "recipes/tiny_dense.yaml", *TINY, "--activation-offload-modules", "qkv_linear",
+        "--activation-offload-min-tensor-kb", "0"])
+    assert d["moved"]["qkv_linear"] > 0 and {k for k, n in d["kept"]["qkv_linear"].items() if n} == {"last"}
+    assert FLAG_OF["last"] in _said(d["stdout"])["qkv_linear"]
 
 
 # ----------------------------------------------------------------------------- 1 process
@@ -207,10 +265,10 @@ def test_pp1_moe_all_modules_chunked_exact():
 
 
 def test_pool_exhausted_and_tiny_tensors_stay_on_device():
-    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(pool_bytes=96 << 10))
+    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(pool_mb=96 / 1024))
     _check_exact([r])
     assert r["stats"]["kept_pool_full_bytes"] > 0
-    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(min_tensor_bytes=1 << 20))
+    (r,) = run_distributed(1, JOB, modules=DENSE, steps=1, offload_kw=dict(min_tensor_kb=1024.0))
     _check_exact([r], offloaded=False)
     assert r["stats"]["offloaded_bytes"] == 0 and r["stats"]["kept_small_bytes"] > 0
 

@@ -76,11 +76,11 @@ def test_offload_never_takes_a_gathered_weight_storage():
     starts, not the one they had when offload was attached."""
     import torch
 
-    from megatron_ext.offload import Options
+    from megatron_ext.offload import OffloadOptions
     from megatron_ext.offload.manager import OffloadManager
 
     layer = torch.nn.Linear(64, 64, bias=False)
-    mgr = OffloadManager(Options(modules=("qkv_linear",), pool_bytes=1 << 20, chunk_bytes=1 << 16, min_tensor_bytes=0))
+    mgr = OffloadManager(OffloadOptions(modules=["qkv_linear"], pool_mb=1.0, chunk_mb=1 / 16, min_tensor_kb=0.0))
     try:
         mgr._layer_params[id(layer)] = list(layer.parameters())  # what attach lists per layer
         seen = []
