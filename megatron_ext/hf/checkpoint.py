@@ -123,13 +123,15 @@ def loaded(found: Found, flags: list[str]):
 
 
 def hf_config(args, load: str) -> tuple[str, families.Config]:
-    """(model type, HF config) of a loaded run: its tokenizer directory's config.json, which an import
-    copies there; a model that came from no import has none to write."""
+    """(model type, HF config) of a loaded run: an import's, the config.json it copied into its tokenizer
+    directory; a model trained from a recipe, the family that represents its architecture exactly
+    (trained.py: else a one-line refusal)."""
     tok_dir = args.tokenizer_model
-    if not isinstance(tok_dir, str) or not os.path.isfile(os.path.join(tok_dir, "config.json")):
-        raise ConfigError(f"--load={load}: not a model imported from Hugging Face (its tokenizer {tok_dir} has no "
-                          "config.json, the architecture a Hugging Face model is written with)")
-    return hfdir.read_config(tok_dir)
+    if isinstance(tok_dir, str) and os.path.isfile(os.path.join(tok_dir, "config.json")):
+        return hfdir.read_config(tok_dir)
+    from megatron_ext.hf import trained
+
+    return trained.hf_config(args, load)
 
 
 def model_tensors(chunk) -> dict[str, torch.Tensor]:
