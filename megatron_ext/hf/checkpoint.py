@@ -122,13 +122,18 @@ def loaded(found: Found, flags: list[str]):
         yield run
 
 
+def imported(args) -> bool:
+    """The run's model came from an import: its tokenizer directory holds the config.json the import copied."""
+    tok_dir = args.tokenizer_model
+    return isinstance(tok_dir, str) and os.path.isfile(os.path.join(tok_dir, "config.json"))
+
+
 def hf_config(args, load: str) -> tuple[str, families.Config]:
     """(model type, HF config) of a loaded run: an import's, the config.json it copied into its tokenizer
     directory; a model trained from a recipe, the family that represents its architecture exactly
     (trained.py: else a one-line refusal)."""
-    tok_dir = args.tokenizer_model
-    if isinstance(tok_dir, str) and os.path.isfile(os.path.join(tok_dir, "config.json")):
-        return hfdir.read_config(tok_dir)
+    if imported(args):
+        return hfdir.read_config(args.tokenizer_model)
     from megatron_ext.hf import trained
 
     return trained.hf_config(args, load)

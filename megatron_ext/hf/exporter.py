@@ -37,7 +37,7 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         args, model, iteration = run.args, run.model, run.checkpointer.loaded["iteration"]
         lora.merge(model)  # a LoRA run's adapters into its base weights (fp32), under the base's names
         tok_dir = args.tokenizer_model
-        imported = isinstance(tok_dir, str) and os.path.isfile(os.path.join(tok_dir, "config.json"))
+        imported = checkpoint.imported(args)
         model_type, c = checkpoint.hf_config(args, load)  # an import's config, else the family of the recipe's model
         tensors = {}
         for piece in checkpoint.pieces(args, model):

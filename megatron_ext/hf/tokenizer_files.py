@@ -35,7 +35,7 @@ def write(args, target: str) -> str | None:
     if kind == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 
-        tokenizer = GPT2TokenizerFast(vocab_file=args.vocab_file, merges_file=args.merge_file, unk_token=GPT2_EOD,
+        tokenizer = GPT2TokenizerFast(vocab=args.vocab_file, merges=args.merge_file, unk_token=GPT2_EOD,
                                       bos_token=GPT2_EOD, eos_token=GPT2_EOD)
         tokenizer.save_pretrained(target)
         return None

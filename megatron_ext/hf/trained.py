@@ -73,7 +73,10 @@ def hf_config(args, load: str) -> tuple[str, families.Config]:
         if not differ:
             return model_type, families.Config(raw)
         tried.append((model_type, differ))
-    closest, differ = min(tried, key=lambda t: len(t[1]))  # the first of the closest, in CONFIGS' order
+    # the closest: the fewest differences in the properties that decide the others (a dense family
+    # compares no router), then the fewest in all; the first of them in CONFIGS' order
+    closest, differ = min(tried, key=lambda t: (sum(isinstance(d, str) or _flag(d[0]) in _DECIDING for d in t[1]),
+                                                len(t[1])))
     if isinstance(differ[0], str):
         raise ConfigError(f"--load={load}: no Hugging Face family represents this model (the closest, {closest}, "
                           f"reads its config as: {differ[0]})")
@@ -121,6 +124,10 @@ def _differences(run, family) -> list[tuple[str, str, str]]:
             if ours != theirs:
                 out.append((f"--{dest.replace('_', '-')}", _shown(ours), _shown(theirs)))
     return out
+
+
+def _flag(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def _shown(value) -> str:
