@@ -123,9 +123,19 @@ def loaded(found: Found, flags: list[str]):
 
 
 def imported(args) -> bool:
-    """The run's model came from an import: its tokenizer directory holds the config.json the import copied."""
+    """The run's model came from an import: its tokenizer directory holds the config.json the import
+    copied, of the run's model (a model trained from scratch with the tokenizer of another, whose
+    directory holds that model's config.json, is not that model)."""
+    import json
+
     tok_dir = args.tokenizer_model
-    return isinstance(tok_dir, str) and os.path.isfile(os.path.join(tok_dir, "config.json"))
+    path = os.path.join(tok_dir, "config.json") if isinstance(tok_dir, str) else ""
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        raw = json.load(f)
+    return (raw.get("num_hidden_layers"), raw.get("hidden_size"), raw.get("vocab_size")) == (
+        args.num_layers, args.hidden_size, args.padded_vocab_size)
 
 
 def hf_config(args, load: str) -> tuple[str, families.Config]:

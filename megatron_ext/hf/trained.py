@@ -86,17 +86,22 @@ def hf_config(args, load: str) -> tuple[str, families.Config]:
                       f"{closest}, has {theirs}{also}")
 
 
+_PARSER: list = []  # built once per process (megatron's add_megatron_arguments takes a while)
+
+
 def _parser():
     """megatron's flags and this project's, as the run's parser declares them (their defaults and
     how a recipe's key becomes a value)."""
-    from megatron.training.arguments import add_megatron_arguments
+    if not _PARSER:
+        from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_ext.training import features
+        from megatron_ext.training import features
 
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    add_megatron_arguments(parser)
-    features.add_arguments(parser)
-    return parser
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_megatron_arguments(parser)
+        features.add_arguments(parser)
+        _PARSER.append(parser)
+    return _PARSER[0]
 
 
 def _implied(model_type: str, raw: dict, parser) -> dict:

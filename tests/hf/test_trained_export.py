@@ -53,7 +53,7 @@ def _dataset(prefix: str, documents: list) -> str:
     return prefix
 
 
-def _text(n: int = 6) -> list:
+def _text(n: int = 3) -> list:
     import glob
     import sysconfig
 
