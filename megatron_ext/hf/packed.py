@@ -65,7 +65,9 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = ()) -> 
         args, model = run.args, run.model
         device = platform.current().device
         # an import's config's rows; a model trained from a recipe: its embedding's
-        vocab = checkpoint.hf_config(args, load)[1]["vocab_size"] if checkpoint.imported(args) else args.padded_vocab_size
+        vocab = args.padded_vocab_size
+        if checkpoint.imported(args):
+            vocab = checkpoint.hf_config(args, load)[1]["vocab_size"]
         tokens, positions = tokens.to(device), positions.to(device)
         mask = None
         if cu_seqlens.shape[1] > 2 or seq > total:  # several segments: attention stays inside each

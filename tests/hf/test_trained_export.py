@@ -20,8 +20,8 @@ SEQ = 16
 IDS = [3, 17, 100, 5, 250, 42, 7, 200, 1, 2, 130, 60]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 RUN = ["--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
-       "--lr-warmup-iters", "0", "--log-interval", "1", "--num-workers", "0", "--world-size", "4", "--save-interval", "2",
-       *TP2_PP2]
+       "--lr-warmup-iters", "0", "--log-interval", "1", "--num-workers", "0", "--world-size", "4",
+       "--save-interval", "2", *TP2_PP2]
 
 
 def _recipe(root, name: str, **changes) -> str:
@@ -244,9 +244,10 @@ def test_bad_tokenizer_input_is_one_line_each(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     lines = []
-    for argv in (["--input", str(empty), "--train-tokenizer", "100"], ["--input", str(empty), "--train-tokenizer", "300"]):
+    for size in ("100", "300"):
         with pytest.raises(SystemExit) as e:
-            load_script("prepare_data").main([*argv, "--output-prefix", str(tmp_path / "out")])
+            load_script("prepare_data").main(["--input", str(empty), "--train-tokenizer", size, "--output-prefix",
+                                              str(tmp_path / "out")])
         lines.append(str(e.value.code))
     assert lines == ["error: --train-tokenizer=100: below the byte alphabet (256 bytes + 1 special token = 257 ids)",
                      "error: --train-tokenizer=300: the corpus is empty (no text in 1 input files)"]
