@@ -8,6 +8,9 @@
     torchrun --nproc-per-node N scripts/convert.py logits --load CKPT --input-ids 3,17,...[;5,9,...] --out FILE.pt
                                                      [layout flags]
 
+export takes an import (its config.json and tokenizer go back) or a model trained from a recipe: the
+Hugging Face family that represents its architecture exactly, with its tokenizer's files (docs/hf.md,
+"From a recipe"); an architecture no family represents is refused in one line naming the property.
 A LoRA run exports merged with --hf, its adapters alone with --peft (docs/finetune.md); logits of
 several sequences (';') run packed into one forward, each attending only to itself.
 

@@ -15,6 +15,12 @@ bytes (ids 0..255) and end-of-document (256) after it; train with
 text files or directories (one document per file). `--python-stdlib` reads this interpreter's own
 standard-library sources, present on every machine.
 
+No tokenizer for your corpus yet: `--train-tokenizer VOCAB_SIZE` trains a byte-level BPE of that many
+ids on the input (the `tokenizers` library, offline), saves it as a Hugging Face tokenizer directory,
+PREFIX_tokenizer/, and tokenizes with it; train with `--tokenizer-type HuggingFaceTokenizer
+--tokenizer-model PREFIX_tokenizer` (each checkpoint records it and copies its files; an export writes them):
+    python scripts/prepare_data.py --input docs.jsonl --train-tokenizer 8192 --output-prefix data/my
+
 Chat data for `train.py --sft` is not prepared here: it is read as JSON lines (megatron_ext/sft).
 `--chat-example DIR` writes a small one and a tokenizer for it (what recipes/tiny_sft.yaml trains on):
     python scripts/prepare_data.py --chat-example recipes/tiny_sft
@@ -35,6 +41,7 @@ from megatron_ext import errors, helptext
 from megatron_ext.errors import InputError  # not SystemExit: the worker pool's feeder hangs on anything but an Exception
 
 BYTE_EOD = 256  # megatron_ext.training.data.BYTE_EOD (not imported here: it imports megatron-core)
+TRAINED_SPECIAL = ["<|endoftext|>"]  # a trained tokenizer's special tokens: its end of document
 JSON_SUFFIXES = (".json", ".jsonl")
 
 
@@ -141,6 +148,46 @@ def build_tokenizer(args):
     return tokenizer.build(args)
 
 
+def train_tokenizer(args, files: list[str]) -> str:
+    """A byte-level BPE of --train-tokenizer ids trained on the documents' text, saved as a Hugging Face
+    tokenizer directory PREFIX_tokenizer (written aside, renamed into place): its path."""
+    import shutil
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    size, alphabet = args.train_tokenizer, 256 + len(TRAINED_SPECIAL)
+    if size < alphabet:
+        raise InputError(f"--train-tokenizer={size}: below the byte alphabet (256 bytes + {len(TRAINED_SPECIAL)} "
+                         f"special token = {alphabet} ids)")
+    seen = [0]
+
+    def texts():
+        for _, text, _ in documents(files, args.json_keys):
+            text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+            seen[0] += len(text)
+            yield text
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts(), vocab_size=size, min_frequency=2, special_tokens=TRAINED_SPECIAL,
+                            show_progress=False)
+    if not seen[0]:
+        raise InputError(f"--train-tokenizer={size}: the corpus is empty (no text in {len(files)} input files)")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=TRAINED_SPECIAL[0])
+    directory = f"{args.output_prefix}_tokenizer"
+    partial = f"{directory}.partial-{os.getpid()}"
+    try:
+        tokenizer.save_pretrained(partial)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"trained a byte-level BPE of {len(tokenizer)} ids -> {directory}/ (train with --tokenizer-type "
+          f"HuggingFaceTokenizer --tokenizer-model {directory})", flush=True)
+    return directory
+
+
 def build(args, files: list[str], progress_every: float = 2.0) -> dict:
     """Write every key's dataset under a temporary name, renamed into place only once complete: a
     failure (a bad line, an interrupt) leaves no partial .bin/.idx, and an earlier dataset intact."""
@@ -232,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--suffixes", nargs="+", default=[".txt", ".md", ".py", ".rst", ".json", ".jsonl"],
                        help="file endings taken from --input directories")
     group.add_argument("--limit-mb", type=float, default=8.0, help="--python-stdlib: at most this much text")
+    group.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
+                       help="train a byte-level BPE of VOCAB_SIZE ids on the input (offline, the tokenizers "
+                       "library), save it as the Hugging Face tokenizer directory PREFIX_tokenizer/ and tokenize "
+                       "with it (end-of-document appended)")
     group = parser.add_argument_group("tokenization process")
     group.add_argument("--append-eod", action="store_true", help="append end-of-document to every document "
                        "(always on byte-level)")
@@ -258,6 +309,9 @@ def get_args(argv=None):
         parser.error("--split-sentences: sentence splitting needs nltk's punkt data, which is not available here")
     if args.partitions != 1:
         parser.error(f"--partitions={args.partitions}: only 1 is supported")
+    if args.train_tokenizer is not None and (args.tokenizer_type is not None or args.chat_example):
+        parser.error(f"--train-tokenizer={args.train_tokenizer}: trains the tokenizer it tokenizes with; leave out "
+                     + ("--tokenizer-type" if args.tokenizer_type is not None else "--chat-example"))
     if args.tokenizer_type is None:
         args.append_eod = True  # byte-level documents always end in BYTE_EOD
     # as tools/preprocess_data.py: the tokenizer's own vocabulary, unpadded
@@ -298,6 +352,12 @@ def main(argv=None) -> dict:
     files = stdlib_files(args.limit_mb) if args.python_stdlib else text_files(args.input, tuple(args.suffixes))
     if not files:
         raise SystemExit("error: no input files found")
+    if args.train_tokenizer is not None:
+        try:
+            trained = train_tokenizer(args, files)
+        except InputError as e:
+            raise SystemExit(f"error: {e}") from None
+        args.tokenizer_type, args.tokenizer_model, args.append_eod = "HuggingFaceTokenizer", trained, True
     try:
         build_tokenizer(args)
     except ConfigError as e:
@@ -309,6 +369,8 @@ def main(argv=None) -> dict:
     except InputError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"done: {result['documents']} documents, {result['tokens']} tokens", flush=True)
+    if args.train_tokenizer is not None:
+        result["tokenizer"] = args.tokenizer_model
     return result
 
 

@@ -126,14 +126,31 @@ def loaded(found: Found, flags: list[str], *, parse):
         yield run
 
 
-def hf_config(args, load: str) -> tuple[str, families.Config]:
-    """(model type, HF config) of a loaded run: its tokenizer directory's config.json, which an import
-    copies there; a model that came from no import has none to write."""
+def imported(args) -> bool:
+    """The run's model came from an import: its tokenizer directory holds the config.json the import
+    copied, of the run's model (a model trained from scratch with the tokenizer of another, whose
+    directory holds that model's config.json, is not that model)."""
+    import json
+
     tok_dir = args.tokenizer_model
-    if not isinstance(tok_dir, str) or not os.path.isfile(os.path.join(tok_dir, "config.json")):
-        raise ConfigError(f"--load={load}: not a model imported from Hugging Face (its tokenizer {tok_dir} has no "
-                          "config.json, the architecture a Hugging Face model is written with)")
-    return hfdir.read_config(tok_dir)
+    path = os.path.join(tok_dir, "config.json") if isinstance(tok_dir, str) else ""
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        raw = json.load(f)
+    return (raw.get("num_hidden_layers"), raw.get("hidden_size"), raw.get("vocab_size")) == (
+        args.num_layers, args.hidden_size, args.padded_vocab_size)
+
+
+def hf_config(args, load: str) -> tuple[str, families.Config]:
+    """(model type, HF config) of a loaded run: an import's, the config.json it copied into its tokenizer
+    directory; a model trained from a recipe, the family that represents its architecture exactly
+    (trained.py: else a one-line refusal)."""
+    if imported(args):
+        return hfdir.read_config(args.tokenizer_model)
+    from megatron_ext.hf import trained
+
+    return trained.hf_config(args, load)
 
 
 def model_tensors(chunk) -> dict[str, torch.Tensor]:

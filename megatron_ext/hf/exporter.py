@@ -1,5 +1,7 @@
 """Megatron checkpoint (any layout it was trained on) -> Hugging Face directory (scripts/convert.py export):
-config.json, safetensors shards (and their index above one shard), the tokenizer files.
+config.json, safetensors shards (and their index above one shard), the tokenizer files. An import's
+config.json and tokenizer files go back as they came; a model trained from a recipe is written as the
+family that represents it exactly (trained.py) with its tokenizer's files (tokenizer_files.py).
 
 Under torchrun each rank is one pipeline stage: it loads the layers it owns, whole, and writes their HF
 tensors into its own shard files; no rank holds more than its stage. A LoRA run's adapters are merged
@@ -11,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import torch
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.hf import checkpoint, families, hfdir, outputs, table, world
+from megatron_ext.hf import checkpoint, families, hfdir, outputs, table, tokenizer_files, world
 
 
 def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: int = 5 * 2**30,
@@ -35,7 +38,8 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
         args, model, iteration = run.args, run.model, run.checkpointer.loaded["iteration"]
         lora.merge(model)  # a LoRA run's adapters into its base weights (fp32), under the base's names
         tok_dir = args.tokenizer_model
-        model_type, c = checkpoint.hf_config(args, load)
+        imported = checkpoint.imported(args)
+        model_type, c = checkpoint.hf_config(args, load)  # an import's config, else the family of the recipe's model
         tensors = {}
         for piece in checkpoint.pieces(args, model):
             if piece.main:  # a tied output layer on the last stage is the first stage's embedding
@@ -55,15 +59,23 @@ def export_hf(load: str, out: str, recipe: str | None = None, max_shard_bytes: i
                                                                     target))
             maps = [None] * processes
             torch.distributed.all_gather_object(maps, (weight_map, nbytes))
+            unexported = None
             if world.rank() == 0:
-                for name in os.listdir(tok_dir):
-                    if os.path.isfile(os.path.join(tok_dir, name)):
-                        shutil.copy2(os.path.join(tok_dir, name), os.path.join(target, name))
+                if imported:  # the import's HF directory, its weights aside
+                    for name in os.listdir(tok_dir):
+                        if os.path.isfile(os.path.join(tok_dir, name)):
+                            shutil.copy2(os.path.join(tok_dir, name), os.path.join(target, name))
+                else:  # a model trained from a recipe: its tokenizer's files, the config of its family
+                    unexported = tokenizer_files.write(args, target)
+                    with open(os.path.join(target, "config.json"), "w") as f:
+                        json.dump(c.raw, f, indent=2, sort_keys=True)
                 if total > 1:
                     merged = {k: v for m, _ in maps for k, v in m.items()}
                     with open(os.path.join(target, hfdir.WEIGHTS_INDEX), "w") as f:
                         json.dump({"metadata": {"total_size": sum(n for _, n in maps)},
                                    "weight_map": dict(sorted(merged.items()))}, f, indent=2)
+        if unexported:  # the weights are written: the one line says what is not
+            print(f"warning: {unexported}", file=sys.stderr, flush=True)
         return names, iteration
 
 

@@ -64,7 +64,10 @@ def logits(load: str, ids, recipe: str | None = None, extra: list[str] = (), *, 
     with checkpoint.loaded(checkpoint.find(load, recipe), ["--seq-length", str(seq), *extra], parse=parse) as run:
         args, model = run.args, run.model
         device = platform.current().device
-        vocab = checkpoint.hf_config(args, load)[1]["vocab_size"]
+        # an import's config's rows; a model trained from a recipe: its embedding's
+        vocab = args.padded_vocab_size
+        if checkpoint.imported(args):
+            vocab = checkpoint.hf_config(args, load)[1]["vocab_size"]
         tokens, positions = tokens.to(device), positions.to(device)
         mask = None
         if cu_seqlens.shape[1] > 2 or seq > total:  # several segments: attention stays inside each

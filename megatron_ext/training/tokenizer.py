@@ -10,7 +10,8 @@
 
 The vocabulary size (padded to --make-vocab-size-divisible-by x TP, as megatron pads it) and the
 end-of-document id come from the tokenizer, so --vocab-size is needed only by NullTokenizer (and
-read by TikTokenizer). Files are checked before any compute and refused by flag name.
+read by TikTokenizer); a recipe's vocab_size that disagrees with another tokenizer gives way to it,
+one given on the command line is refused. Files are checked before any compute and refused by flag name.
 """
 from __future__ import annotations
 
@@ -117,8 +118,10 @@ def padded_vocab_size(args, vocab_size: int | None = None) -> int:
 
 
 def configure(args) -> None:
-    """Build the tokenizer from the flags and set args.padded_vocab_size from it (unless given)."""
+    """Build the tokenizer from the flags and set args.padded_vocab_size from it (unless given); the
+    vocabulary size is the tokenizer's (:func:`vocab_from_tokenizer`)."""
     tokenizer = build(args)
+    vocab_from_tokenizer(args, tokenizer.vocab_size)
     if getattr(args, "padded_vocab_size", None) is None:
         pad = getattr(args, "pad_vocab_size", True)
         args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size) if pad else tokenizer.vocab_size
@@ -126,3 +129,19 @@ def configure(args) -> None:
         raise ConfigError(
             f"--padded-vocab-size={args.padded_vocab_size}: below the tokenizer's {tokenizer.vocab_size} ids"
         )
+
+
+def vocab_from_tokenizer(args, vocab_size: int) -> None:
+    """--vocab-size is the tokenizer's for every tokenizer but the NullTokenizer (whose size it sets): a
+    recipe's that disagrees gives way, with one line saying so (the checkpoint then records none); one
+    given on the command line is refused."""
+    if args.tokenizer_type == "NullTokenizer" or args.vocab_size is None or args.vocab_size == vocab_size:
+        return
+    if args.config_sources.get("vocab_size") == "cli":
+        raise ConfigError(f"--vocab-size={args.vocab_size}: the {args.tokenizer_type} has {vocab_size} ids (the "
+                          "vocabulary size comes from the tokenizer: leave --vocab-size out)")
+    if args.rank == 0:
+        print(f"note: the recipe's vocab_size {args.vocab_size} gives way to the {args.tokenizer_type}'s "
+              f"{vocab_size} ids", flush=True)
+    args.config_sources["vocab_size"] = f"the tokenizer (the recipe's {args.vocab_size} gave way)"
+    args.vocab_size = vocab_size

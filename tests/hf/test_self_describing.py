@@ -3,6 +3,7 @@ records the model it holds, so a fine-tune, an export and logits of it need no -
 failure of scripts/convert.py is one line."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -87,8 +88,9 @@ def test_export_and_logits_need_no_recipe_on_tp2_sp_and_ep2_runs(runs):
 
 
 def test_convert_failures_are_one_line_each(runs, tmp_path):
-    """A damaged checkpoint, a foreign one, a missing tokenizer, a model from no import, an export into
-    a non-empty directory, a directory without a recipe: one line each, naming what."""
+    """A damaged checkpoint, a foreign one, a missing tokenizer, an export into a non-empty directory, a
+    directory without a recipe: one line each, naming what. A model whose tokenizer has no config.json
+    (as one trained from a recipe) exports as the family that represents it."""
     run = str(tmp_path / "run")
     shutil.copytree(runs["a"], run)
     damaged = os.path.join(run, "iter_0000002", "__0_0.distcp")
@@ -102,8 +104,8 @@ def test_convert_failures_are_one_line_each(runs, tmp_path):
     untokenized = str(tmp_path / "untokenized")
     shutil.copytree(runs["b"], untokenized)
     shutil.rmtree(os.path.join(untokenized, "iter_0000002", "tokenizer"))
-    # a run whose model came from no import: its tokenizer has no config.json to write the model with
-    # (run B moved: the copy beside its recipe is the tokenizer it reads)
+    # a run whose tokenizer has no config.json, as one trained from a recipe: the family that represents
+    # it is written (run B moved: the copy beside its recipe is the tokenizer it reads)
     foreign_model = str(tmp_path / "foreign_model")
     shutil.copytree(runs["b"], foreign_model)
     os.remove(os.path.join(foreign_model, "iter_0000002", "tokenizer", "config.json"))
@@ -117,7 +119,7 @@ def test_convert_failures_are_one_line_each(runs, tmp_path):
                      "--recipe", os.path.join(runs["ckpt"], "recipe.yaml")]),
         ("tokenizer", ["export", "--load", untokenized, "--hf", out]),
         ("non-empty", ["export", "--load", runs["a"], "--hf", str(full)]),
-        ("not imported", ["export", "--load", foreign_model, "--hf", out]),
+        ("not imported", ["export", "--load", foreign_model, "--hf", str(tmp_path / "derived")]),
         ("no recipe", ["logits", "--load", str(tmp_path / "foreign"), "--input-ids", "1,2", "--out", out]),
     ])[0]
     expected = {
@@ -126,14 +128,15 @@ def test_convert_failures_are_one_line_each(runs, tmp_path):
         "foreign": f"--load={tmp_path / 'foreign'}: every checkpoint is damaged (iter_0000001: metadata.json missing)",
         "tokenizer": f"--tokenizer-model={runs['b_trained_at']}/iter_0000002/tokenizer",
         "non-empty": f"--hf={full}: not empty (an export writes a fresh directory; --overwrite replaces it as a whole)",
-        "not imported": f"--load={foreign_model}: not a model imported from Hugging Face (its tokenizer "
-                        f"{foreign_model}/iter_0000002/tokenizer has no config.json",
         "no recipe": f"--load={tmp_path / 'foreign'}: no recipe.yaml there, in its checkpoints or beside them",
     }
     for name, start in expected.items():
         line = lines[name]
         assert line is not None and line.startswith(start) and "\n" not in line, (name, line)
     assert not os.path.exists(out) and not os.path.exists(out + ".partial")
+    assert lines["not imported"] is None
+    with open(tmp_path / "derived" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3MoeForCausalLM"]
     assert sorted(os.listdir(full)) == ["model.safetensors"]
 
 
