@@ -2,6 +2,8 @@
 export, take our logits."""
 from __future__ import annotations
 
+import arguments
+
 
 def train_export_logits(argv: list, save: str, out: str, ids: list, layout: list) -> dict:
     """train.py's main() on ``argv`` (its validation losses recorded as megatron's evaluate returns
@@ -30,8 +32,8 @@ def train_export_logits(argv: list, save: str, out: str, ids: list, layout: list
     finally:
         megatron_training.evaluate = original
     with contextlib.redirect_stderr(errors):
-        names, iteration = hf.export_hf(save, out)
-    ours = hf.logits(save, ids, extra=layout)
+        names, iteration = hf.export_hf(save, out, parse=arguments.parse)
+    ours = hf.logits(save, ids, extra=layout, parse=arguments.parse)
     return {"losses": [h["lm loss"] for h in history], "validation": losses, "printed": printed.getvalue(),
             "export stderr": errors.getvalue(), "shards": names, "iteration": iteration,
             "logits": None if ours is None else ours.numpy()}
