@@ -25,7 +25,7 @@ def add_arguments(parser):
         "each successful save; multiples of megatron's --save-retain-interval are kept too). "
         "Default: keep all.",
     )
-    from megatron_ext.training.checkpointing import add_arguments as add_checkpointing_arguments
+    from megatron_ext.checkpoint import add_arguments as add_checkpointing_arguments
     from megatron_ext.training.model import add_arguments as add_model_arguments
 
     add_model_arguments(group)
@@ -40,8 +40,8 @@ def before_validate(args) -> None:
 
     model_before_validate(args)
     refuse_batch_size_schedules(args)
-    from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
-    from megatron_ext.training.ckpt_dirs import check_loadable
+    from megatron_ext.checkpoint import before_validate as checkpointing_before_validate
+    from megatron_ext.checkpoint import check_loadable
 
     checkpointing_before_validate(args)
     check_loadable(args)  # no checkpoint, or every one damaged (a cheap look): refused here, at --dry-run too
@@ -58,7 +58,7 @@ def validate(args) -> None:
     with contextlib.redirect_stdout(io.StringIO()):  # megatron prints 'setting training iterations to N'
         optimizer.resolve_iterations(args)  # --train-iters, or from --train-samples; the LR schedule
     training_logging.validate(args)
-    from megatron_ext.training.checkpointing import validate as validate_checkpointing
+    from megatron_ext.checkpoint import validate as validate_checkpointing
 
     validate_checkpointing(args)
     from megatron_ext.training.observability import validate as validate_observability

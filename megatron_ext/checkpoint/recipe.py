@@ -20,7 +20,7 @@ import enum
 import os
 import shutil
 
-from megatron_ext.training import ckpt_dirs
+from megatron_ext.checkpoint import dirs as ckpt_dirs
 
 RECIPE = "recipe.yaml"
 TOKENIZER = "tokenizer"

@@ -23,9 +23,10 @@ import copy
 import os
 
 from megatron_ext import lora, seams
+from megatron_ext.checkpoint import dirs as ckpt_dirs
+from megatron_ext.checkpoint import integrity as ckpt_integrity
 from megatron_ext.errors import ConfigError
 from megatron_ext.lora.adapters import is_adapter_key
-from megatron_ext.training import ckpt_dirs, ckpt_integrity
 
 ADAPTERS, BASE = "adapters", "base"
 TRAINED_BUFFERS = ("router.expert_bias", "router.qb_beta")
