@@ -19,10 +19,11 @@ import sys
 
 from megatron.training.arguments import add_megatron_arguments
 
+from megatron_ext import checkpoint
+from megatron_ext.config import command_line
 from megatron_ext.planner import options as planner_options
 from megatron_ext.platform import target
-from megatron_ext import checkpoint
-from megatron_ext.training import command_line, features
+from megatron_ext.training import features
 
 USAGE = "torchrun --nproc-per-node N train.py --recipe YAML [--dry-run] [flags ...]   (one process: python train.py ...)"
 
@@ -40,7 +41,7 @@ def add_arguments(parser):
 
 
 def _run_flags(parser) -> None:
-    """The command line's own flags (megatron_ext/training/command_line.py reads them)."""
+    """The command line's own flags (megatron_ext/config/command_line.py reads them)."""
     group = parser.add_argument_group("megatron_ext")
     group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
     group.add_argument(

@@ -1,7 +1,7 @@
 """The training package as a capability: its flags, its checks before any compute, its teardown
 (the hooks of megatron_ext/training/features.py). The checks that read what every package settled
 (the data each split reads, --dry-run --load's keys) come after all the packages' checks
-(megatron_ext/training/command_line.py finalize; the keys by the bring-up after it, training/run.py
+(megatron_ext/config/command_line.py finalize; the keys by the bring-up after it, training/run.py
 check_load); nothing here reaches a module that calls the
 capabilities' hooks (features.py lists this module among them)."""
 from megatron_ext.errors import ConfigError

@@ -8,7 +8,7 @@ from megatron_ext.config import domains
 from megatron_ext.config.domains import Domain
 from megatron_ext.config.typed import Options, add_group, option
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.command_line import flag_actions
+from megatron_ext.config.command_line import flag_actions
 
 
 @dataclasses.dataclass
