@@ -35,6 +35,12 @@ def markdown(parser) -> str:
     for fam in FAMILIES:
         names = ", ".join(f"`{flags(d)}`" for d in sorted(fam.flags, key=flags))
         out.append(f"| {fam.name} | {fam.domain} | {fam.meaning} | {names} |")
+    typed = sorted((a for a in actions.values() if getattr(a, "domain", None)), key=lambda a: flags(a.dest))
+    out += ["", "## Numeric options of the capabilities", "",
+            "Declared with their flag in each capability's options class (`megatron_ext/config/typed.py`); an",
+            "options object built in code is refused by the same check, naming the flag.", "",
+            "| flag | allowed | meaning |", "|---|---|---|"]
+    out += [f"| `{flags(a.dest)}` | {a.domain} | {a.meaning} |" for a in typed]
     out += ["", "## Cross-field rules, in the order they are checked", "",
             "| # | family | flags | rule |", "|---|---|---|---|"]
     for i, rule in enumerate(RULES, 1):

@@ -118,8 +118,8 @@ def padded_vocab_size(args, vocab_size: int | None = None) -> int:
 def configure(args) -> None:
     """Build the tokenizer from the flags and set args.padded_vocab_size from it (unless given)."""
     tokenizer = build(args)
-    if getattr(args, "padded_vocab_size", None) is None:
-        pad = getattr(args, "pad_vocab_size", True)
+    if args.padded_vocab_size is None:
+        pad = args.pad_vocab_size
         args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size) if pad else tokenizer.vocab_size
     elif args.padded_vocab_size < tokenizer.vocab_size:
         raise ConfigError(
