@@ -55,6 +55,7 @@ from megatron_ext.checkpoint.model_state import (
     sharded_state_dict,
     unwrap,
 )
+from megatron_ext.checkpoint.options import options_from_args as ckpt_options
 from megatron_ext.errors import ConfigError
 
 
@@ -136,7 +137,7 @@ class Checkpointer:
     # ---- resume ----------------------------------------------------------------------------
     def load(self) -> int:
         """Load the newest intact checkpoint (or --ckpt-step) under --load; return its iteration,
-        0 if there is none. Every file is verified before it is used (ckpt_integrity.py); a damaged
+        0 if there is none. Every file is verified before it is used (integrity.py); a damaged
         checkpoint is named in one line and the next older intact one loads instead, unless
         --no-ckpt-fallback (or --ckpt-step) asks for exactly that one."""
         args = self.args
@@ -180,7 +181,7 @@ class Checkpointer:
                 self._print(loaded)
                 return 0 if args.finetune else iteration  # --finetune: megatron's iteration 0
             line = f"damaged checkpoint {path}: {damage}"
-            if args.no_ckpt_fallback or args.ckpt_step is not None:
+            if ckpt_options(args).no_ckpt_fallback or args.ckpt_step is not None:
                 why = "--no-ckpt-fallback" if args.no_ckpt_fallback else f"--ckpt-step={args.ckpt_step}"
                 raise DamagedCheckpoint(f"{line} ({why}: not loading an older one)")
             self._print(line)
@@ -405,7 +406,7 @@ class Checkpointer:
         final = ckpt_dirs.checkpoint_dir(args.save, iteration)
         partial = final + ckpt_dirs.PARTIAL
         note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
-        # the model it holds, beside it and checksummed with it (ckpt_recipe.py)
+        # the model it holds, beside it and checksummed with it (recipe.py)
         recipe = ckpt_recipe.record(args, partial, final) if self.rank == 0 else None
         if self.checksums:
             c0 = time.perf_counter()
@@ -440,7 +441,7 @@ class Checkpointer:
     def _apply_retention(self, newest: int) -> None:
         args = self.args
         iterations = ckpt_dirs.committed_iterations(args.save)
-        keep = ckpt_dirs.retained(iterations, args.save_keep_last, args.save_retain_interval)
+        keep = ckpt_dirs.retained(iterations, ckpt_options(args).save_keep_last, args.save_retain_interval)
         for it in iterations:
             if it not in keep and it != newest:
                 ckpt_dirs.remove_dir(ckpt_dirs.checkpoint_dir(args.save, it))

@@ -23,6 +23,7 @@ import shutil
 
 from megatron_ext.checkpoint import integrity as ckpt_integrity
 from megatron_ext.checkpoint.integrity import CONFIG
+from megatron_ext.checkpoint.options import options_from_args as ckpt_options
 from megatron_ext.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -176,11 +177,12 @@ def _refuse_without_checkpoint(args) -> None:
     if not root:
         return
     first_run = bool(args.save) and os.path.abspath(root) == os.path.abspath(args.save) and not args.finetune
+    allowed = ckpt_options(args).allow_missing_checkpoint
     if args.exit_on_missing_checkpoint:
-        if args.allow_missing_checkpoint:
+        if allowed:
             raise ConfigError("--exit-on-missing-checkpoint, --allow-missing-checkpoint: choose one")
         raise ConfigError(f"--load={root}: no checkpoint there (--exit-on-missing-checkpoint)")
-    if args.allow_missing_checkpoint or first_run:
+    if allowed or first_run:
         return
     what = "--finetune --load" if args.finetune else "--load"
     where = "no such directory" if not os.path.exists(root) else "no checkpoint there (no iter_N directory)"

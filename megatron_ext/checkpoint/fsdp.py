@@ -1,6 +1,6 @@
 """Megatron-FSDP checkpoints in megatron's fsdp_dtensor format, inside the Checkpointer's directory
-layout, atomic commit, retention and integrity (checkpoint/checkpointer.py, ckpt_dirs.py,
-ckpt_integrity.py); the common and RNG state as ckpt_state.py builds it for both formats.
+layout, atomic commit, retention and integrity (checkpointer.py, dirs.py,
+integrity.py); the common and RNG state as state.py builds it for both formats.
 
 As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's
 state dict of DTensors (each rank holds its shard of every parameter) and the optimizer's

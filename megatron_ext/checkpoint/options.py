@@ -2,25 +2,41 @@
 compute."""
 from __future__ import annotations
 
+import dataclasses
+
+from megatron_ext.config.domains import Domain
+from megatron_ext.config.typed import Options, add_group, option
 from megatron_ext.errors import ConfigError
 
 
-def add_arguments(group) -> None:
-    group.add_argument(
-        "--no-ckpt-fallback",
-        action="store_true",
-        help="When the checkpoint to resume from is damaged (a file missing, truncated or failing "
-        "its checksum), stop with one line naming it instead of loading the newest intact older one.",
-    )
-    group.add_argument(
-        "--allow-missing-checkpoint",
-        action="store_true",
-        help="Start from fresh weights at iteration 0 when --load holds no checkpoint. Without it such a "
-        "--load is refused (a mistyped path would otherwise train from scratch), except when it is also "
-        "--save without --finetune: the first run of a job that resumes later. megatron's "
-        "--exit-on-missing-checkpoint refuses that case too.",
-    )
+@dataclasses.dataclass
+class CheckpointOptions(Options):
+    PREFIX = ""  # --no-ckpt-fallback, --allow-missing-checkpoint, --save-keep-last
 
+    no_ckpt_fallback: bool = False
+    """When the checkpoint to resume from is damaged (a file missing, truncated or failing its checksum),
+    stop with one line naming it instead of loading the newest intact older one."""
+
+    allow_missing_checkpoint: bool = False
+    """Start from fresh weights at iteration 0 when --load holds no checkpoint. Without it such a --load is
+    refused (a mistyped path would otherwise train from scratch), except when it is also --save without
+    --finetune: the first run of a job that resumes later. megatron's --exit-on-missing-checkpoint refuses
+    that case too."""
+
+    save_keep_last: int | None = option(None, Domain(int, 0), "count")
+    """Keep only the newest K complete checkpoints under --save (older ones are deleted after each
+    successful save; multiples of megatron's --save-retain-interval are kept too). Default: keep all."""
+
+
+def add_arguments(parser):
+    add_group(parser, CheckpointOptions, "megatron_ext: checkpoints",
+              "integrity, fallback and retention (docs/checkpointing.md)")
+    return parser
+
+
+def options_from_args(args) -> CheckpointOptions:
+    """The package's slice of the parsed arguments."""
+    return CheckpointOptions.from_args(args)
 
 
 def before_validate(args) -> None:
@@ -31,8 +47,9 @@ def before_validate(args) -> None:
 
 
 def validate(args) -> None:
-    if args.save_keep_last is not None and args.save_keep_last < 1:
-        raise ConfigError(f"--save-keep-last={args.save_keep_last}: keep at least 1 checkpoint")
+    keep_last = options_from_args(args).save_keep_last
+    if keep_last is not None and keep_last < 1:
+        raise ConfigError(f"--save-keep-last={keep_last}: keep at least 1 checkpoint")
     if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist, and "
                           "fsdp_dtensor with --use-megatron-fsdp")

@@ -1,5 +1,5 @@
-"""What a checkpoint holds beside the tensors, shared by both formats (checkpointing.py: torch_dist,
-fsdp_checkpoint.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
+"""What a checkpoint holds beside the tensors, shared by both formats (checkpointer.py: torch_dist,
+fsdp.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
 sharding metadata megatron-core's sharded state dicts take, the RNG states, the common state
 (iteration, consumed samples, LR schedule)."""
 from __future__ import annotations

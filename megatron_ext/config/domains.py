@@ -116,7 +116,7 @@ FAMILIES = (
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms_preprocessing fine_grained_offloading_max_inflight_offloads
         retriever_report_topk_accuracies straggler_minmax_count inprocess_max_iterations
-        moe_routing_trace_max_training_iters hysteresis save_keep_last warmup plan_top plan_gpus_per_node
+        moe_routing_trace_max_training_iters hysteresis warmup plan_top plan_gpus_per_node
     """),
     _family("interval", Domain(int, 1), "every N iterations (or minutes)", """
         log_interval save_interval save_params_interval save_activations_interval

@@ -29,7 +29,7 @@ ZERO_SYNC = "--moe-zero-sync-dropless"
 BUDGET = "--moe-dropless-budget-factor"
 OVERFLOW_FLAG = "--moe-dropless-overflow"
 
-__all__ = ["indices_to_multihot", "MoEOptions", "options", "add_arguments", "before_validate", "validate", "before_model", "after_model",
+__all__ = ["indices_to_multihot", "MoEOptions", "options_from_args", "add_arguments", "before_validate", "validate", "before_model", "after_model",
            "install", "size_buffers", "at_log_line", "log_counters", "teardown", "FLAG"]
 
 
@@ -38,7 +38,7 @@ def add_arguments(parser):
     return parser
 
 
-def options(args) -> MoEOptions:
+def options_from_args(args) -> MoEOptions:
     """The package's slice of the parsed arguments."""
     return MoEOptions.from_args(args)
 
@@ -50,7 +50,7 @@ def before_validate(args) -> None:
 
 
 def validate(args) -> None:
-    opts = options(args)
+    opts = options_from_args(args)
     _validate_zero_sync(args, opts)
     if not opts.sync_free_dispatcher:
         return
@@ -202,7 +202,7 @@ def before_model(args, config) -> None:
 def after_model(args, model_chunks) -> None:
     from megatron_ext.moe import graphs
 
-    opts = options(args)
+    opts = options_from_args(args)
     if opts.sync_free_dispatcher:
         install(model_chunks, zero_sync=opts.zero_sync_dropless, budget_factor=opts.dropless_budget_factor,
                 cuda_graphs=graphs.capturing(args))
@@ -214,7 +214,7 @@ _last_line = {}  # this process's overflow figures of the last log line (zero-sy
 def at_log_line(args) -> None:
     """Every rank, at each log line: the one host read of the overflow counters, summed (pairs
     dropped) and maxed (load) over the ranks, so every rank decides the same."""
-    opts = options(args)
+    opts = options_from_args(args)
     if not opts.zero_sync_dropless:
         return
     import math

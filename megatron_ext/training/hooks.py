@@ -9,7 +9,7 @@ from megatron_ext.errors import ConfigError
 
 def add_arguments(parser):
     group = parser.add_argument_group(
-        "megatron_ext: training", "initialisation, what the model builder adds, checkpoint retention"
+        "megatron_ext: training", "initialisation, what the model builder adds"
     )
     group.add_argument(
         "--layout-invariant-init",
@@ -17,20 +17,12 @@ def add_arguments(parser):
         help="Initialise every parameter from its global checkpoint key and --seed, so every "
         "TP/PP/VPP/EP/DP layout starts from identical weights (for comparing layouts).",
     )
-    group.add_argument(
-        "--save-keep-last",
-        type=int,
-        default=None,
-        help="Keep only the newest K complete checkpoints under --save (older ones are deleted after "
-        "each successful save; multiples of megatron's --save-retain-interval are kept too). "
-        "Default: keep all.",
-    )
     from megatron_ext.checkpoint import add_arguments as add_checkpointing_arguments
     from megatron_ext.training.model import add_arguments as add_model_arguments
 
     add_model_arguments(group)
 
-    add_checkpointing_arguments(group)
+    add_checkpointing_arguments(parser)
     return parser
 
 

@@ -77,7 +77,7 @@ def export_peft(load: str, out: str, recipe: str | None = None, overwrite: bool 
                     tensors.pop(f"{PREFIX}{site.peft}.lora_B.weight")
         tensors.update(renamed)
         all_sites = [s for s in sites(model_type, c, rows) if not s.per_expert]
-        if getattr(args, "moe_router_enable_expert_bias", False) and args.moe_router_bias_update_rate:
+        if args.moe_router_enable_expert_bias and args.moe_router_bias_update_rate:
             print("note: the routers' expert bias (--moe-router-enable-expert-bias), which megatron updates from "
                   f"token counts (--moe-router-bias-update-rate={args.moe_router_bias_update_rate:g}), is no part of "
                   "a peft adapter: peft runs with the base's; export --hf for the model as trained")
