@@ -19,9 +19,11 @@ import sys
 
 from megatron.training.arguments import add_megatron_arguments
 
+from megatron_ext import checkpoint
+from megatron_ext.config import command_line
 from megatron_ext.planner import options as planner_options
 from megatron_ext.platform import target
-from megatron_ext.training import ckpt_recipe, command_line, features
+from megatron_ext.training import features
 
 USAGE = "torchrun --nproc-per-node N train.py --recipe YAML [--dry-run] [flags ...]   (one process: python train.py ...)"
 
@@ -39,7 +41,7 @@ def add_arguments(parser):
 
 
 def _run_flags(parser) -> None:
-    """The command line's own flags (megatron_ext/training/command_line.py reads them)."""
+    """The command line's own flags (megatron_ext/config/command_line.py reads them)."""
     group = parser.add_argument_group("megatron_ext")
     group.add_argument("--recipe", type=str, default=None, help="YAML recipe; its keys are flag names.")
     group.add_argument(
@@ -93,11 +95,11 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_
     """The command line over the recipe over the defaults, every value checked before any compute
     (command_line.finalize); --dry-run prints the resolved values and exits (or returns them).
     ``first_read``: what a stage that read --load before the parse found (a conversion's; the run
-    reads none of it again: megatron_ext/training/ckpt_dirs.py FirstRead)."""
+    reads none of it again: megatron_ext/checkpoint/dirs.py FirstRead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     known = parser.parse_known_args(argv)[0]
-    # --recipe, else the recipe the --load checkpoint records (megatron_ext/training/ckpt_recipe.py)
+    # --recipe, else the recipe the --load checkpoint records (megatron_ext/checkpoint/recipe.py)
     recipe, recorded = command_line.recipe_values(known, parser, first_read)
     cli = command_line.explicit_cli_dests(parser, argv)
     parser.set_defaults(**recipe)  # the recipe's values become the defaults the command line overrides
@@ -113,7 +115,7 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_
         if exit_on_dry_run:
             raise SystemExit(0)
     else:  # what each checkpoint the run saves records of it
-        args.recorded_recipe = ckpt_recipe.describe(args, parser)
+        args.recorded_recipe = checkpoint.describe_recipe(args, parser)
     return args
 
 

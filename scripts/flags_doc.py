@@ -32,16 +32,16 @@ def markdown(parser) -> str:
         "| family | allowed | meaning | flags |",
         "|---|---|---|---|",
     ]
-    # a typed options class's flag carries its domain on its action (config/typed.py): listed with the
-    # family of the same domain and meaning, or in a row of its own
-    typed = {d: (a.domain, a.meaning) for d, a in actions.items() if getattr(a, "domain", None) is not None}
     for fam in FAMILIES:
-        members = [*fam.flags, *(d for d, kind in typed.items() if kind == (fam.domain, fam.meaning))]
-        names = ", ".join(f"`{flags(d)}`" for d in sorted(members, key=flags))
+        names = ", ".join(f"`{flags(d)}`" for d in sorted(fam.flags, key=flags))
         out.append(f"| {fam.name} | {fam.domain} | {fam.meaning} | {names} |")
-    for d, (domain, meaning) in sorted(typed.items()):
-        if all((domain, meaning) != (fam.domain, fam.meaning) for fam in FAMILIES):
-            out.append(f"| {flags(d)} | {domain} | {meaning} | `{flags(d)}` |")
+    # a typed options class's flag carries its domain on its action (config/typed.py)
+    typed = sorted((a for a in actions.values() if getattr(a, "domain", None)), key=lambda a: flags(a.dest))
+    out += ["", "## Numeric options of the capabilities", "",
+            "Declared with their flag in each capability's options class (`megatron_ext/config/typed.py`); an",
+            "options object built in code is refused by the same check, naming the flag.", "",
+            "| flag | allowed | meaning |", "|---|---|---|"]
+    out += [f"| `{flags(a.dest)}` | {a.domain} | {a.meaning} |" for a in typed]
     out += ["", "## Cross-field rules, in the order they are checked", "",
             "| # | family | flags | rule |", "|---|---|---|---|"]
     for i, rule in enumerate(RULES, 1):

@@ -26,7 +26,11 @@ FLOORS = (
     ("megatron_ext.seams", "megatron_ext.config"),
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
      "megatron_ext.attention"),
+    ("megatron_ext.checkpoint",),  # save, resume, verify: under the run, the conversions and the planner
     ("megatron_ext.training",),
+    # the parser's machinery and the checks in stages: with the configuration's tables, above the run's
+    # packages whose checks it calls (training.features, training.data)
+    ("megatron_ext.config.command_line",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),
     ("megatron_ext.hf",),
@@ -378,10 +382,10 @@ def test_one_bring_up():
     allowed = {os.path.join("megatron_ext", "training", "run.py"): BRING_UP,
                **BUILDER,
                # loading before Megatron-FSDP shards the model is the checkpointer's own step
-               os.path.join("megatron_ext", "training", "checkpointing.py"): ("Checkpointer",),
+               os.path.join("megatron_ext", "checkpoint", "checkpointer.py"): ("Checkpointer",),
                # the configs megatron builds from the flags, made at parse time so that their own checks
                # refuse before any compute (no model)
-               os.path.join("megatron_ext", "training", "command_line.py"): ("core_transformer_config_from_args",),
+               os.path.join("megatron_ext", "config", "command_line.py"): ("core_transformer_config_from_args",),
                # the planner reads the target's layer layout from its config (no model: a cluster's run)
                os.path.join("megatron_ext", "planner", "run.py"): ("core_transformer_config_from_args",),
                # the sync audit builds one MoE layer (the layer spec's MLP submodule), not a model

@@ -26,7 +26,7 @@ def probe() -> dict:
 
 
 def test_every_module_is_imported(probe):
-    assert {"arguments", "train", "megatron_ext.training.command_line", "megatron_ext.seams", "megatron_ext.moe.dispatcher", "megatron_ext.moe.audit",
+    assert {"arguments", "train", "megatron_ext.config.command_line", "megatron_ext.seams", "megatron_ext.moe.dispatcher", "megatron_ext.moe.audit",
             "megatron_ext.training.model"} <= set(probe["runtime"])
     assert "bench.gather" in probe["bench"]
     assert probe["megatron_modules_watched"] > 100  # megatron-core was imported under the watch

@@ -3,7 +3,6 @@ leaves torch and megatron-core exactly as they were when removed; a run installs
 flags need and teardown removes them all."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import megatron.core
@@ -42,6 +41,7 @@ from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
 from megatron_ext.seams import registry as seams
 from megatron_ext.seams.schedules import label_plain_schedule_passes
 from megatron_ext.moe.sync_detector import SyncDetector
+from tests.parsed import parsed_args
 
 MEGATRON_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
 TARGETS = {
@@ -126,12 +126,12 @@ def active() -> set:
 def test_run_installs_what_its_flags_need_and_teardown_restores(pristine):
     held = active()  # for the process: the torch-norm seam on CPU (its CPU shim)
     assert held == ({"training.torch_norm_sequence_parallel"} if not torch.cuda.is_available() else set())
-    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    seams.install(parsed_args(overlap_tp_comm_1f1b=False, transformer_impl="local"))
     # megatron's defaults: the local spec with --attention-backend auto, torch's attention
     assert active() - held == {"sharded_params.post_param_sync", "sharded_params.forward_pre_hook",
                                "sharded_params.own_buffers_param_sync", "attention.torch_attention",
                                "attention.te_environment"}
-    seams.install(argparse.Namespace(overlap_tp_comm_1f1b=True))
+    seams.install(parsed_args(overlap_tp_comm_1f1b=True, transformer_impl="local"))
     assert {"schedules.tp_collectives", "schedules.lane_memory_buffers"} <= active()
     assert "torch.distributed.all_reduce" in changed(pristine)
     seams.uninstall()

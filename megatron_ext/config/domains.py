@@ -98,7 +98,7 @@ FAMILIES = (
         mup_base_hidden_size relative_attention_num_buckets relative_attention_max_distance
         rotary_base rotary_seq_len_interpolation_factor yarn_original_max_position_embeddings
         rope_scaling_original_max_position_embeddings ict_head_size num_classes img_h img_w num_channels patch_dim dino_local_img_size
-        dino_head_hidden_size dino_bottleneck_size lora_rank
+        dino_head_hidden_size dino_bottleneck_size
     """),
     _family("batch size", Domain(int, 1), "samples per batch, a batch ramp-up, or a number of steps", """
         micro_batch_size global_batch_size eval_micro_batch_size eval_global_batch_size
@@ -116,7 +116,7 @@ FAMILIES = (
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms_preprocessing fine_grained_offloading_max_inflight_offloads
         retriever_report_topk_accuracies straggler_minmax_count inprocess_max_iterations
-        moe_routing_trace_max_training_iters hysteresis save_keep_last warmup plan_top plan_gpus_per_node
+        moe_routing_trace_max_training_iters hysteresis warmup plan_top plan_gpus_per_node
     """),
     _family("interval", Domain(int, 1), "every N iterations (or minutes)", """
         log_interval save_interval save_params_interval save_activations_interval
@@ -163,7 +163,7 @@ FAMILIES = (
         logging_level
     """),
     _family("probability", Domain(float, 0, 1, hi_open=True), "a dropout or masking probability", """
-        hidden_dropout attention_dropout mask_prob short_seq_prob query_in_block_prob lora_dropout
+        hidden_dropout attention_dropout mask_prob short_seq_prob query_in_block_prob
     """),
     _family("fraction", Domain(float, 0, 1), "a fraction or a probability that may be 1", """
         lr_warmup_fraction activation_offload_fraction optimizer_offload_fraction fim_rate
@@ -184,7 +184,7 @@ FAMILIES = (
     _family("positive", Domain(float, 0, lo_open=True), "a scale, factor, size or duration", """
         mup_width_mult mup_embedding_mult mup_output_mult mup_base_head_dim qk_clip_threshold
         rope_scaling_factor rotary_scaling_factor mscale moe_router_topk_scaling_factor
-        moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_dropless_budget_factor loss_scale initial_loss_scale
+        moe_expert_capacity_factor moe_expert_rank_capacity_factor loss_scale initial_loss_scale
         min_loss_scale loss_scale_window muon_extra_scale_factor head_lr_mult mask_factor
         dino_warmup_teacher_temp dino_teacher_temp yarn_beta_fast yarn_beta_slow
         rope_scaling_low_freq_factor rope_scaling_high_freq_factor
@@ -193,7 +193,7 @@ FAMILIES = (
         inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout
         inprocess_hard_timeout inprocess_heartbeat_timeout inprocess_barrier_timeout
         inprocess_completion_timeout fault_injector_fault_delay fault_injector_mtti_seconds
-        plan_memory_gb plan_host_link_gbps lora_alpha
+        plan_memory_gb plan_host_link_gbps
     """),
     _family("non-negative", Domain(float, 0), "a rate, coefficient or amount where 0 means none", """
         lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init weight_decay start_weight_decay

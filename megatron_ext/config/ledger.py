@@ -65,7 +65,7 @@ READERS = {  # megatron's reader -> (the function of megatron_ext that calls it,
     DDP: ("megatron_ext.training.model:_wrap_chunks", "get_megatron_ddp_config"),
     DDP_FROM_ARGS: ("megatron_ext.training.model:_wrap_chunks", "get_megatron_ddp_config"),
     OPT: ("megatron_ext.training.optimizer:build_optimizer", "get_megatron_optimizer_config"),
-    VALIDATE: ("megatron_ext.training.command_line:finalize", "validate_args"),
+    VALIDATE: ("megatron_ext.config.command_line:finalize", "validate_args"),
     SCHEDULER: ("megatron_ext.training.optimizer:build_scheduler", "get_optimizer_param_scheduler"),
     TOKENIZER: ("megatron_ext.training.tokenizer:build", "build_tokenizer"),
     VOCAB_PADDING: ("megatron_ext.training.tokenizer:padded_vocab_size", "vocab_size_with_padding"),
@@ -351,24 +351,24 @@ refused("megatron's _set_random_seed option; this loop seeds every rank as megat
 honoured("megatron_ext.training.hooks:before_wrap", "freeze_all_layers")
 
 # --- checkpointing ----------------------------------------------------------------------------------
-honoured("megatron_ext.training.checkpointing:Checkpointer.after_step", "save_interval")
-honoured("megatron_ext.training.checkpointing:Checkpointer._apply_retention", "save save_retain_interval")
-honoured("megatron_ext.training.checkpointing:Checkpointer.load", "load finetune ckpt_step exit_on_missing_checkpoint "
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer.after_step", "save_interval")
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer._apply_retention", "save save_retain_interval")
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer.load", "load finetune ckpt_step exit_on_missing_checkpoint "
          "pretrained_checkpoint")
-honoured("megatron_ext.training.checkpointing:Checkpointer._load", """
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer._load", """
     ckpt_format auto_detect_ckpt_format ckpt_fully_parallel_load dist_ckpt_strictness no_load_rng
 """)
-honoured("megatron_ext.training.checkpointing:Checkpointer._optimizer_to_load", "no_load_optim")
-honoured("megatron_ext.training.checkpointing:Checkpointer._save_strategy",
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer._optimizer_to_load", "no_load_optim")
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer._save_strategy",
          "ckpt_fully_parallel_save ckpt_assume_constant_structure")
-honoured("megatron_ext.training.checkpointing:Checkpointer.save", "async_save no_save_optim no_save_rng")
-honoured("megatron_ext.training.checkpointing:Checkpointer._async_queue", "use_persistent_ckpt_worker")
-honoured("megatron_ext.training.ckpt_state:sharding_metadata",
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer.save", "async_save no_save_optim no_save_rng")
+honoured("megatron_ext.checkpoint.checkpointer:Checkpointer._async_queue", "use_persistent_ckpt_worker")
+honoured("megatron_ext.checkpoint.state:sharding_metadata",
          "dist_ckpt_optim_fully_reshardable distrib_optim_fully_reshardable_mem_efficient")
 no_effect("deprecated in megatron (read by its parse_args only): MSC is off unless --enable-msc, which is "
           "refused here", "disable_msc_deprecated")
-refused("megatron's checkpoint code (training/checkpointing.py) has this option; this loop's checkpoints "
-        "(megatron_ext/training/checkpointing.py) do not", """
+refused("megatron's checkpoint code (checkpoint/checkpointer.py) has this option; this loop's checkpoints "
+        "(megatron_ext/checkpoint/checkpointer.py) do not", """
     load_main_params_from_ckpt non_persistent_save_interval non_persistent_ckpt_type
     use_checkpoint_args ckpt_convert_format ckpt_convert_save ckpt_convert_update_legacy_dist_opt_format
     async_ckpt_cpu_priority async_ckpt_io_priority async_ckpt_use_cpu_shm ckpt_fully_parallel_load_exchange_algo
@@ -382,7 +382,7 @@ no_effect(only_with("--use-checkpoint-args"), "use_mp_args_from_checkpoint_args 
 no_effect(only_with("--replication"), "replication_jump replication_factor")
 no_effect("asynchronous saves here always go through megatron-core's AsyncCallsQueue (what --async-strategy "
           "mcore selects); the checkpoint written is the same", "async_strategy")
-no_effect("every load here verifies each file's checksum first (megatron_ext/training/ckpt_integrity.py)",
+no_effect("every load here verifies each file's checksum first (megatron_ext/checkpoint/integrity.py)",
           "verify_integrity")
 
 # --- distributed -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 ``parse``: the entry point's argument layer (top-level ``arguments.parse``), which the run parses with
 (training/run.py); every public function of the package takes it from its caller.
 
-The run is handed what ``find`` read (training/checkpointing.py ``first_read``): its parser takes the
+The run is handed what ``find`` read (checkpoint/reading.py ``first_read``): its parser takes the
 recipe from there (moving a moved directory's tokenizer path onto the copy beside it), its load the
 listing, the checkpoint, its integrity and its common state; then it reads the weights."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from megatron_ext.errors import ConfigError
 from megatron_ext.hf import families, hfdir, shards
 
-RECIPE = "recipe.yaml"  # as training/ckpt_recipe.py names it (imported there with megatron-core)
+RECIPE = "recipe.yaml"  # as checkpoint/recipe.py names it (imported there with megatron-core)
 
 
 def open_model(recipe: str | None, flags: list[str], first_read=None, *, parse):
@@ -34,7 +34,7 @@ def open_model(recipe: str | None, flags: list[str], first_read=None, *, parse):
     records) with these flags (``first_read``: what :func:`find` read of --load, handed to the run).
     Entering it brings the process groups up; leaving it tears them down, and a teardown that fails
     after the conversion's own error does not replace it."""
-    from megatron_ext.training.run import Run
+    from megatron_ext.training import Run
 
     return Run.for_model([*(["--recipe", recipe] if recipe else []), *flags], first_read=first_read, parse=parse)
 
@@ -44,7 +44,7 @@ class Found:
     """What a conversion reads of --load, once, before its run (:func:`find`), and hands to it."""
 
     load: str
-    read: object  # training/ckpt_dirs.py FirstRead: the listing, recipe, checkpoint and common state
+    read: object  # checkpoint/dirs.py FirstRead: the listing, recipe, checkpoint and common state
 
     @property
     def recipe(self) -> str:
@@ -65,9 +65,9 @@ class Found:
         """The LoRA flags an adapter checkpoint was trained with (its base loads first), else []."""
         if self.lora is None:
             return []
-        from megatron_ext.training import ckpt_lora  # (megatron-core: after find's platform setup)
+        from megatron_ext.checkpoint import lora_flags as recorded_flags  # (megatron-core: after find's platform setup)
 
-        return ckpt_lora.flags(self.lora).split()
+        return recorded_flags(self.lora).split()
 
     def num_layers(self) -> int:
         layers = self.read.recipe_values.get("num_layers", self.read.recipe_values.get("num-layers"))
@@ -77,7 +77,7 @@ class Found:
 
 
 def find(load: str, recipe: str | None = None) -> Found:
-    """--load read once (training/checkpointing.py ``first_read``): its committed checkpoints listed, the
+    """--load read once (checkpoint/reading.py ``first_read``): its committed checkpoints listed, the
     recipe (--recipe, else the newest checkpoint's that has one, else an import's beside them), the
     newest intact checkpoint and its common state, whose LoRA record names the adapters' flags. A
     one-line refusal when there is no recipe."""
@@ -88,9 +88,9 @@ def find(load: str, recipe: str | None = None) -> Found:
     from megatron_ext import platform
 
     platform.setup()  # before megatron-core is imported
-    from megatron_ext.training import checkpointing
+    from megatron_ext.checkpoint import first_read
 
-    read = checkpointing.first_read(load, recipe)
+    read = first_read(load, recipe)
     if read.recipe is None:
         raise ConfigError(f"--load={load}: no {RECIPE} there, in its checkpoints or beside them (a checkpoint "
                           "train.py saves records one, an import writes one): pass --recipe")
@@ -102,7 +102,7 @@ def loaded(found: Found, flags: list[str], *, parse):
     """The model-only run of the checkpoint's recipe with the newest intact checkpoint under
     ``found.load`` loaded, weights only, as --finetune loads them (``run.model``;
     ``run.checkpointer.loaded["iteration"]``: the one loaded). A LoRA adapter checkpoint loads with
-    the LoRA flags it records, its base first (training/ckpt_lora.py)."""
+    the LoRA flags it records, its base first (checkpoint/lora.py)."""
     with open_model(found.recipe if found.given else None,
                     ["--load", found.load, "--finetune", "--no-load-optim", "--no-load-rng",
                      "--exit-on-missing-checkpoint", *found.lora_flags(), *flags], first_read=found.read,
@@ -163,14 +163,14 @@ def model_tensors(chunk) -> dict[str, torch.Tensor]:
 
 def pieces(args, model) -> list:
     """This rank's part of every megatron tensor of the model (shards.py), as a save describes it."""
-    from megatron_ext.training import ckpt_state
+    from megatron_ext.checkpoint import sharding_metadata
 
-    return shards.pieces(model, ckpt_state.sharding_metadata(args))
+    return shards.pieces(model, sharding_metadata(args))
 
 
 def prebuilt(args, model, own_storage: bool) -> list:
     """What stands for the model's chunks in a save or load whose sharded tensors are the model's own
     (shards.Prebuilt): a load reads into the parameters in place, an import's save writes them."""
-    from megatron_ext.training import ckpt_state
+    from megatron_ext.checkpoint import sharding_metadata
 
-    return [shards.Prebuilt(c, ckpt_state.sharding_metadata(args), own_storage=own_storage) for c in model]
+    return [shards.Prebuilt(c, sharding_metadata(args), own_storage=own_storage) for c in model]

@@ -23,7 +23,7 @@ import torch
 from megatron_ext.errors import ConfigError
 from megatron_ext.hf import checkpoint, families, hfdir, outputs, shards, table, world
 
-TOKENIZER = "tokenizer"  # CKPT/tokenizer, as training/ckpt_recipe.py names a checkpoint's copy
+TOKENIZER = "tokenizer"  # CKPT/tokenizer, as checkpoint/recipe.py names a checkpoint's copy
 DTYPE_FLAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -97,7 +97,7 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int) -> tuple[int, int]:
 def recipe_for(model_type: str, c: families.Config, ckpt: str, tokenizer_vocab: int) -> dict:
     out = families.flags(model_type, c)
     # the layer spec is the platform's (megatron's default transformer_engine where it imports, else
-    # local: megatron_ext/platform/target.py); the checkpoint loads into either (training/te_names.py)
+    # local: megatron_ext/platform/target.py); the checkpoint loads into either (checkpoint/te_names.py)
     out.pop("transformer_impl", None)
     dtype = hfdir.config_dtype(c)
     if dtype in DTYPE_FLAG:

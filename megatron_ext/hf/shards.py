@@ -21,8 +21,8 @@ import re
 
 import torch
 
+from megatron_ext.checkpoint import sharded_tensors
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.init import sharded_tensors
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")

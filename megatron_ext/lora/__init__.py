@@ -20,49 +20,32 @@ the base checkpoint they apply to recorded.
 """
 from __future__ import annotations
 
+from megatron_ext.config.typed import add_group
 from megatron_ext.errors import ConfigError
 from megatron_ext.lora import targets
+from megatron_ext.lora.options import LoRAOptions
 
 FLAG = "--lora-rank"
 
-__all__ = ["add_arguments", "validate", "before_wrap", "merge", "teardown", "enabled", "FLAG"]
+__all__ = ["LoRAOptions", "options_from_args", "add_arguments", "validate", "before_wrap", "merge", "teardown", "enabled", "FLAG"]
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("megatron_ext: LoRA", "low-rank adapters on a frozen base (docs/finetune.md)")
-    g.add_argument(FLAG, type=int, default=None, metavar="R",
-                   help="Train LoRA adapters of rank R on the targeted linears; every other weight is frozen "
-                   "(no gradient, no optimizer state). Not given: LoRA is off.")
-    g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
-                   help="The adapters' scale is alpha / rank (peft's lora_alpha). Default: the rank (scale 1).")
-    g.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
-                   help="Dropout on the adapters' input, in [0, 1) (peft's lora_dropout). Default 0.")
-    g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
-                   help="The linears to adapt, by megatron-core's names: "
-                   f"{', '.join(targets.NAMES)}; a dotted tail of a module path narrows it "
-                   "(experts.linear_fc1 = the routed experts only, shared_experts.linear_fc2, mlp.linear_fc1 = "
-                   "the dense MLPs only); or by peft's (Hugging Face) names: q_proj, k_proj, v_proj (linear_qkv's "
-                   "parts), o_proj, gate_proj, up_proj (linear_fc1's parts), down_proj, multi-latent attention's "
-                   "q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, the router's gate, the experts' gate_up_proj, "
-                   "w1, w2, w3; all-linear = every attention and MLP linear the model has and the router. "
-                   "Default: every attention and MLP linear the model has (not the router).")
-    g.add_argument("--lora-rslora", action="store_true",
-                   help="Rank-stabilised scale alpha / sqrt(rank) (peft's use_rslora).")
-    g.add_argument("--lora-fused-adapters", nargs="*", default=None, metavar="NAME",
-                   help="One adapter per linear (one A for linear_qkv's query, key and value rows, one for a "
-                   "gated linear_fc1's two halves) instead of the canonical separate q / k / v and gate / up "
-                   "adapters: on every linear, or on the ones named as --lora-target-modules names them (e.g. "
-                   "experts.linear_fc1: peft's adapter of a stacked gate_up_proj is one pair per expert).")
+    add_group(parser, LoRAOptions, "megatron_ext: LoRA", "low-rank adapters on a frozen base (docs/finetune.md)")
     return parser
 
 
+def options_from_args(args) -> LoRAOptions:
+    """The package's slice of the parsed arguments."""
+    return LoRAOptions.from_args(args)
+
+
 def enabled(args) -> bool:
-    return getattr(args, "lora_rank", None) is not None
+    return options_from_args(args).enabled
 
 
 def scale(args) -> float:
-    alpha = args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank)
-    return alpha / (args.lora_rank ** 0.5 if args.lora_rslora else args.lora_rank)
+    return options_from_args(args).scale
 
 
 def default_targets(args) -> list:
@@ -116,17 +99,15 @@ def _outs(args, path: str, parts: list) -> list:
 
 
 def validate(args) -> None:
-    if not enabled(args):
-        for flag, dest, off in (("--lora-alpha", "lora_alpha", None), ("--lora-dropout", "lora_dropout", 0.0),
-                                ("--lora-target-modules", "lora_target_modules", None),
-                                ("--lora-rslora", "lora_rslora", False),
-                                ("--lora-fused-adapters", "lora_fused_adapters", None)):
-            value = getattr(args, dest, off)
-            if value != off:
+    opts = options_from_args(args)  # the rank >= 1, alpha > 0 and dropout in [0, 1) are their domains (options.py)
+    if not opts.enabled:
+        off = LoRAOptions()
+        for name in ("alpha", "dropout", "target_modules", "rslora", "fused_adapters"):
+            value = getattr(opts, name)
+            if value != getattr(off, name):
                 shown = " ".join(value) if isinstance(value, list) else value
-                raise ConfigError(f"{flag}={shown}: needs {FLAG}")
+                raise ConfigError(f"{LoRAOptions.flag(name)}={shown}: needs {FLAG}")
         return
-    # the rank >= 1, alpha > 0 and dropout in [0, 1) are their domains (megatron_ext/config/domains.py)
     _validate_platform(args)
     matched = _validate_targets(args)
     _validate_layout(args, matched)
@@ -141,7 +122,7 @@ def _validate_platform(args) -> None:
     if args.init_model_with_meta_device:
         raise ConfigError(f"{on} with --init-model-with-meta-device: the adapters are drawn and the base frozen "
                           "before the data-parallel wrapper, and a meta-device model has no storage then")
-    if getattr(args, "freeze_all_layers", False):
+    if args.freeze_all_layers:
         raise ConfigError(f"{on} with --freeze-all-layers: LoRA freezes every base weight itself")
     sharded = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2" if args.use_torch_fsdp2 else None
     if sharded and args.save:
@@ -230,13 +211,13 @@ def _validate_layout(args, matched: dict) -> None:
             raise ConfigError(f"--tensor-model-parallel-size={tp} with {on} on linear_qkv: its {groups} query "
                               "groups do not split over the ranks (a rank holds part of a group's rows), so "
                               "the separate q / k / v adapters have no shard; use --lora-fused-adapters")
-        if getattr(args, "attention_output_gate", False):
+        if args.attention_output_gate:
             raise ConfigError(f"--attention-output-gate with {on} on linear_qkv: the canonical q / k / v adapters "
                               "have no part for the gate rows; use --lora-fused-adapters")
     if experts and args.moe_grouped_gemm:
         raise ConfigError(f"--moe-grouped-gemm with {on} on the routed experts: the adapters attach to each "
                           "expert's linear (SequentialMLP); the grouped-GEMM experts hold one weight tensor")
-    if experts and getattr(args, "moe_zero_sync_dropless", False):
+    if experts and args.moe_zero_sync_dropless:
         if args.lora_dropout:
             raise ConfigError(f"--lora-dropout={args.lora_dropout} with --moe-zero-sync-dropless on the routed "
                               "experts: the grouped experts run on a fixed-size buffer, so dropout would draw "

@@ -159,8 +159,8 @@ def _embedding_needs_grad(args) -> bool:
     only if an input does (seams/lora.py), and the combined-1F1B plan of
     --overlap-moe-expert-parallel-comm, whose embedding node runs a backward of its own
     (models/common/model_chunk_schedule_plan.py:609)."""
-    return bool(args.recompute_granularity or getattr(args, "moe_layer_recompute", False)
-                or getattr(args, "overlap_moe_expert_parallel_comm", False))
+    return bool(args.recompute_granularity or args.moe_layer_recompute
+                or args.overlap_moe_expert_parallel_comm)
 
 
 def _refuse_unmatched(hits: dict) -> None:

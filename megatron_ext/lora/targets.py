@@ -113,7 +113,7 @@ def model_paths(args) -> dict:
 def glu(args) -> bool:
     """A gated linear unit: fc1 = [gate; up] (--swiglu, or --quick-geglu as gpt-oss; megatron's config
     builder sets gated_linear_unit for both, training/argument_utils.py:314-325)."""
-    return bool(args.swiglu or getattr(args, "quick_geglu", False))
+    return bool(args.swiglu or args.quick_geglu)
 
 
 def dense_layers(args) -> bool:

@@ -19,60 +19,28 @@ Importing this package does not import megatron-core; the hooks below do, when c
 """
 from __future__ import annotations
 
+from megatron_ext.config.typed import add_group
 from megatron_ext.errors import ConfigError
 from megatron_ext.moe.multihot import indices_to_multihot
+from megatron_ext.moe.options import MoEOptions
 
 FLAG = "--moe-sync-free-dispatcher"
 ZERO_SYNC = "--moe-zero-sync-dropless"
 BUDGET = "--moe-dropless-budget-factor"
 OVERFLOW_FLAG = "--moe-dropless-overflow"
 
-__all__ = ["indices_to_multihot", "add_arguments", "before_validate", "validate", "before_model", "after_model",
-           "install", "at_log_line", "log_counters", "teardown", "FLAG"]
+__all__ = ["indices_to_multihot", "MoEOptions", "options_from_args", "add_arguments", "before_validate", "validate", "before_model", "after_model",
+           "install", "size_buffers", "at_log_line", "log_counters", "teardown", "FLAG"]
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext: MoE token dispatch", "sync-free MoE token dispatch (docs/moe.md)")
-    group.add_argument(
-        FLAG,
-        dest="moe_sync_free_dispatcher",
-        action="store_true",
-        default=False,
-        help="Replace the token dispatcher of every MoE layer by megatron_ext's sync-free multihot "
-        "dispatcher. It keeps the communication chosen by --moe-token-dispatcher-type (alltoall "
-        "or allgather) and gives the same outputs; with --moe-expert-capacity-factor the MoE layer "
-        "runs with no host-device synchronisation (CUDA-graph capturable), in dropless mode with "
-        "exactly one (the variable split sizes). See docs/moe.md.",
-    )
-    group.add_argument(
-        ZERO_SYNC,
-        dest="moe_zero_sync_dropless",
-        action="store_true",
-        default=False,
-        help=f"With {FLAG} in dropless mode: no host synchronisation at all. Tokens travel in "
-        "fixed-size per-rank buffers (a token budget), the experts run as grouped GEMMs over "
-        "per-expert offsets kept on the device (local spec experts). Bit-identical to megatron's "
-        "dropless dispatcher while nothing overflows the budget.",
-    )
-    group.add_argument(
-        BUDGET,
-        dest="moe_dropless_budget_factor",
-        type=float,
-        default=None,
-        help=f"With {ZERO_SYNC}: rows of each buffer as a multiple of the balanced load "
-        "(tokens x top-k / EP), capped at the worst case. Default: the worst case "
-        "(tokens x min(top-k, local experts)), where nothing can overflow.",
-    )
-    group.add_argument(
-        OVERFLOW_FLAG,
-        dest="moe_dropless_overflow",
-        choices=("error", "drop"),
-        default="error",
-        help=f"With {ZERO_SYNC} and a budget below the worst case: what a routing that overflows "
-        "it does. error: stop at the next log line, naming the factor that would have fitted; "
-        "drop: drop the pairs past the budget, counted in the log line. (default: error)",
-    )
+    add_group(parser, MoEOptions, "megatron_ext: MoE token dispatch", "sync-free MoE token dispatch (docs/moe.md)")
     return parser
+
+
+def options_from_args(args) -> MoEOptions:
+    """The package's slice of the parsed arguments."""
+    return MoEOptions.from_args(args)
 
 
 def before_validate(args) -> None:
@@ -82,58 +50,55 @@ def before_validate(args) -> None:
 
 
 def validate(args) -> None:
-    _validate_zero_sync(args)
-    if not getattr(args, "moe_sync_free_dispatcher", False):
+    opts = options_from_args(args)
+    _validate_zero_sync(args, opts)
+    if not opts.sync_free_dispatcher:
         return
     on = f"{FLAG}=True"
-    if not getattr(args, "num_experts", None):
+    if not args.num_experts:
         raise ConfigError(f"{on}: needs an MoE model (--num-experts is not set)")
-    kind = getattr(args, "moe_token_dispatcher_type", "allgather")
+    kind = args.moe_token_dispatcher_type
     if kind not in ("alltoall", "allgather"):
         raise ConfigError(
             f"{on}: --moe-token-dispatcher-type={kind} is not supported (use alltoall or allgather)"
         )
-    for flag, name in (
-        ("--moe-permute-fusion", "moe_permute_fusion"),
-        ("--moe-router-padding-for-quantization", "moe_router_padding_for_quantization"),
+    for flag, value in (
+        ("--moe-permute-fusion", args.moe_permute_fusion),
+        ("--moe-router-padding-for-quantization", args.moe_router_padding_for_quantization),
     ):
-        if getattr(args, name, False):
+        if value:
             raise ConfigError(f"{on}: {flag} is not supported with the sync-free dispatcher")
-    pad = getattr(args, "moe_pad_expert_input_to_capacity", False)
-    if pad and getattr(args, "moe_expert_capacity_factor", None) is None:
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         raise ConfigError(f"{on}: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
-def _validate_zero_sync(args) -> None:
-    factor = getattr(args, "moe_dropless_budget_factor", None)
-    zero_sync = getattr(args, "moe_zero_sync_dropless", False)
-    if not zero_sync:
+def _validate_zero_sync(args, opts: MoEOptions) -> None:
+    factor = opts.dropless_budget_factor
+    if not opts.zero_sync_dropless:
         if factor is not None:
             raise ConfigError(f"{BUDGET}={factor}: needs {ZERO_SYNC}")
         return
     on = f"{ZERO_SYNC}=True"
-    if not getattr(args, "moe_sync_free_dispatcher", False):
+    if not opts.sync_free_dispatcher:
         raise ConfigError(f"{on}: needs {FLAG}")
-    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+    if args.moe_expert_capacity_factor is not None:
         raise ConfigError(f"{on}: is the dropless mode; --moe-expert-capacity-factor="
                           f"{args.moe_expert_capacity_factor} already has no host sync")
-    if factor is not None and not factor > 0:
-        raise ConfigError(f"{BUDGET}={factor}: must be > 0")
-    if getattr(args, "moe_grouped_gemm", False):
+    if args.moe_grouped_gemm:
         raise ConfigError(f"{on}: --moe-grouped-gemm runs transformer-engine's grouped GEMM, which takes "
                           "per-expert row counts on the host; the grouped experts here need the local "
                           "SequentialMLP experts (drop --moe-grouped-gemm)")
-    for flag, name in (("--fp8-format", "fp8"), ("--fp4-format", "fp4")):
-        if getattr(args, name, None):
+    for flag, value in (("--fp8-format", args.fp8), ("--fp4-format", args.fp4)):
+        if value:
             raise ConfigError(f"{on}: {flag} pads expert inputs per expert on the host; not supported")
-    if getattr(args, "use_te_activation_func", False):
+    if args.use_te_activation_func:
         raise ConfigError(f"{on}: --use-te-activation-func is not supported by the grouped experts")
-    if getattr(args, "moe_latent_size", None):
+    if args.moe_latent_size:
         raise ConfigError(f"{on}: --moe-latent-size is not supported by the grouped experts")
     check_grouped_gemm_platform(args, on)
-    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
-    etp = getattr(args, "expert_tensor_parallel_size", None) or 1
+    dtype_bytes = 2 if (args.bf16 or args.fp16) else 4
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    etp = args.expert_tensor_parallel_size or 1
     for name, size in (("--hidden-size", args.hidden_size), ("--moe-ffn-hidden-size / expert-TP", (ffn or 0) // etp)):
         if size and (size * dtype_bytes) % 16:
             raise ConfigError(f"{on}: {name}={size}: the grouped GEMM needs rows of a multiple of 16 bytes "
@@ -151,8 +116,8 @@ def check_grouped_gemm_platform(args, on: str) -> None:
     target = resolve(args)
     if not target.cuda:
         return  # CPU: every op is on the host anyway (the audit models CUDA: megatron_ext/moe/audit.py)
-    if not getattr(args, "bf16", False):
-        precision = "--fp16" if getattr(args, "fp16", False) else "fp32 (no --bf16)"
+    if not args.bf16:
+        precision = "--fp16" if args.fp16 else "fp32 (no --bf16)"
         raise ConfigError(f"{on} with {precision}: on CUDA the grouped GEMM (torch._grouped_mm) reads its expert "
                           "offsets on the host except in bf16 (2 syncs forward, 4 backward per layer): add --bf16, "
                           "or use --moe-expert-capacity-factor (capacity mode has no sync in any precision)")
@@ -211,6 +176,23 @@ def install(model_chunks, zero_sync: bool = False, budget_factor=None, cuda_grap
     return replaced
 
 
+def size_buffers(model_chunks, rows_per_token: float) -> int:
+    """Size every fixed-budget dispatcher's buffers at ``rows_per_token`` rows per token, not by the
+    budget factor (the planner's tiny trace, one rank, sizes them as the run it models does). Returns
+    how many dispatchers it sized."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_ext.moe.fixed_dispatch import FixedBudgetDispatcher
+
+    sized = 0
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer) and isinstance(module.token_dispatcher, FixedBudgetDispatcher):
+                module.token_dispatcher.rows_per_token = rows_per_token
+                sized += 1
+    return sized
+
+
 def before_model(args, config) -> None:
     from megatron_ext.moe import graphs
 
@@ -220,9 +202,10 @@ def before_model(args, config) -> None:
 def after_model(args, model_chunks) -> None:
     from megatron_ext.moe import graphs
 
-    if getattr(args, "moe_sync_free_dispatcher", False):
-        install(model_chunks, zero_sync=getattr(args, "moe_zero_sync_dropless", False),
-                budget_factor=getattr(args, "moe_dropless_budget_factor", None), cuda_graphs=graphs.capturing(args))
+    opts = options_from_args(args)
+    if opts.sync_free_dispatcher:
+        install(model_chunks, zero_sync=opts.zero_sync_dropless, budget_factor=opts.dropless_budget_factor,
+                cuda_graphs=graphs.capturing(args))
 
 
 _last_line = {}  # this process's overflow figures of the last log line (zero-sync mode only)
@@ -231,7 +214,8 @@ _last_line = {}  # this process's overflow figures of the last log line (zero-sy
 def at_log_line(args) -> None:
     """Every rank, at each log line: the one host read of the overflow counters, summed (pairs
     dropped) and maxed (load) over the ranks, so every rank decides the same."""
-    if not getattr(args, "moe_zero_sync_dropless", False):
+    opts = options_from_args(args)
+    if not opts.zero_sync_dropless:
         return
     import math
 
@@ -249,8 +233,8 @@ def at_log_line(args) -> None:
         torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX)
     n, fits = int(dropped.item()), math.ceil(load.item() * 100) / 100
     _last_line.update(dropped=n)
-    if n and args.moe_dropless_overflow == "error":
-        raise ConfigError(f"{BUDGET}={args.moe_dropless_budget_factor}: {n} routed (token, expert) pairs "
+    if n and opts.dropless_overflow == "error":
+        raise ConfigError(f"{BUDGET}={opts.dropless_budget_factor}: {n} routed (token, expert) pairs "
                           f"overflowed the dispatch budget since the last log line; a factor of {fits} "
                           f"would have fitted (or {OVERFLOW_FLAG} drop to drop them)")
 

@@ -77,11 +77,14 @@ OVERFLOW = OverflowCounter()
 
 
 def budget_rows(tokens: int, topk: int, num_experts: int, num_local: int,
-                factor: Optional[float]) -> tuple[int, float]:
-    """(rows, balanced rows) of the buffer of ``tokens`` for one rank's ``num_local`` experts.
-    Host arithmetic only."""
+                factor: Optional[float], rows_per_token: Optional[float] = None) -> tuple[int, float]:
+    """(rows, balanced rows) of the buffer of ``tokens`` for one rank's ``num_local`` experts; with
+    ``rows_per_token``, that many rows per token instead (the planner's trace sizes its buffers as the
+    run it models does). Host arithmetic only."""
     worst = tokens * min(topk, num_local)
     balanced = tokens * topk * num_local / num_experts
+    if rows_per_token is not None:
+        return max(1, math.ceil(rows_per_token * tokens)), balanced
     if factor is None:
         return max(worst, 1), balanced
     return max(1, min(worst, math.ceil(factor * balanced))), balanced
@@ -97,6 +100,7 @@ class FixedBudgetDispatcher(MultihotTokenDispatcher):
             raise ValueError("fixed-budget dispatch is the dropless mode (no capacity factor)")
         self.token_level = False  # per-pair rows, in upstream's order
         self.budget_factor = budget_factor
+        self.rows_per_token = None  # buffers sized per token instead of by the factor (moe.size_buffers)
         self.budget = None  # rows of the last dispatch's buffer (tests, bench)
 
     @classmethod
@@ -132,7 +136,7 @@ class FixedBudgetDispatcher(MultihotTokenDispatcher):
         """[ep * budget] rows: destination rank r's pairs (expert-major, tokens ascending, as
         upstream's permute) at rows r * budget + 0, 1, ...; the rest zeros."""
         T, E, L, ep = self.num_tokens, self.num_experts, self.num_local_experts, self.ep_size
-        B, balanced = budget_rows(T, self.topk, E, L, self.budget_factor)
+        B, balanced = budget_rows(T, self.topk, E, L, self.budget_factor, self.rows_per_token)
         self.budget = B
         pairs = T * min(self.topk, E)  # an upper bound of the routed pairs: a host number
         permuted, permuted_probs, self.sorted_indices, _, _ = self.up.permute(
@@ -247,7 +251,7 @@ class FixedBudgetDispatcher(MultihotTokenDispatcher):
         local = torch.where((indices >= lo) & (indices < lo + L), indices - lo, torch.full_like(indices, -1))
         local_map, local_probs = indices_to_multihot(local, probs, L)
         N = hidden_states.shape[0]
-        B, balanced = budget_rows(N, self.topk, self.num_experts, L, self.budget_factor)
+        B, balanced = budget_rows(N, self.topk, self.num_experts, L, self.budget_factor, self.rows_per_token)
         self.budget = B
         self.local_shape = hidden_states.shape
         with torch.no_grad():

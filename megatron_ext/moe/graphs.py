@@ -30,6 +30,7 @@ create no manager of their own). The RNG tracker becomes megatron's graph-safe o
 from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.moe.options import MoEOptions
 
 IMPL = "--cuda-graph-impl"
 MODULES = "--cuda-graph-modules"
@@ -38,7 +39,7 @@ _active: list = []  # a run of this process is set up for graphs (before_model) 
 
 def requested(args) -> bool:
     """Does this run capture its MoE layers (validated by :func:`before_validate`)?"""
-    return getattr(args, "cuda_graph_impl", "none") == "local" and getattr(args, "moe_zero_sync_dropless", False)
+    return args.cuda_graph_impl == "local" and MoEOptions.from_args(args).zero_sync_dropless
 
 
 def capturing(args) -> bool:
@@ -58,9 +59,9 @@ def before_validate(args, zero_sync_flag: str) -> None:
     zero-sync layer's flag, as the package names it."""
     from megatron_ext.platform.target import resolve
 
-    impl = getattr(args, "cuda_graph_impl", "none")
-    deprecated = getattr(args, "cuda_graph_scope_deprecated", None)
-    given = _names(deprecated if deprecated is not None else getattr(args, "cuda_graph_modules", []))
+    impl = args.cuda_graph_impl
+    deprecated = args.cuda_graph_scope_deprecated
+    given = _names(deprecated if deprecated is not None else args.cuda_graph_modules)
     spelled = "--cuda-graph-scope" if deprecated is not None else MODULES
     if impl == "none":
         return  # megatron: modules have no effect without an implementation
@@ -72,7 +73,7 @@ def before_validate(args, zero_sync_flag: str) -> None:
         shown = " ".join(given) if given else "(none: whole layers)"
         raise ConfigError(f"{IMPL}=local, {spelled}={shown}: this loop captures only the MoE layers: "
                           f"{spelled} moe, with {zero_sync_flag}")
-    if not getattr(args, "moe_zero_sync_dropless", False):
+    if not MoEOptions.from_args(args).zero_sync_dropless:
         raise ConfigError(f"{IMPL}=local, {spelled}=moe: moe cuda graph is only supported with drop-padding "
                           f"MoE (megatron-core), whose local graphs capture nothing in a GPT model; this loop "
                           f"captures dropless MoE layers with {zero_sync_flag} (no host synchronisation)")
@@ -80,12 +81,12 @@ def before_validate(args, zero_sync_flag: str) -> None:
         raise ConfigError(f"{IMPL}=local: CUDA graphs need CUDA, which this machine lacks; `--dry-run --platform "
                           "cuda` validates the run for a GPU cluster")
     for flag, on, why in (
-        ("--recompute-modules moe", "moe" in (getattr(args, "recompute_modules", None) or [])
-         and getattr(args, "recompute_granularity", None) == "selective",
+        ("--recompute-modules moe", "moe" in (args.recompute_modules or [])
+         and args.recompute_granularity == "selective",
          "megatron switches the MoE layer's recomputation off under local CUDA graphs (moe_layer.py:246-250)"),
-        ("--overlap-moe-expert-parallel-comm", getattr(args, "overlap_moe_expert_parallel_comm", False),
+        ("--overlap-moe-expert-parallel-comm", args.overlap_moe_expert_parallel_comm,
          "megatron's EP overlap splits the MoE layer the graph captures whole"),
-        ("--moe-shared-expert-overlap", getattr(args, "moe_shared_expert_overlap", False),
+        ("--moe-shared-expert-overlap", args.moe_shared_expert_overlap,
          "the shared experts' side stream is not captured"),
     ):
         if on:

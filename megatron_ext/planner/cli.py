@@ -56,7 +56,7 @@ def parse(argv: list, prefix: str, parse_run):
     for name in ("memory_gb", "host_link_gbps", "gpus_per_node"):
         if opts[name] is not None and not opts[name] > 0:
             raise ConfigError(f"{prefix}{name.replace('_', '-')}={opts[name]}: must be > 0")
-    if getattr(args, "platform", None) == "cuda" and getattr(args, "target_gpu", None) is None:
+    if args.platform == "cuda" and args.target_gpu is None:
         run_argv += ["--target-gpu", opts["gpu"]]
         args = _parse_run(parse_run, run_argv)
     args.plan_argv = run_argv  # a layout of the search is these flags and its own, validated again

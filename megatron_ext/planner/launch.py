@@ -76,13 +76,13 @@ def build(args, given: dict, chosen: dict, gpu: str, gpus_per_node: int, check=N
     changed = st.changed(given, chosen)
     kept = [w for g in groups(run) if _name(g) not in changed for w in g]
     flags = [*kept, *st.render(chosen, changed)]
-    if getattr(args, "transformer_impl", None) == "local" and args.config_sources.get("transformer_impl") == "default":
+    if args.transformer_impl == "local" and args.config_sources.get("transformer_impl") == "default":
         flags += ["--transformer-impl", "local"]  # planned without transformer-engine (--assume-no-te): keep it so
     train = ["train.py", *(["--recipe", recipe] if recipe else []), *flags]
     world = chosen["--world-size"]
     nodes, per_node = nodes_for(world, gpus_per_node)
-    fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False))
-    env = target.launch_env(tp=chosen["--tensor-model-parallel-size"], cp=getattr(args, "context_parallel_size", 1) or 1,
+    fsdp = bool(args.use_megatron_fsdp or args.use_torch_fsdp2)
+    env = target.launch_env(tp=chosen["--tensor-model-parallel-size"], cp=args.context_parallel_size or 1,
                             fsdp=fsdp, arch=target.GPUS[gpu][0][0])
     rdzv = ["--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
     if nodes > 1:

@@ -48,7 +48,7 @@ class Offload:
     @classmethod
     def from_args(cls, args) -> "Offload":
         """The run's offload, as the offload package reads its validated options."""
-        if not getattr(args, "activation_offload_modules", None):
+        if not args.activation_offload_modules:
             return cls()
         from megatron_ext.offload import options_from_args
 
@@ -74,7 +74,7 @@ class Layout:
     def from_args(cls, args) -> "Layout":
         tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         ep = args.expert_model_parallel_size
-        etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+        etp = args.expert_tensor_parallel_size or tp
         world = args.world_size
         dp = world // (tp * pp * cp)
         return cls(tp, pp, args.virtual_pipeline_model_parallel_size, ep, etp, cp, dp,
@@ -118,7 +118,7 @@ def chunk_components(args, config, layout: Layout, pp_rank: int, v: int) -> list
     comps += [("layer", k) for k in chunk_layers(args, config, pp_rank, v if layout.vpp else None)]
     if last:
         comps.append("head")
-        for _ in range(getattr(args, "mtp_num_layers", None) or 0):  # MTP: one more layer and head each
+        for _ in range(args.mtp_num_layers or 0):  # MTP: one more layer and head each
             comps += [("layer", layer_kinds(args)[-1]), "head"]
     return comps
 
@@ -140,15 +140,15 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
             dense += scaled.params_dense[name]
             expert += scaled.params_expert[name]
             gemm += scaled.gemm_weights.get(name, 0.0)
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    tied = not args.untie_embeddings_and_output_weights
     if tied and layout.pp > 1 and pp_rank == layout.pp - 1:
         dense += scaled.params_dense["embedding"]  # the last stage's copy of the word embeddings
     elem = 2 if (args.bf16 or args.fp16) else 4
     count = (dense + expert) / elem
-    grad_elem = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) or elem == 4 else elem
+    grad_elem = 4 if args.accumulate_allreduce_grads_in_fp32 or elem == 4 else elem
     opt_per_param = (4 if elem == 2 else 0) + 8  # fp32 main copy for 16-bit parameters, Adam moments
-    fsdp = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
-    sharded = getattr(args, "use_distributed_optimizer", False) or fsdp
+    fsdp = args.use_megatron_fsdp or args.use_torch_fsdp2
+    sharded = args.use_distributed_optimizer or fsdp
     opt = opt_per_param * (dense / elem / (layout.dp if sharded else 1) + expert / elem / (layout.edp if sharded else 1))
     params = dense + expert
     grads = count * grad_elem
@@ -161,7 +161,7 @@ def model_state(args, scaled, layout: Layout, comps_per_chunk: list, pp_rank: in
     # FP8 GEMMs on 16-bit weights: transformer-engine casts each weight once per step and keeps the
     # FP8 copy across micro-batches (row-wise for the forward and dgrad, column-wise for Hopper's
     # wgrad: 2 bytes per weight); with --fp8-param-gather the parameters are those FP8 tensors
-    fp8 = 2 * gemm / elem if fp8_gemms(args) and not getattr(args, "fp8_param_gather", False) else 0.0
+    fp8 = 2 * gemm / elem if fp8_gemms(args) and not args.fp8_param_gather else 0.0
     return dict(parameters=params, gradients=grads, optimizer=opt, param_count=count, fp8_weights=fp8)
 
 
@@ -189,7 +189,7 @@ def boundary_bytes(args, layout: Layout) -> float:
     """One tensor megatron sends between pipeline stages: (sequence / TP under sequence parallelism,
     micro-batch, hidden) in the pipeline dtype."""
     elem = 2 if (args.bf16 or args.fp16) else 4
-    seq = args.seq_length // (layout.tp if getattr(args, "sequence_parallel", False) else 1)
+    seq = args.seq_length // (layout.tp if args.sequence_parallel else 1)
     return float(seq * args.micro_batch_size * args.hidden_size * elem)
 
 
@@ -208,8 +208,8 @@ def dispatch_rows(args, layout: Layout) -> float:
     rows = fixed_budget_rows(args, layout.ep, layout.tp)
     if rows is not None:  # the trace ran its experts on as many rows per token (see trace_args)
         return float(rows * layout.etp)
-    factor = getattr(args, "moe_expert_capacity_factor", None)
-    if factor is not None and getattr(args, "moe_pad_expert_input_to_capacity", False):
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and args.moe_pad_expert_input_to_capacity:
         routed = args.num_experts * math.ceil(routed / args.num_experts * factor)
     return float(routed * layout.etp)
 
@@ -226,7 +226,7 @@ def packed_mask_bytes(args) -> float:
     [micro-batch, 1, S, S], megatron_ext/sft/attention.py), made by each chunk's forward step and held
     until its backward (the softmax's masked fill keeps it). Transformer-engine's packed sequences
     carry only their cu_seqlens."""
-    if not getattr(args, "sft", False) or getattr(args, "transformer_impl", None) != "local":
+    if not args.sft or args.transformer_impl != "local":
         return 0.0
     return float(args.micro_batch_size * args.seq_length ** 2)
 
@@ -300,7 +300,7 @@ def predict_stage(args, config, scaled, layout: Layout, pp_rank: int, offload: O
     state = model_state(args, scaled, layout, comps_per_chunk, pp_rank)
     act = activation_peak(scaled, layout, comps_per_chunk, pp_rank, offload, boundary_bytes(args, layout),
                           dispatch_bytes(args, layout), packed_mask_bytes(args))
-    if backend == "gloo" and getattr(args, "use_distributed_optimizer", False):
+    if backend == "gloo" and args.use_distributed_optimizer:
         # the distributed optimizer reduce-scatters the gradient buckets under torch's coalescing
         # manager, which on gloo (no coalesced collectives) gathers them into one flat copy at the
         # end of the backward; NCCL reduces them in place

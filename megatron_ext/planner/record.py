@@ -5,7 +5,6 @@ See megatron_ext/planner/trace.py."""
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -174,43 +173,26 @@ def global_buffer_bytes() -> int:
     return sum(t.untyped_storage().nbytes() for t in buf.buffer.values())
 
 
-def run_once(args, kinds, seed: int = 1234) -> dict:
-    """Build the tiny model from ``args`` (already shrunk), run one micro-batch forward and backward.
-    Returns the storages' lives (allocs), which of them are saved (by component and offload
-    module), the component phases (op ranges, forward and backward) and the parameters. A MoE
-    model routes balanced (``megatron_ext.seams.planner``): every expert gets the same tokens."""
+def run_once(tiny, kinds, seed: int = 1234) -> dict:
+    """Build the tiny model of ``tiny`` (planner/tiny.py ``TinyRun``: its arguments already shrunk), run
+    one micro-batch forward and backward. Returns the storages' lives (allocs), which of them are saved
+    (by component and offload module), the component phases (op ranges, forward and backward) and the
+    parameters. A MoE model routes balanced (``megatron_ext.seams.planner``): every expert gets the same
+    tokens."""
     from megatron_ext.seams.planner import balanced_routing, transformer_engine_saves
-    from megatron_ext.training.run import Run
+    from megatron_ext.training import Run
 
+    args = tiny.args
     args.seed = seed  # the tiny copy's own arguments (planner/tiny.py trace_args)
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
-    attention = transformer_engine_saves() if getattr(args, "planner_fused_attention", False) else contextlib.nullcontext()
+    attention = transformer_engine_saves() if tiny.fused_attention else contextlib.nullcontext()
     # the run's model-only bring-up: the tiny copy's model, no optimizer or data (training/run.py)
-    with Run(args, model_only=True) as run, routing, attention, \
-            _budget_as_the_run(getattr(args, "planner_budget_rows_per_token", None)):
-        return _run_built(run, kinds, seed)
+    with Run(args, model_only=True) as run, routing, attention:
+        return _run_built(run, kinds, seed, tiny.budget_rows_per_token)
 
 
-@contextlib.contextmanager
-def _budget_as_the_run(rows_per_token):
-    """The fixed-budget dispatcher's buffer rows per token as the run's (None: unchanged)."""
-    if rows_per_token is None:
-        yield
-        return
-    from megatron_ext.moe import fixed_dispatch
-    from megatron_ext.patching import set_attr
-
-    def budget_rows(tokens, topk, num_experts, num_local, factor):
-        return max(1, math.ceil(rows_per_token * tokens)), tokens * topk * num_local / num_experts
-
-    undo = set_attr(fixed_dispatch, "budget_rows", budget_rows)
-    try:
-        yield
-    finally:
-        undo()
-
-
-def _run_built(run, kinds, seed: int) -> dict:
+def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> dict:
+    from megatron_ext import moe
     from megatron_ext.measure.memtrack import model_state_ptrs
     from megatron_ext.offload import MODULES, OffloadOptions
     from megatron_ext.seams import unwrapped
@@ -218,6 +200,8 @@ def _run_built(run, kinds, seed: int) -> dict:
 
     args = run.args
     chunks = run.build()  # the bare chunks: no data-parallel wrapper
+    if budget_rows_per_token is not None:  # the fixed-budget dispatcher's buffers as the run's, per token
+        moe.size_buffers(chunks, budget_rows_per_token)
     model = chunks[0]
     root = unwrapped(model)
     for p in model.parameters():

@@ -23,7 +23,7 @@ def local_unfused(a) -> None:
 def on_transformer_engine(args) -> bool:
     """The run uses megatron's transformer-engine spec (megatron's default; the planner validates for
     a cluster with transformer-engine unless --assume-no-te)."""
-    return getattr(args, "transformer_impl", "local") == "transformer_engine"
+    return args.transformer_impl == "transformer_engine"
 
 
 # recompute modules the local copy cannot build: traced without them, their effect modeled
@@ -41,14 +41,14 @@ def modeled_saved_delta(args, kind: str) -> float:
       whatever the recompute), so only a MoE layer's separate pre-MLP norm drops its output:
       tokens per rank x hidden.
     In the activation dtype; 0 for other kinds and recomputes."""
-    modules = getattr(args, "recompute_modules", None) or []
+    modules = args.recompute_modules or []
     if kind != "moe" or recompute_of(args) != "selective":
         return 0.0
     elem = 2 if (args.bf16 or args.fp16) else 4
     tp = args.tensor_model_parallel_size
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    tokens = args.seq_length * args.micro_batch_size // (tp if getattr(args, "sequence_parallel", False) else 1)
-    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
+    etp = args.expert_tensor_parallel_size or tp
+    tokens = args.seq_length * args.micro_batch_size // (tp if args.sequence_parallel else 1)
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     delta = 0.0
     if "moe_act" in modules:
         delta -= tokens * (args.moe_router_topk or 1) * ffn // etp * elem
@@ -59,7 +59,7 @@ def modeled_saved_delta(args, kind: str) -> float:
 
 def fp8_gemms(args) -> bool:
     """The run's layer GEMMs are transformer-engine's, in FP8 (--fp8-format on the TE spec)."""
-    return on_transformer_engine(args) and bool(getattr(args, "fp8", None))
+    return on_transformer_engine(args) and bool(args.fp8)
 
 
 def fp8_saved_delta(args, gemm_only: float, gemm_shared: float) -> float:
@@ -88,7 +88,7 @@ def buildable_here(args):
 
 def recompute_of(args) -> str:
     """The run's recompute: "none", "selective" (its --recompute-modules) or "full"."""
-    g = getattr(args, "recompute_granularity", None)
+    g = args.recompute_granularity
     return g if g in ("selective", "full") else "none"
 
 
@@ -97,7 +97,7 @@ def resolved_recompute(args, recompute=None) -> tuple:
     --recompute-granularity and --recompute-modules), "none" / "selective" / "full", or a (granularity,
     modules) pair; selective without modules is core attention, the others have none."""
     if recompute is None:
-        recompute = (recompute_of(args), getattr(args, "recompute_modules", None))
+        recompute = (recompute_of(args), args.recompute_modules)
     granularity, modules = recompute if isinstance(recompute, tuple) else (recompute, None)
     return granularity, tuple(modules or ("core_attn",)) if granularity == "selective" else ()
 
@@ -130,11 +130,13 @@ def fixed_budget_rows(args, ep: int, tp: int):
     """Rows a rank's experts compute on per MoE layer under --moe-zero-sync-dropless over all-to-all:
     EP x the fixed budget per destination (``megatron_ext.moe.fixed_dispatch.budget_rows``; padding
     rows included). None for other dispatchers."""
-    if not (getattr(args, "moe_zero_sync_dropless", False) and getattr(args, "moe_sync_free_dispatcher", False)
-            and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
+    from megatron_ext import moe
+
+    dispatch = moe.options_from_args(args)
+    if not (dispatch.zero_sync and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
         return None
     from megatron_ext.moe.fixed_dispatch import budget_rows
 
     tokens = args.seq_length * args.micro_batch_size // tp
     return ep * budget_rows(tokens, args.moe_router_topk or 1, args.num_experts, args.num_experts // ep,
-                            getattr(args, "moe_dropless_budget_factor", None))[0]
+                            dispatch.dropless_budget_factor)[0]

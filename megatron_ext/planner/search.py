@@ -71,7 +71,7 @@ class Tracer:
         self.cache: dict = {}
 
     def _key(self, args, recompute: str | None) -> tuple:
-        return (args.tensor_model_parallel_size, getattr(args, "expert_tensor_parallel_size", None),
+        return (args.tensor_model_parallel_size, args.expert_tensor_parallel_size,
                 resolved_recompute(args, recompute), args.transformer_impl,
                 memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
 
@@ -110,7 +110,7 @@ def _notes(args, recompute: str, modules: tuple) -> list:
     notes = []
     if recompute == "none" and recompute_of(args) != "none":
         notes.append("recompute off (drop recompute_granularity)")
-    if not modules and getattr(args, "activation_offload_modules", None):
+    if not modules and args.activation_offload_modules:
         notes.append("offload off (drop activation_offload_modules)")
     return notes
 
@@ -121,7 +121,7 @@ def _reparse(args, flags: list, drop_uneven: bool, parse_run):
     argv = list(getattr(args, "plan_argv", None) or [])
     if drop_uneven:  # first/last stage layer counts belong to the recipe's pipeline size
         flags = [*flags, "--decoder-first-pipeline-num-layers", "0", "--decoder-last-pipeline-num-layers", "0"] \
-            if getattr(args, "decoder_first_pipeline_num_layers", None) else flags
+            if args.decoder_first_pipeline_num_layers else flags
     try:
         a = parse_run([*argv, *flags])
     except (ConfigError, ValueError, AssertionError) as e:
@@ -137,7 +137,7 @@ def layouts(args, parse_run) -> list:
     out = []
     world, layers = args.world_size, args.num_layers
     heads = args.num_attention_heads
-    groups = (args.num_query_groups or heads) if getattr(args, "group_query_attention", False) else heads
+    groups = (args.num_query_groups or heads) if args.group_query_attention else heads
     experts = args.num_experts or 0
     for tp in (1, 2, 4, 8):
         if heads % tp or groups % tp or world % tp or (args.ffn_hidden_size or 0) % tp:
@@ -193,7 +193,7 @@ def _evaluate(args, tracer: Tracer, budget: float, dev: profiles.Device, link: f
     its settings), which is its own candidate."""
     config = target_config(args)
     layout = memory.Layout.from_args(args)
-    min_bytes = int(getattr(args, "activation_offload_min_tensor_kb", 64) * 1024)  # the run's: its command keeps it
+    min_bytes = int(args.activation_offload_min_tensor_kb * 1024)  # the run's: its command keeps it
     out = []
     for recompute in recomputes:
         traced = tracer(args, recompute)

@@ -28,7 +28,7 @@ def layout_of(args) -> dict:
     out = {flag: getattr(args, dest(flag), None) for flag in LAYOUT}
     tp = args.tensor_model_parallel_size
     out["--sequence-parallel"] = bool(out["--sequence-parallel"]) and tp > 1  # megatron turns it off at TP1
-    if getattr(args, "num_experts", None):
+    if args.num_experts:
         out["--expert-tensor-parallel-size"] = out["--expert-tensor-parallel-size"] or tp
     else:
         out["--expert-model-parallel-size"] = out["--expert-tensor-parallel-size"] = None
@@ -36,13 +36,13 @@ def layout_of(args) -> dict:
 
 
 def recompute_of(args) -> dict:
-    g = getattr(args, "recompute_granularity", None)
+    g = args.recompute_granularity
     g = g if g in ("selective", "full") else None
     return {"--recompute-granularity": g,
-            "--recompute-modules": tuple(getattr(args, "recompute_modules", None) or ["core_attn"])
+            "--recompute-modules": tuple(args.recompute_modules or ["core_attn"])
             if g == "selective" else None,
-            "--recompute-method": getattr(args, "recompute_method", None) if g == "full" else None,
-            "--recompute-num-layers": getattr(args, "recompute_num_layers", None) if g == "full" else None}
+            "--recompute-method": args.recompute_method if g == "full" else None,
+            "--recompute-num-layers": args.recompute_num_layers if g == "full" else None}
 
 
 def recompute_choice(name: str) -> dict:
@@ -55,7 +55,7 @@ def recompute_choice(name: str) -> dict:
 
 
 def offload_of(args) -> dict:
-    modules = getattr(args, "activation_offload_modules", None)
+    modules = args.activation_offload_modules
     on = bool(modules)
     return {"--activation-offload-modules": tuple(modules) if on else None,
             "--activation-offload-prefetch-depth": args.activation_offload_prefetch_depth if on else None,

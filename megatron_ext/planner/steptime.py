@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, _factor
+from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, bus_factor
 
 GPUS_PER_NODE = 8
 TERMS = ("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "moe_fixed_s", "tp_s", "ep_s",
@@ -50,7 +50,7 @@ TERMS = ("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "
 def _coll(link, op: str, n: int, nbytes: float, count: float) -> float:
     if n <= 1 or count <= 0:
         return 0.0
-    return count * (link.latency + _factor(op, n) * nbytes / link.bus_bandwidth)
+    return count * (link.latency + bus_factor(op, n) * nbytes / link.bus_bandwidth)
 
 
 def _all_to_all(ep: int, etp: int, nbytes: float, count: float) -> float:
@@ -77,12 +77,12 @@ def _dispatch_s(args, layout, tokens: int, count: float) -> float:
     ep, etp = layout.ep, layout.etp
     if ep <= 1 or count <= 0:
         return 0.0
-    if getattr(args, "moe_token_dispatcher_type", "alltoall") != "flex":
+    if args.moe_token_dispatcher_type != "flex":
         return _all_to_all(ep, etp, tokens * topk * h * elem, count)
     local = max(1, min(ep, GPUS_PER_NODE // max(1, etp)))
     nodes = ep // local
     reach = nodes
-    groups, group_topk = getattr(args, "moe_router_num_groups", None), getattr(args, "moe_router_group_topk", None)
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if groups and group_topk:  # experts of a group lie on groups / nodes consecutive nodes (or share one)
         reach = min(nodes, group_topk * max(1, nodes // groups))
     distinct = reach * (1 - (1 - 1 / reach) ** topk)
@@ -151,9 +151,9 @@ def shapes(args, layout, attention: str | None = None) -> Shapes:
     from megatron_ext.planner.run import fp8_gemms
 
     tokens = args.seq_length * args.micro_batch_size // max(1, layout.cp)
-    sp = getattr(args, "sequence_parallel", False)
+    sp = args.sequence_parallel
     elem = 2 if (args.bf16 or args.fp16) else 4
-    grad_elem = 4 if (getattr(args, "accumulate_allreduce_grads_in_fp32", False) or elem == 4) else elem
+    grad_elem = 4 if (args.accumulate_allreduce_grads_in_fp32 or elem == 4) else elem
     return Shapes(tokens=tokens, norm_tokens=tokens // layout.tp if sp else tokens,
                   moe_tokens=tokens // layout.tp if layout.tp > 1 else tokens, tp=layout.tp, etp=layout.etp,
                   ep=layout.ep, elem=elem, grad_elem=grad_elem, fp8=fp8_gemms(args),
@@ -214,7 +214,7 @@ def _residual(w: _Work, dev, sh: Shapes, width: float):
 
 def _glu(args) -> bool:
     """A gated linear unit: fc1 = [gate; up] (--swiglu, or --quick-geglu as gpt-oss)."""
-    return bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False))
+    return bool(args.swiglu or args.quick_geglu)
 
 
 def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, weighted: bool = False):
@@ -222,8 +222,8 @@ def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, w
     (backward: reads them and the gradient, writes two); unfused, the separate ops about twice that.
     ``weighted``: the routing probabilities applied too."""
     glu = _glu(args)
-    fused = (getattr(args, "bias_swiglu_fusion", False) if getattr(args, "swiglu", False)
-             else getattr(args, "bias_activation_fusion", False) or getattr(args, "bias_gelu_fusion", False))
+    fused = (args.bias_swiglu_fusion if args.swiglu
+             else getattr(args, "bias_activation_fusion", False) or args.bias_gelu_fusion)
     fwd, bwd = (3, 5) if glu else (2, 3)
     if not fused:
         fwd, bwd = 2 * fwd, 2 * bwd
@@ -238,7 +238,7 @@ def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
     h = args.hidden_size
     heads = args.num_attention_heads // tp
     _norm(w, dev, sh, h)
-    if getattr(args, "multi_latent_attention", False):
+    if args.multi_latent_attention:
         qk = args.qk_head_dim + args.qk_pos_emb_head_dim
         dv = args.v_head_dim
         q_rank, kv_rank = args.q_lora_rank, args.kv_lora_rank
@@ -254,15 +254,15 @@ def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
         rope = T * (heads + 1) * args.qk_pos_emb_head_dim
     else:
         d = args.kv_channels
-        groups = max(1, args.num_query_groups // tp) if getattr(args, "group_query_attention", False) else heads
+        groups = max(1, args.num_query_groups // tp) if args.group_query_attention else heads
         qk = dv = d
         _linear(w, dev, sh, T, (heads + 2 * groups) * d, h, "qkv")
         rope = T * (heads + groups) * d if args.position_embedding_type in ("rope", "yarn", "mrope") else 0
     if rope:
-        fused = getattr(args, "apply_rope_fusion", False)
+        fused = args.apply_rope_fusion
         w.add("memory_s", dev.memory_s((2 if fused else 10) * rope * sh.elem),
               dev.memory_s((2 if fused else 8) * rope * sh.elem))
-    s, b = args.seq_length // max(1, getattr(args, "context_parallel_size", 1)), args.micro_batch_size
+    s, b = args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size
     full_pairs = s * (s + 1) / 2
     window = _window(args)
     pairs = full_pairs
@@ -277,7 +277,7 @@ def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
 
 
 def _window(args):
-    ws = getattr(args, "window_size", None)
+    ws = args.window_size
     if not ws:
         return None
     left = ws[0] if isinstance(ws, (tuple, list)) else ws
@@ -291,7 +291,7 @@ def window_share(args) -> float:
     from megatron.core.transformer.utils import is_layer_window_attention
 
     n = args.num_layers
-    skip = getattr(args, "window_attn_skip_freq", None)
+    skip = args.window_attn_skip_freq
     return sum(is_layer_window_attention(args.window_size, skip, i + 1) for i in range(n)) / n
 
 
@@ -305,14 +305,14 @@ def _mlp(w: _Work, dev, args, sh: Shapes, ffn: int, tokens: int, module: str = "
 def _moe_block(w: _Work, dev, args, sh: Shapes):
     h = args.hidden_size
     E, topk = args.num_experts, args.moe_router_topk or 1
-    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     glu = 2 if _glu(args) else 1
     Tm = sh.moe_tokens
     _linear(w, dev, sh, Tm, E, h, "router", fp8=False)
     w.add("memory_s", dev.memory_s(6 * Tm * E * 4), dev.memory_s(4 * Tm * E * 4), "router")  # scores, top-k (fp32)
     rows = Tm * topk * sh.etp  # rows this rank's experts compute (balanced routing)
     local = max(1, E // sh.ep)
-    permute = (rows + Tm) * h * sh.elem * (1 if getattr(args, "moe_permute_fusion", False) else 2)
+    permute = (rows + Tm) * h * sh.elem * (1 if args.moe_permute_fusion else 2)
     w.add("memory_s", dev.memory_s(2 * permute), dev.memory_s(2 * permute))  # permute and unpermute
     if sh.ep > 1 and local > 1:  # the all-to-all dispatcher re-sorts what it receives by expert, and back
         w.add("memory_s", dev.memory_s(4 * rows * h * sh.elem), dev.memory_s(4 * rows * h * sh.elem))
@@ -320,7 +320,7 @@ def _moe_block(w: _Work, dev, args, sh: Shapes):
     _linear(w, dev, sh, per_expert, glu * ffn // sh.etp, h, "moe", groups=local)
     _activation(w, dev, args, sh, rows * ffn // sh.etp, "moe_act", weighted=True)
     _linear(w, dev, sh, per_expert, h, ffn // sh.etp, "moe", groups=local)
-    shared = getattr(args, "moe_shared_expert_intermediate_size", None)
+    shared = args.moe_shared_expert_intermediate_size
     if shared:
         _mlp(w, dev, args, sh, shared, sh.tokens, "shared_experts")
 
@@ -331,16 +331,16 @@ def component_work(args, sh: Shapes, dev, comp) -> _Work:
     h = args.hidden_size
     if comp == "embedding":
         rows = sh.norm_tokens * h * sh.elem
-        vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+        vocab = args.padded_vocab_size or args.vocab_size
         # gather forward; backward: the dense [vocab / TP, h] gradient written, then added into the main one
         w.add("memory_s", dev.memory_s(2 * rows), dev.memory_s(vocab // sh.tp * h * (sh.grad_elem * 3)))
         return w
     if comp == "head":
-        vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+        vocab = args.padded_vocab_size or args.vocab_size
         _norm(w, dev, sh, h, "final_norm")
         _linear(w, dev, sh, sh.tokens, vocab // sh.tp, h, "output", fp8=False)
         logits = sh.tokens * vocab // sh.tp
-        fused = getattr(args, "cross_entropy_loss_fusion", False)
+        fused = args.cross_entropy_loss_fusion
         # per logit: fused, read forward, read and write backward; unfused, the fp32 copy, max, exp,
         # sum, the softmax kept, and its gradient cast back
         w.add("memory_s", dev.memory_s(logits * (2 if fused else 38)), dev.memory_s(logits * (4 if fused else 22)))
@@ -380,7 +380,7 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
     config = target_config(args)
     rec = resolved_recompute(args, recompute)
     cache: dict = {}
-    topk = getattr(args, "moe_router_topk", 0) or 0
+    topk = args.moe_router_topk or 0
     h = args.hidden_size
     act = sh.tokens * h * sh.elem
     out = []
@@ -404,7 +404,7 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
                     terms["tp_s"] += _coll(NVLINK, "all_reduce", layout.tp, act, collectives)
                     if moe and topk:
                         ep = _dispatch_s(args, layout, sh.moe_tokens, 4)
-                        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+                        if args.overlap_moe_expert_parallel_comm:
                             # megatron's combined 1F1B: one micro-batch's exchanges run under another's
                             # compute of the same layer; what exceeds it stays exposed
                             ep = max(0.0, ep - sum(work.total().values()))
@@ -446,9 +446,9 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, de
     param_bytes = max(p["components"]["parameters"] for p in stage_preds)
     dp_link = NVLINK if layout.tp * layout.pp * layout.dp <= GPUS_PER_NODE else INFINIBAND
     dp = _coll(dp_link, "reduce_scatter", layout.dp, param_bytes / elem * grad_elem, 1)
-    if getattr(args, "use_distributed_optimizer", False):
+    if args.use_distributed_optimizer:
         dp += _coll(dp_link, "all_gather", layout.dp, param_bytes, 1)
-    if getattr(args, "overlap_grad_reduce", False):
+    if args.overlap_grad_reduce:
         dp = max(0.0, dp - compute)
     terms["dp_exposed_s"] = dp
     layers = args.num_layers / layout.pp

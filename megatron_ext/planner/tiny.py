@@ -3,7 +3,9 @@ two, two layers per kind, no pipeline / expert / context parallelism, fewer expe
 allows) and the base shape of the trace. See megatron_ext/planner/trace.py."""
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import math
 
 from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, layer_kinds, local_unfused,
@@ -26,7 +28,7 @@ def width_divisor(args) -> int:
     by the tensor (expert) parallel size, with head dimensions >= MIN_HEAD_DIM after division (the
     width-doubled trace, at W / 2, only grows them)."""
     tp = args.tensor_model_parallel_size
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    etp = args.expert_tensor_parallel_size or tp
     values = []
     for f in _WIDTH_FIELDS:
         v = getattr(args, f, None)
@@ -56,26 +58,39 @@ def traced_experts(args) -> int:
     factor)."""
     n = args.num_experts or 0
     k = args.moe_router_topk or 1
-    groups = getattr(args, "moe_router_num_groups", None) or 1
-    group_topk = getattr(args, "moe_router_group_topk", None) or groups
+    groups = args.moe_router_num_groups or 1
+    group_topk = args.moe_router_group_topk or groups
     for e in range(min(MIN_EXPERTS, n // 2), n // 2 + 1):
         if e and n % (2 * e) == 0 and e % groups == 0 and e * group_topk // groups >= k:
             return e
     return n
 
 
-def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int, kinds: list, recompute=None):
+@dataclasses.dataclass
+class TinyRun:
+    """The tiny copy the trace runs: its arguments (a whole parse's, shrunk) and how the trace runs it."""
+
+    args: argparse.Namespace
+    budget_rows_per_token: float | None = None
+    """The fixed-budget dispatcher's buffer rows per token, as the run's (None: no such dispatcher)."""
+    fused_attention: bool = False
+    """Core attention keeps what transformer-engine's fused kernel keeps (seams.planner)."""
+
+
+def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int, kinds: list,
+               recompute=None) -> TinyRun:
     """A copy of the run's arguments for the tiny model: one layer per kind, the run's tensor
     parallelism (and sequence parallelism), no pipeline, expert or context parallelism, ``experts``
     routed experts."""
     a = copy.deepcopy(args)
+    rows_per_token = None
     if args.num_experts:
         a.num_experts = experts
         rows = fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size)
         # the fixed-budget dispatcher's experts run on every row of its buffers, padding included: the
         # trace (one rank, no expert parallelism) sizes them as the run does, per token
-        a.planner_budget_rows_per_token = rows / (args.seq_length * args.micro_batch_size
-                                                  // args.tensor_model_parallel_size) if rows else None
+        rows_per_token = rows / (args.seq_length * args.micro_batch_size
+                                 // args.tensor_model_parallel_size) if rows else None
     for f in _WIDTH_FIELDS:
         v = getattr(a, f, None)
         if v:
@@ -111,7 +126,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     modules = ["core_attn"]
     if recompute is None:  # as the run (full recompute: of every traced layer)
         recompute = recompute_of(args)
-        modules = list(getattr(args, "recompute_modules", None) or modules)
+        modules = list(args.recompute_modules or modules)
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
     a.recompute_modules = None
     # moe_act recompute needs grouped-GEMM experts (the local copy builds sequential ones), layernorm
@@ -128,14 +143,14 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
     a.use_distributed_optimizer = False
     a.cross_entropy_loss_fusion = False
     a.moe_layer_recompute = False
-    a.planner_fused_attention = on_transformer_engine(args)  # core attention as TE's keeps (seams.planner)
-    if a.planner_fused_attention:
+    fused_attention = on_transformer_engine(args)  # core attention as TE's keeps (seams.planner)
+    if fused_attention:
         # the cluster's fused kernels that keep less than the unfused ones: megatron's SwiGLU (its
         # own, runs here) and TE's RoPE (a stand-in that saves what it saves, seams.planner); not
         # multi-latent attention's fused RoPE (a Triton kernel): traced unfused, an upper bound
-        a.bias_swiglu_fusion = getattr(args, "bias_swiglu_fusion", False)
-        a.apply_rope_fusion = getattr(args, "apply_rope_fusion", False) and not getattr(args, "multi_latent_attention", False)
-    return a
+        a.bias_swiglu_fusion = args.bias_swiglu_fusion
+        a.apply_rope_fusion = args.apply_rope_fusion and not args.multi_latent_attention
+    return TinyRun(a, rows_per_token, fused_attention)
 
 
 def per_layer(args, values: list, kinds: list) -> list:

@@ -70,7 +70,7 @@ def trace(args, recompute=None, base=None) -> dict:
 
 def run_shapes(args, shapes: dict, kinds: list, recompute) -> dict:
     """Job (every rank of a world of TP ranks, or more): the traces of ``shapes``, this rank's."""
-    seed = getattr(args, "seed", 1234)
+    seed = args.seed
     return {f: run_once(trace_args(args, *shape, kinds, recompute), kinds, seed=seed) for f, shape in shapes.items()}
 
 

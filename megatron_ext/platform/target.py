@@ -140,10 +140,10 @@ def _cuda_here() -> bool:
 
 def resolve(args) -> Target:
     """The platform this validation is for: answers "is CUDA / transformer-engine / apex there"."""
-    declared = getattr(args, "platform", None)
-    assume_te = getattr(args, "assume_te", None)
-    assume_apex = getattr(args, "assume_apex", False)
-    gpu = getattr(args, "target_gpu", None)
+    declared = args.platform
+    assume_te = args.assume_te
+    assume_apex = args.assume_apex
+    gpu = args.target_gpu
     if declared != "cuda" and gpu is not None:
         raise ConfigError(f"--target-gpu={gpu}: only with --platform cuda (it describes a target, not this machine)")
     if declared is None:
@@ -152,7 +152,7 @@ def resolve(args) -> Target:
             raise ConfigError(f"{flag}: only with --platform cuda (it describes a target, not this machine)")
         cuda = _cuda_here()
         return Target(cuda=cuda, te=cuda and te_importable(), apex=cuda and apex_importable(), declared=False)
-    if not getattr(args, "dry_run", False):
+    if not args.dry_run:
         raise ConfigError(f"--platform={declared}: only with --dry-run (a real run is validated for the machine it runs on)")
     if declared == "cpu":
         if assume_te or assume_apex:
@@ -291,7 +291,7 @@ def fit_defaults(args, target: Target | None = None) -> Target:
             raise ConfigError(f"{name}=True ({sources[name]}) needs {kernel}: {target.refusal(missing)}")
         setattr(args, name, False)
         sources[name] = f"default (off: {target.why_missing(missing)})"
-    if getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", "") == "te" \
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" \
             and not target.te:
         raise ConfigError(f"--cross-entropy-fusion-impl=te: {target.refusal('transformer-engine')}")
 
@@ -308,16 +308,16 @@ def fit_defaults(args, target: Target | None = None) -> Target:
     # With apex, the local spec's final norm is apex's FusedLayerNorm (gpt_layer_specs.py:68 for the
     # MoE block spec; transformer_block.py:56-59 for a layer spec, unless transformer-engine is
     # importable), which only does LayerNorm (fused_layer_norm.py:66).
-    moe = bool(getattr(args, "num_experts", None))
+    moe = bool(args.num_experts)
     if local and target.apex and args.normalization == "RMSNorm" and (moe or not target.te):
         raise ConfigError(
             "--normalization=RMSNorm with --transformer-impl=local: with apex installed megatron builds "
             "the final norm as apex's FusedLayerNorm, which only does LayerNorm; use the "
             "transformer_engine spec"
         )
-    fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False))
+    fsdp = bool(args.use_megatron_fsdp or args.use_torch_fsdp2)
     args.launch_env = launch_env(
-        tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1), fsdp=fsdp,
+        tp=args.tensor_model_parallel_size, cp=args.context_parallel_size, fsdp=fsdp,
         arch=target.arch,
     ) if target.cuda else launch_env(tp=1, cp=1, fsdp=fsdp)  # on CPU only FSDP's "unset" matters
     sources["launch_env"] = "derived (launch environment megatron needs on the target)"

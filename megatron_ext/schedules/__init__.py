@@ -8,8 +8,10 @@ gradients are bit-identical to megatron's plain schedule. See docs/overlap.md.
 """
 from __future__ import annotations
 
-from megatron_ext.errors import ConfigError
+from megatron_ext.config.typed import add_group
 from megatron_ext.counters import SinceLastCall
+from megatron_ext.errors import ConfigError
+from megatron_ext.schedules.options import OverlapOptions
 
 FLAG = "--overlap-tp-comm-1f1b"
 ALIAS = "--overlap-model-parallel-comm-1f1b"
@@ -17,48 +19,37 @@ ALIAS = "--overlap-model-parallel-comm-1f1b"
 
 def model_parallel_sizes(args) -> dict:
     """The model-parallel groups whose collectives the paired passes issue: {name: size}."""
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    moe = bool(getattr(args, "num_experts", None))
-    ep = (getattr(args, "expert_model_parallel_size", 1) or 1) if moe else 1
-    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = args.tensor_model_parallel_size or 1
+    moe = bool(args.num_experts)
+    ep = (args.expert_model_parallel_size or 1) if moe else 1
+    etp = args.expert_tensor_parallel_size
     etp = (etp if etp is not None else tp) if moe else 1
     return {"tp": tp, "ep": ep, "etp": etp}
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("megatron_ext: backward-forward TP-communication overlap",
-                                      "1F1B overlap hiding tensor-parallel communication (docs/overlap.md)")
-    group.add_argument(
-        FLAG, ALIAS,
-        dest="overlap_tp_comm_1f1b",
-        action="store_true",
-        default=False,
-        help="Hide tensor-parallel communication by interleaving the backward of one micro-batch "
-        "with the forward of another (1F1B steady phase; consecutive micro-batches without "
-        "pipelining): every TP all-reduce / all-gather / reduce-scatter (and EP all-to-all) is "
-        "issued async and waited on only after the other micro-batch's compute. Needs a "
-        "model-parallel collective to hide: TP >= 2, or a MoE with EP >= 2 (expert all-to-all / "
-        "all-gather, any dispatcher), or expert-TP >= 2. "
-        "Bit-identical loss and gradients. Not megatron's --tp-comm-overlap (TE userbuffers) nor "
-        "--overlap-moe-expert-parallel-comm (combined 1F1B for EP all-to-all only). Pipeline "
-        "messages are sent by this schedule itself (tagged, non-blocking sends), so megatron's "
-        "p2p options (--no-overlap-p2p-communication, batch_p2p_comm) do not apply to it.",
-    )
+    add_group(parser, OverlapOptions, "megatron_ext: backward-forward TP-communication overlap",
+              "1F1B overlap hiding tensor-parallel communication (docs/overlap.md)")
     return parser
+
+
+def options_from_args(args) -> OverlapOptions:
+    """The package's slice of the parsed arguments."""
+    return OverlapOptions.from_args(args)
 
 
 def validate(args) -> None:
     """Refuse, naming flag and value, every setting under which the overlap cannot apply."""
-    if not getattr(args, "overlap_tp_comm_1f1b", False):
+    if not options_from_args(args).overlap_tp_comm_1f1b:
         return
     on = f"{FLAG}=True"
     sizes = model_parallel_sizes(args)
     if max(sizes.values()) < 2:
-        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        ep = args.expert_model_parallel_size or 1
         raise ConfigError(
             f"{on} has nothing to hide: --tensor-model-parallel-size={sizes['tp']} "
             f"--expert-model-parallel-size={ep}"
-            + ("" if getattr(args, "num_experts", None) else " (dense model)")
+            + ("" if args.num_experts else " (dense model)")
             + " issue no model-parallel collective (use TP >= 2, or EP >= 2 with MoE, or drop the flag)"
         )
     incompatible = {
@@ -84,19 +75,20 @@ def validate(args) -> None:
         "variable_seq_lengths": ("--variable-seq-lengths", "pipeline messages have fixed shapes here"),
         "hybrid_context_parallel": ("--hybrid-context-parallel", "has its own schedule"),
     }
+    given = vars(args)
     for dest, (flag, why) in incompatible.items():
-        value = getattr(args, dest, None)
+        value = given.get(dest)  # some are set by megatron's validate_args, not its parser
         if value not in (None, False, 0):
             raise ConfigError(f"{on} cannot be combined with {flag}={value}: {why}")
     # a sharded wrapper frees each layer's gathered weights after its forward and after its backward
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         raise ConfigError(
             f"{on}, --use-torch-fsdp2=True: not supported together: the overlapped "
             "schedule runs one micro-batch's backward inside another's forward, while FSDP2 gathers and "
             "frees each layer's parameters around every forward and backward"
         )
-    strategy = getattr(args, "data_parallel_sharding_strategy", None)
-    if getattr(args, "use_megatron_fsdp", False) and strategy == "optim_grads_params":
+    strategy = args.data_parallel_sharding_strategy
+    if args.use_megatron_fsdp and strategy == "optim_grads_params":
         raise ConfigError(
             f"{on} cannot be combined with --data-parallel-sharding-strategy={strategy} "
             "(--use-megatron-fsdp): each FSDP unit's weights are gathered into one bucket that its "
@@ -104,16 +96,16 @@ def validate(args) -> None:
             "bucket while the other micro-batch's backward still reads it (docs/fsdp.md); use "
             "optim or optim_grads"
         )
-    impl = getattr(args, "transformer_impl", "local")
+    impl = args.transformer_impl
     if impl == "transformer_engine":
         raise ConfigError(
             f"{on} with --transformer-impl={impl}: TE layers issue their TP collectives inside TE "
             "(userbuffers/NCCL in C++), which the overlap cannot intercept; use --transformer-impl=local"
         )
-    cuda_graph = getattr(args, "cuda_graph_impl", "none")
+    cuda_graph = args.cuda_graph_impl
     if cuda_graph not in (None, "none"):
         raise ConfigError(f"{on} cannot be combined with --cuda-graph-impl={cuda_graph}")
-    if getattr(args, "external_cuda_graph", False) or getattr(args, "enable_cuda_graph", False):
+    if args.external_cuda_graph or args.enable_cuda_graph:
         raise ConfigError(f"{on} cannot be combined with CUDA graphs")
 
 
@@ -122,7 +114,7 @@ def get_forward_backward_func(args=None):
     same keyword arguments as megatron's forward_backward_* functions."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    if args is not None and getattr(args, "overlap_tp_comm_1f1b", False):
+    if args is not None and options_from_args(args).overlap_tp_comm_1f1b:
         from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
         return forward_backward_overlap

@@ -34,7 +34,9 @@ INFINIBAND = Link("InfiniBand NDR400 (TP across nodes)", 45e9, 20e-6, 0.4 * 989e
 LINKS = (NVLINK, INFINIBAND)
 
 
-def _factor(op: str, n: int) -> float:
+def bus_factor(op: str, n: int) -> float:
+    """Bytes on the bus per byte of the collective over ``n`` ranks: 2(n-1)/n for an all-reduce, (n-1)/n
+    for an all-gather or reduce-scatter (the bus bandwidth nccl-tests reports)."""
     if op.startswith("all_reduce"):
         return 2.0 * (n - 1) / n
     return (n - 1) / n
@@ -46,7 +48,7 @@ def modeled_hidden(records, link: Link, tp: int = 2, scale=(1.0, 1.0, 1.0)) -> d
     s_lin, s_attn, s_bytes = scale
     total = hidden = 0.0
     for r in records:
-        t = link.latency + _factor(r["op"], tp) * r["nbytes"] * s_bytes / link.bus_bandwidth
+        t = link.latency + bus_factor(r["op"], tp) * r["nbytes"] * s_bytes / link.bus_bandwidth
         compute = (r["flops_linear"] * s_lin + r["flops_attn"] * s_attn) / link.flops
         total += t
         hidden += min(t, compute)

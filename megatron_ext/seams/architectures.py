@@ -266,19 +266,20 @@ LLAMA3_ROPE_FLAGS = (("rope_scaling_low_freq_factor", "low_freq_factor", 1.0),
 
 
 def for_run(args):
-    local = getattr(args, "transformer_impl", "local") == "local"
+    local = args.transformer_impl == "local"
     out = []
-    if local and getattr(args, "multi_latent_attention", False):
+    if local and args.multi_latent_attention:
         out.append(LOCAL_LATENT_ATTENTION)
-    if getattr(args, "mla_q_proj_without_norm", False):
+    if args.mla_q_proj_without_norm:
         out.append(MLA_Q_PROJ_WITHOUT_NORM)
-    if getattr(args, "multi_latent_attention", False) and getattr(args, "tensor_model_parallel_size", 1) > 1:
+    if args.multi_latent_attention and args.tensor_model_parallel_size > 1:
         out.append(MLA_SHARED_ROPE_KEY_GRAD)
-    if any(getattr(args, flag, None) is not None for flag, _, _ in LLAMA3_ROPE_FLAGS):
+    given = {flag: vars(args)[flag] for flag, _, _ in LLAMA3_ROPE_FLAGS}
+    if any(value is not None for value in given.values()):
         LLAMA3_ROPE.clear()
-        LLAMA3_ROPE.update({key: default if getattr(args, flag) is None else getattr(args, flag)
+        LLAMA3_ROPE.update({key: default if given[flag] is None else given[flag]
                             for flag, key, default in LLAMA3_ROPE_FLAGS})
         out.append(LLAMA3_ROPE_FACTORS)
-    if local and getattr(args, "layernorm_zero_centered_gamma", False):
+    if local and args.layernorm_zero_centered_gamma:
         out.append(ZERO_CENTRED_NORM)
     return out

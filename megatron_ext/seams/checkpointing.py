@@ -1,6 +1,6 @@
 """Seams of checkpointing.
 
-megatron_ext/training/checkpointing.py drives megatron.core.dist_checkpointing itself (not
+megatron_ext/checkpoint/checkpointer.py drives megatron.core.dist_checkpointing itself (not
 megatron.training.checkpointing, which needs megatron's global args). Replaced or wrapped:
   distrib_optimizer.py:838 / :1032 / :1193-1225  torch-Adam `step` handling (the two functions below)
   optimizer.py:1362-1377  the `common_step` of a torch FSDP2 run's optimizer, loaded in place
@@ -152,7 +152,7 @@ def set_write_results_queue(async_save: bool, directory: str, rank: int) -> None
 
 
 # ---------------------------------------------------------------------------------------------
-# the running CRC-32 of every file megatron-core's writer writes (read by training/ckpt_integrity.py)
+# the running CRC-32 of every file megatron-core's writer writes (read by checkpoint/integrity.py)
 # ---------------------------------------------------------------------------------------------
 class _Sum:
     __slots__ = ("size", "crc", "whole", "seconds")
@@ -278,7 +278,7 @@ CHECKSUMMED_WRITES = Patch(
      "megatron/core/dist_checkpointing/strategies/filesystem_async.py:415"],
     "megatron-core's writer calls torch's _write_item by its module-global name, once per item of a "
     "shard file: the wrapper hands it a stream that folds every byte into the file's CRC-32 "
-    "(summing_write_item; training/ckpt_integrity.py records them), so the checksum costs no second read",
+    "(summing_write_item; checkpoint/integrity.py records them), so the checksum costs no second read",
     _install_checksummed_writes,
 )
 

@@ -1,6 +1,6 @@
 """Seams of Megatron-FSDP (--use-megatron-fsdp).
 
-Its fsdp_dtensor checkpoints are written by megatron-core's writer (training/fsdp_checkpoint.py),
+Its fsdp_dtensor checkpoints are written by megatron-core's writer (checkpoint/fsdp.py),
 whose writes checkpointing.CHECKSUMMED_WRITES sums, and read through torch's
 FileSystemReader.read_data, which checkpointing.VERIFIED_READS wraps. Reached into
 (complete_fsdp_optimizer_state): the torch optimizer's per-parameter state, so that every rank
@@ -80,7 +80,7 @@ SEAMS = [UNSHARDED_BYTES]
 
 
 def for_run(args):
-    return [UNSHARDED_BYTES] if getattr(args, "use_megatron_fsdp", False) else []
+    return [UNSHARDED_BYTES] if args.use_megatron_fsdp else []
 
 
 def wait_for_prefetched_gathers(chunk) -> None:

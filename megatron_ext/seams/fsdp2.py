@@ -79,4 +79,4 @@ SEAMS = [OPTIMIZER_PARAM_IDS, EXPERT_REPLICAS]
 
 
 def for_run(args) -> list:
-    return [OPTIMIZER_PARAM_IDS, EXPERT_REPLICAS] if getattr(args, "use_torch_fsdp2", False) else []
+    return [OPTIMIZER_PARAM_IDS, EXPERT_REPLICAS] if args.use_torch_fsdp2 else []

@@ -375,7 +375,7 @@ SEAMS = [PERSISTENT_PARAM_VIEWS, UNIT_HOOKS, BUCKET_WAITS, BOUND_MAIN_GRADS]
 
 
 def for_run(args) -> list:
-    return SEAMS if getattr(args, "use_megatron_fsdp", False) else []
+    return SEAMS if args.use_megatron_fsdp else []
 
 
 def applied():

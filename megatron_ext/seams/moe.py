@@ -235,7 +235,7 @@ SEAMS = [EMULATED_DTOH, EXPERT_OUTPUT_NOT_A_VIEW]
 
 def for_run(args) -> list:
     """Biased experts (gpt-oss) reach the in-place add of transformer/mlp.py:354."""
-    biased_experts = getattr(args, "num_experts", None) and getattr(args, "add_bias_linear", False)
+    biased_experts = args.num_experts and args.add_bias_linear
     return [EXPERT_OUTPUT_NOT_A_VIEW] if biased_experts else []
 
 

@@ -405,8 +405,8 @@ RUN = [TP_COLLECTIVES, LANE_MEMORY_BUFFERS]  # pass-through unless megatron_ext.
 
 
 def for_run(args) -> list:
-    records = list(RUN) if getattr(args, "overlap_tp_comm_1f1b", False) else []
-    if getattr(args, "overlap_moe_expert_parallel_comm", False) and getattr(args, "activation_offload_modules", None):
+    records = list(RUN) if args.overlap_tp_comm_1f1b else []
+    if args.overlap_moe_expert_parallel_comm and args.activation_offload_modules:
         records.append(COMBINED_PLAN_OFFLOAD_GROUPS)
     return records
 

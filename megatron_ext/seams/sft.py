@@ -93,7 +93,7 @@ SEAMS = (PACKED_CAUSAL_MASK,)
 
 def for_run(args):
     """The local spec's attention needs the mask seam; transformer-engine's takes packed sequences (THD)."""
-    if getattr(args, "sft", False) and getattr(args, "transformer_impl", "local") == "local":
+    if args.sft and args.transformer_impl == "local":
         return (PACKED_CAUSAL_MASK,)
     return ()
 
@@ -101,7 +101,7 @@ def for_run(args):
 @contextlib.contextmanager
 def token_weighted_evaluation(args):
     """megatron's evaluate() under --sft: the token-weighted loss, as training reports it."""
-    sft = getattr(args, "sft", False)
+    sft = args.sft
     args.sft = False
     try:
         yield

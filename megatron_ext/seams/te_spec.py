@@ -1,6 +1,6 @@
 """transformer-engine's layer spec built where transformer-engine is not installed: its module tree and
 its checkpoint keys, for a CPU machine that checks what a GPU cluster will load (megatron_ext/training/
-checkpoint_keys.py, `--dry-run --platform cuda --assume-te --load`, on the meta device; tests/hf/
+checkpoint/keys.py, `--dry-run --platform cuda --assume-te --load`, on the meta device; tests/hf/
 test_te_names.py, on CPU). Scoped: applied only around such a build (``standing_in()``); no forward runs.
 
 megatron-core 0.19.2 without transformer-engine defines its wrappers of transformer-engine's modules over a

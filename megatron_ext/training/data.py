@@ -67,7 +67,7 @@ def dataset_config(args) -> GPTDatasetConfig:
 
 def validate(args) -> None:
     """Every split's data, before any compute: after every package's checks (the tokenizer and the
-    iteration count are settled), from megatron_ext/training/command_line.py finalize."""
+    iteration count are settled), from megatron_ext/config/command_line.py finalize."""
     from megatron_ext.errors import ConfigError
 
     for flag, value in (("--full-validation", args.full_validation),

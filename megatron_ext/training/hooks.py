@@ -1,7 +1,7 @@
 """The training package as a capability: its flags, its checks before any compute, its teardown
 (the hooks of megatron_ext/training/features.py). The checks that read what every package settled
 (the data each split reads, --dry-run --load's keys) come after all the packages' checks
-(megatron_ext/training/command_line.py finalize; the keys by the bring-up after it, training/run.py
+(megatron_ext/config/command_line.py finalize; the keys by the bring-up after it, training/run.py
 check_load); nothing here reaches a module that calls the
 capabilities' hooks (features.py lists this module among them)."""
 from megatron_ext.errors import ConfigError
@@ -9,7 +9,7 @@ from megatron_ext.errors import ConfigError
 
 def add_arguments(parser):
     group = parser.add_argument_group(
-        "megatron_ext: training", "initialisation, what the model builder adds, checkpoint retention"
+        "megatron_ext: training", "initialisation, what the model builder adds"
     )
     group.add_argument(
         "--layout-invariant-init",
@@ -17,20 +17,12 @@ def add_arguments(parser):
         help="Initialise every parameter from its global checkpoint key and --seed, so every "
         "TP/PP/VPP/EP/DP layout starts from identical weights (for comparing layouts).",
     )
-    group.add_argument(
-        "--save-keep-last",
-        type=int,
-        default=None,
-        help="Keep only the newest K complete checkpoints under --save (older ones are deleted after "
-        "each successful save; multiples of megatron's --save-retain-interval are kept too). "
-        "Default: keep all.",
-    )
-    from megatron_ext.training.checkpointing import add_arguments as add_checkpointing_arguments
+    from megatron_ext.checkpoint import add_arguments as add_checkpointing_arguments
     from megatron_ext.training.model import add_arguments as add_model_arguments
 
     add_model_arguments(group)
 
-    add_checkpointing_arguments(group)
+    add_checkpointing_arguments(parser)
     return parser
 
 
@@ -40,8 +32,8 @@ def before_validate(args) -> None:
 
     model_before_validate(args)
     refuse_batch_size_schedules(args)
-    from megatron_ext.training.checkpointing import before_validate as checkpointing_before_validate
-    from megatron_ext.training.ckpt_dirs import check_loadable
+    from megatron_ext.checkpoint import before_validate as checkpointing_before_validate
+    from megatron_ext.checkpoint import check_loadable
 
     checkpointing_before_validate(args)
     check_loadable(args)  # no checkpoint, or every one damaged (a cheap look): refused here, at --dry-run too
@@ -58,7 +50,7 @@ def validate(args) -> None:
     with contextlib.redirect_stdout(io.StringIO()):  # megatron prints 'setting training iterations to N'
         optimizer.resolve_iterations(args)  # --train-iters, or from --train-samples; the LR schedule
     training_logging.validate(args)
-    from megatron_ext.training.checkpointing import validate as validate_checkpointing
+    from megatron_ext.checkpoint import validate as validate_checkpointing
 
     validate_checkpointing(args)
     from megatron_ext.training.observability import validate as validate_observability

@@ -11,6 +11,8 @@ import zlib
 
 import torch
 
+from megatron_ext.checkpoint import sharded_tensors
+
 
 def _full_tensor(key: str, shape, std: float, seed: int) -> torch.Tensor:
     """Row i depends only on (key, i, seed), so a vocab padded to another size keeps its rows."""
@@ -30,21 +32,6 @@ def _local_slice(full: torch.Tensor, sh) -> torch.Tensor:
         length = 1 if local < 0 else sh.data.shape[local]
         index.append(slice(offset, offset + length))
     return full[tuple(index)].reshape(sh.data.shape)
-
-
-def sharded_tensors(state):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    for value in state.values():
-        if isinstance(value, ShardedTensor):
-            yield value
-        elif isinstance(value, ShardedTensorFactory):
-            built = value.build()
-            yield from sharded_tensors(built if isinstance(built, dict) else {i: t for i, t in enumerate(built)})
-        elif isinstance(value, dict):
-            yield from sharded_tensors(value)
-        elif isinstance(value, (list, tuple)):
-            yield from sharded_tensors(dict(enumerate(value)))
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from megatron.training.training import (
 
 from megatron_ext import platform, seams
 from megatron_ext.seams import registry
-from megatron_ext.training import checkpointing
+from megatron_ext import checkpoint
 
 
 def transformer_config(args) -> TransformerConfig:
@@ -263,7 +263,7 @@ def wrap_fsdp(args, config: TransformerConfig, chunks: list) -> list:
 
     from megatron_ext.seams.fsdp import KeptBuffers
 
-    checkpointing.load_before_sharding(args, chunks)  # --finetune from torch_dist: before the shards exist
+    checkpoint.load_before_sharding(args, chunks)  # --finetune from torch_dist: before the shards exist
     kept = KeptBuffers(chunks) if args.init_model_with_meta_device else None
     wrapped = _wrap_chunks(args, config, chunks, DP=FullyShardedDataParallel,
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())

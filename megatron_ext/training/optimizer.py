@@ -54,14 +54,6 @@ def logged_learning_rate(optimizer) -> float:
     return 0.0
 
 
-def has_state(args) -> bool:
-    """Does the run's optimizer hold state a checkpoint saves and loads? Not under --freeze-all-layers:
-    no parameter trains, so megatron's get_megatron_optimizer builds a stub optimizer with no torch
-    optimizer inside (its state_dict would fail, optimizer/optimizer.py FP32Optimizer.state_dict). Such
-    a run saves the model, schedule and RNG (as with --no-save-optim) and loads none into the stub."""
-    return not args.freeze_all_layers
-
-
 class _NoOptimizer:
     param_groups = [{}]
 

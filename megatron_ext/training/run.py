@@ -26,7 +26,7 @@ Partial uses call the stages they need; each runs once, the ones it needs first:
     build(wrap)    config -> model chunks -> layout-invariant init -> features' before_wrap ->
                    DDP / Megatron-FSDP / FSDP2 -> features' after_model (training/model.py)
     optimize()     optimizer, LR schedule, the schedule's config callbacks
-    load()         the newest intact checkpoint under --load (training/checkpointing.py); save()
+    load()         the newest intact checkpoint under --load (checkpoint/checkpointer.py); save()
     data()         train / valid / test iterators positioned after the loaded iteration
     step()         one iteration (schedule, then optimizer step)
 
@@ -104,7 +104,7 @@ class Run:
         """A model-only run of these flags: the model's (a recipe, or the one --load's checkpoint
         records; the architecture, the layout, --load / --save and how they load and save), no training
         flags. It builds, loads and saves the model; it has no optimizer, data or loop. ``first_read``:
-        what its caller read of --load already (training/checkpointing.py first_read): its parse, checks
+        what its caller read of --load already (checkpoint/reading.py first_read): its parse, checks
         and load take it from there and read none of it again. ``parse``: as for :meth:`from_argv`."""
         import os
 
@@ -236,14 +236,14 @@ class Run:
         model's weights alone, as --finetune loads them, with no optimizer (conversion); ``chunks``:
         what stands for the model's chunks there (the conversion's, which load into tensors of their
         own), default the run's model."""
-        from megatron_ext.training import checkpointing
+        from megatron_ext import checkpoint
 
         if weights_only:
             model = chunks or (self.build(wrap=False) if self.model is None else self.model)
-            self.checkpointer = checkpointing.Checkpointer(self.args, model, None, checkpointing.WeightsOnly())
+            self.checkpointer = checkpoint.Checkpointer(self.args, model, None, checkpoint.WeightsOnly())
         else:
             self.optimize()
-            self.checkpointer = checkpointing.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
+            self.checkpointer = checkpoint.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
         self.iteration = self.checkpointer.load()
         self._at("after_load")
         return self.iteration
@@ -251,15 +251,15 @@ class Run:
     def save(self, iteration: int, weights_only: bool = False, chunks: list | None = None) -> None:
         """A checkpoint of this iteration under --save, checksummed (``weights_only``: the model's
         weights alone, as an import writes them; ``chunks`` as for load)."""
-        from megatron_ext.training import checkpointing
+        from megatron_ext import checkpoint
 
         if weights_only:
             model = chunks or (self.build(wrap=False) if self.model is None else self.model)
-            checkpointing.Checkpointer(self.args, model, None, checkpointing.WeightsOnly()).save(iteration)
+            checkpoint.Checkpointer(self.args, model, None, checkpoint.WeightsOnly()).save(iteration)
         else:
             self.optimize()
             if self.checkpointer is None:
-                self.checkpointer = checkpointing.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
+                self.checkpointer = checkpoint.Checkpointer(self.args, self.model, self.optimizer, self.scheduler)
             self.checkpointer.save(iteration)
 
     def data(self):
@@ -300,7 +300,8 @@ class Run:
 
     def train(self) -> list[dict]:
         """The loop, as megatron.training.train runs it; returns the logged history."""
-        from megatron_ext.training import ckpt_dirs, evaluation, exits, features, model as models, observability
+        from megatron_ext import checkpoint
+        from megatron_ext.training import evaluation, exits, features, model as models, observability
         from megatron_ext.training import optimizer as optim
         from megatron_ext.training.log_line import TrainingLogger
 
@@ -333,7 +334,7 @@ class Run:
                 observer.close()
                 self.checkpointer.close(iteration)  # saves at exit, waits for async saves
                 saved = self.checkpointer.last_saved == iteration and args.save
-                stop.interrupted(iteration, ckpt_dirs.checkpoint_dir(args.save, iteration) if saved else None, self.argv)
+                stop.interrupted(iteration, checkpoint.checkpoint_dir(args.save, iteration) if saved else None, self.argv)
             if not stop.reason:
                 evaluation.after_training(args, iterators, self.model, self.config, iteration, logger.writer)
             return logger.history
@@ -382,14 +383,14 @@ def _parse(parse, argv: list[str], **handed):
 
 def check_load(args) -> None:
     """--dry-run with --load: every key of the checkpoint the run would load placed in the run's whole
-    model, built here on the meta device (training/checkpoint_keys.py says how a key is placed, or
+    model, built here on the meta device (checkpoint/keys.py says how a key is placed, or
     refuses it by name). Records what it found on args."""
-    from megatron_ext.training import checkpoint_keys, ckpt_state
+    from megatron_ext import checkpoint
 
-    found = checkpoint_keys.checkpoint_to_load(args)
+    found = checkpoint.checkpoint_to_load(args)
     if found is None:
         return  # nothing to load (the load says so), or another format
-    with Run(checkpoint_keys.whole_model_args(args), meta=True) as whole:
+    with Run(checkpoint.whole_model_args(args), meta=True) as whole:
         (chunk,) = whole.build()
-        state = chunk.sharded_state_dict(metadata=ckpt_state.sharding_metadata(whole.args))
-    checkpoint_keys.place(args, *found, state)
+        state = chunk.sharded_state_dict(metadata=checkpoint.sharding_metadata(whole.args))
+    checkpoint.place(args, *found, state)

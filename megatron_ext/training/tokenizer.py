@@ -122,8 +122,8 @@ def configure(args) -> None:
     vocabulary size is the tokenizer's (:func:`vocab_from_tokenizer`)."""
     tokenizer = build(args)
     vocab_from_tokenizer(args, tokenizer.vocab_size)
-    if getattr(args, "padded_vocab_size", None) is None:
-        pad = getattr(args, "pad_vocab_size", True)
+    if args.padded_vocab_size is None:
+        pad = args.pad_vocab_size
         args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size) if pad else tokenizer.vocab_size
     elif args.padded_vocab_size < tokenizer.vocab_size:
         raise ConfigError(

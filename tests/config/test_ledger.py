@@ -18,7 +18,7 @@ import pytest
 
 import arguments
 from megatron_ext.config import ledger, rules
-from megatron_ext.training import command_line
+from megatron_ext.config import command_line
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

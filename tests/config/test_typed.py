@@ -7,8 +7,8 @@ import pytest
 from megatron_ext.config import domains
 from megatron_ext.config.domains import Domain
 from megatron_ext.config.typed import Options, add_group, option
+from megatron_ext.config.command_line import flag_actions
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.command_line import flag_actions
 
 
 @dataclasses.dataclass
@@ -57,3 +57,24 @@ def test_a_value_out_of_range_is_refused_by_one_check_naming_the_flag():
     assert str(built_in_code.value) == line
     with pytest.raises(SystemExit):
         parser.parse_args(["--example-mode", "medium"])
+
+
+@pytest.mark.parametrize("argv,module,cls,values", [
+    (["--moe-dropless-budget-factor", "0"], "megatron_ext.moe", "MoEOptions", dict(dropless_budget_factor=0.0)),
+    (["--lora-rank", "0"], "megatron_ext.lora", "LoRAOptions", dict(rank=0)),
+    (["--lora-dropout", "1"], "megatron_ext.lora", "LoRAOptions", dict(dropout=1.0)),
+    (["--save-keep-last", "-1"], "megatron_ext.checkpoint", "CheckpointOptions", dict(save_keep_last=-1)),
+])
+def test_a_capabilitys_options_built_in_code_are_refused_as_its_flag_is(argv, module, cls, values):
+    """The capabilities' options: the parse's domain check and a construction in code refuse the same
+    value with the same line, naming the flag."""
+    import importlib
+
+    import arguments
+
+    parser = arguments.build_parser()
+    refused = domains.check_domains(parser.parse_args(argv), flag_actions(parser))
+    assert len(refused) == 1 and next(iter(refused.values())).startswith(argv[0] + "=")
+    with pytest.raises(ConfigError) as built_in_code:
+        getattr(importlib.import_module(module), cls)(**values)
+    assert str(built_in_code.value) == next(iter(refused.values()))

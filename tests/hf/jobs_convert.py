@@ -193,7 +193,7 @@ def conversions_counting_reads(conversions: list, peft: tuple | None = None) -> 
 
     from megatron_ext.hf import exporter, packed
     from megatron_ext.hf import peft as hf_peft
-    from megatron_ext.training import ckpt_integrity
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
 
     if peft is not None:
         hf_peft.import_peft(*peft, parse=arguments.parse)

@@ -38,7 +38,7 @@ def parse(recipe: str, *flags: str):
 def through(args, save: str) -> list:
     """Load --load into this run's whole model (a model-only run on CPU; transformer-engine's spec with the
     stand-ins), save it under `save`; the model's state-dict names."""
-    from megatron_ext.training import checkpoint_keys
+    from megatron_ext.checkpoint import keys as checkpoint_keys
     from megatron_ext.training.run import Run
 
     whole = checkpoint_keys.whole_model_args(args)

@@ -1,4 +1,4 @@
-"""Adapters in and out of peft (megatron_ext/hf/peft.py, packed.py; scripts/convert.py import --peft,
+"""Adapters in and out of peft (megatron_ext/hf/peft/, packed.py; scripts/convert.py import --peft,
 export --peft / --hf, logits of packed sequences), on tiny random models made offline (tests/hf/models.py)
 and random adapters made by peft itself:
 

@@ -1,4 +1,4 @@
-"""Runs that describe themselves (megatron_ext/training/ckpt_recipe.py): a checkpoint train.py saves
+"""Runs that describe themselves (megatron_ext/checkpoint/recipe.py): a checkpoint train.py saves
 records the model it holds, so a fine-tune, an export and logits of it need no --recipe; and every
 failure of scripts/convert.py is one line."""
 from __future__ import annotations
@@ -148,7 +148,7 @@ LOAD_FINDS = ({"listing": 1, "recipe": 1, "manifest": 2, "common state": 2}, {"m
 
 @pytest.mark.parametrize("damaged, expected", [("__0_0.distcp", FIRST_READ_FINDS), ("__1_0.distcp", LOAD_FINDS)])
 def test_an_export_falls_back_past_a_damaged_checkpoint_with_load_read_once(runs, tmp_path, damaged, expected):
-    """An export hands what it read of --load to its run (training/checkpointing.py first_read). Run A's
+    """An export hands what it read of --load to its run (checkpoint/reading.py first_read). Run A's
     newest checkpoint damaged in the file holding its common state (the first read finds it and goes on
     to the older one) or in the other rank's file (the load's weight reads find it and fall back): the
     older checkpoint, an import, is exported either way, every checkpoint's manifest and files read once,
@@ -183,7 +183,7 @@ def test_recorded_recipe_reads_back_to_the_same_model(tmp_path):
     list flags, strings a type function parses (--moe-layer-freq, --window-size, --no-rope-freq),
     enums; a tokenizer file is copied and named by its copy."""
     import arguments
-    from megatron_ext.training import ckpt_recipe
+    from megatron_ext.checkpoint import recipe as ckpt_recipe
 
     vocab = tmp_path / "vocab.json"
     vocab.write_text("{}")

@@ -1,5 +1,5 @@
 """An import (the local spec's names) loads into the transformer-engine spec and back
-(megatron_ext/training/te_names.py), for every family of docs/hf.md: the transformer-engine model is built
+(megatron_ext/checkpoint/te_names.py), for every family of docs/hf.md: the transformer-engine model is built
 on this CPU machine with megatron_ext/seams/te_spec.py's stand-ins (megatron-core's own sharded_state_dict
 methods), under --moe-grouped-gemm for the MoE families (TEGroupedMLP), loads the import through the
 project's checkpointer and saves a checkpoint with transformer-engine's names; the local spec loads that
@@ -94,7 +94,7 @@ def test_strictness_as_megatron_reads_it():
     its "missing" ones the checkpoint's that the model lacks; only the default (which checks nothing
     and would drop a weight without a word) and the raising values refuse the latter. An optimizer's
     state does not load across specs."""
-    from megatron_ext.training import te_names
+    from megatron_ext.checkpoint import te_names
 
     unplaced, missing = te_names.Placement(unplaced=["x.weight"]), te_names.Placement(missing=["y.weight"])
     refused = {value: tuple(p.refusal("C", "local", value) is not None for p in (unplaced, missing))

@@ -100,7 +100,8 @@ def checkpoint_story(base_argv: list[str], lora_argv: list[str], root: str) -> d
 
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.training import ckpt_dirs, ckpt_lora
+    from megatron_ext.checkpoint import dirs as ckpt_dirs
+    from megatron_ext.checkpoint import lora as ckpt_lora
 
     base, other, adapters, pre = (os.path.join(root, n) for n in ("base", "full", "adapters", "pretrained"))
     out = {}

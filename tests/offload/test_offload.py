@@ -147,7 +147,7 @@ def test_the_flags_are_the_typed_options():
     import arguments
     from megatron_ext.config import domains
     from megatron_ext.offload import MODULES, OffloadOptions
-    from megatron_ext.training.command_line import flag_actions
+    from megatron_ext.config.command_line import flag_actions
 
     parser = arguments.build_parser()
     actions = {a.dest: a for a in parser._actions if a.dest.startswith("activation_offload_")}

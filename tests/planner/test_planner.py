@@ -67,18 +67,17 @@ def test_predicted_peak_within_5_percent_many_experts_ep2():
     """64 experts, DeepSeek-V3's routing (sigmoid, expert bias, top-8 within 4 of 8 groups), EP2: the
     planner traces 16 and 32 experts with balanced routing and scales to 64 (expert parameters exact,
     activations and the expert-parallel exchange's buffers within 5 %)."""
-    from types import SimpleNamespace
-
     from megatron_ext.planner.tiny import base_shape, traced_experts
+    from tests.parsed import parsed_args
 
     routing = dict(moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4)
-    assert traced_experts(SimpleNamespace(num_experts=64, **routing)) == 16
-    assert traced_experts(SimpleNamespace(num_experts=256, **routing)) == 16
-    assert traced_experts(SimpleNamespace(num_experts=8, moe_router_topk=2)) == 4  # few: half
-    assert traced_experts(SimpleNamespace(num_experts=6, moe_router_topk=4)) == 6  # 3 < top-k: as they are
+    assert traced_experts(parsed_args(num_experts=64, **routing)) == 16
+    assert traced_experts(parsed_args(num_experts=256, **routing)) == 16
+    assert traced_experts(parsed_args(num_experts=8, moe_router_topk=2)) == 4  # few: half
+    assert traced_experts(parsed_args(num_experts=6, moe_router_topk=4)) == 6  # 3 < top-k: as they are
     # the base sequence gives every traced expert the same whole number of tokens per rank
     for e, k, tp in ((256, 8, 2), (60, 4, 1), (40, 6, 4), (160, 6, 8)):
-        a = SimpleNamespace(num_experts=e, moe_router_topk=k, tensor_model_parallel_size=tp)
+        a = parsed_args(num_experts=e, moe_router_topk=k, tensor_model_parallel_size=tp)
         traced = traced_experts(a)
         seq, mbs = (base_shape(a, traced)[f] for f in ("seq", "mbs"))
         assert seq % tp == 0 and (seq // tp * mbs * k) % (2 * traced) == 0 and seq < 128, (e, k, tp, traced, seq)
@@ -161,21 +160,20 @@ def test_dispatch_rows_follow_the_dispatchers_rules():
     """The expert-parallel exchange's receive rows per MoE layer: tokens x top-k (dropless), padded
     capacity, the zero-sync dispatcher's fixed budget (megatron_ext.moe.fixed_dispatch.budget_rows);
     none without expert parallelism."""
-    from types import SimpleNamespace
-
     from megatron_ext.moe.fixed_dispatch import budget_rows
     from megatron_ext.planner.memory import Layout, dispatch_bytes, dispatch_rows
+    from tests.parsed import parsed_args
 
     # DeepSeek-V3's layout: TP2 (sequence parallel: 2048 tokens per rank), EP64, top-8 of 256
     layout = Layout(tp=2, pp=16, vpp=None, ep=64, etp=1, cp=1, dp=32, edp=1, mbs=1, microbatches=128, world=1024)
-    a = SimpleNamespace(num_experts=256, moe_router_topk=8, seq_length=4096, micro_batch_size=1, hidden_size=7168,
-                        bf16=True, fp16=False, moe_token_dispatcher_type="alltoall")
+    a = parsed_args(num_experts=256, moe_router_topk=8, seq_length=4096, micro_batch_size=1, hidden_size=7168,
+                    bf16=True, fp16=False, moe_token_dispatcher_type="alltoall")
     assert dispatch_rows(a, layout) == 2048 * 8
     assert dispatch_bytes(a, layout) == 2048 * 8 * 7168 * 2
-    capped = SimpleNamespace(**vars(a), moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    capped = parsed_args(**{**vars(a), "moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True})
     assert dispatch_rows(capped, layout) == 256 * 96  # 64 tokens per expert x 1.5
-    fixed = SimpleNamespace(**vars(a), moe_sync_free_dispatcher=True, moe_zero_sync_dropless=True,
-                            moe_dropless_budget_factor=None)
+    fixed = parsed_args(**{**vars(a), "moe_sync_free_dispatcher": True, "moe_zero_sync_dropless": True,
+                           "moe_dropless_budget_factor": None})
     worst = budget_rows(2048, 8, 256, 4, None)[0]
     assert worst == 2048 * 4 and dispatch_rows(fixed, layout) == 64 * worst
     fixed.moe_dropless_budget_factor = 1.25

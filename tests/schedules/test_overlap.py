@@ -370,23 +370,25 @@ def test_flag_does_not_clash_with_megatron():
 def test_refused_where_it_cannot_apply(settings, needle):
     from megatron_ext.errors import ConfigError
     from megatron_ext.schedules import validate
+    from tests.parsed import parsed_args
 
     base = dict(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=2, transformer_impl="local")
     base.update(settings)
     with pytest.raises(ConfigError) as e:
-        validate(argparse.Namespace(**base))
+        validate(parsed_args(**base))
     assert "--overlap-tp-comm-1f1b" in str(e.value) and needle in str(e.value)
 
 
 def test_validate_accepts_and_ignores_when_off():
     from megatron_ext.schedules import validate
+    from tests.parsed import parsed_args
 
-    validate(argparse.Namespace(overlap_tp_comm_1f1b=False, tensor_model_parallel_size=1))
-    validate(argparse.Namespace(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=2,
-                                transformer_impl="local"))
+    validate(parsed_args(overlap_tp_comm_1f1b=False, tensor_model_parallel_size=1))
+    validate(parsed_args(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=2,
+                         transformer_impl="local"))
     # TP1 with expert parallelism: the EP all-to-all is there to hide
-    validate(argparse.Namespace(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=1,
-                                num_experts=8, expert_model_parallel_size=2, transformer_impl="local"))
+    validate(parsed_args(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=1,
+                         num_experts=8, expert_model_parallel_size=2, transformer_impl="local"))
 
 
 def test_get_forward_backward_func_picks_ours_only_with_flag():

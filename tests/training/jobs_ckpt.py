@@ -109,7 +109,7 @@ def train_saving_filled_params(argv: list[str], value: float) -> list[dict]:
     import torch
 
     import train as entry
-    from megatron_ext.training import checkpointing
+    from megatron_ext.checkpoint import checkpointer as checkpointing
 
     original = checkpointing.Checkpointer.save
 
@@ -232,7 +232,7 @@ DAMAGES = {
 def save_recording_reads(argv: list[str], save: str) -> dict:
     """train.main(argv + --save): the history and the files the saves read back to checksum."""
     import train as entry
-    from megatron_ext.training import ckpt_integrity
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
 
     read_back, original = [], ckpt_integrity.crc32_file
 
@@ -251,7 +251,7 @@ def save_recording_reads(argv: list[str], save: str) -> dict:
 
 def resume_recording_verified(argv: list[str]) -> dict:
     """train_capturing(argv), plus the files this rank's reads verified."""
-    from megatron_ext.training import ckpt_integrity
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
 
     verified, original = [], ckpt_integrity.Verifier.verify_read
 

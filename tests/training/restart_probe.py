@@ -47,7 +47,8 @@ def _die(sig=signal.SIGKILL) -> None:
 
 def install(records: str, kills: dict) -> None:
     from megatron_ext import platform
-    from megatron_ext.training import checkpointing, log_line, step
+    from megatron_ext.checkpoint import checkpointer as checkpointing
+    from megatron_ext.training import log_line, step
 
     path = os.path.join(records, f"a{platform.restart_count()}.r{os.environ.get('RANK', '0')}.jsonl")
     log = log_line.TrainingLogger.log

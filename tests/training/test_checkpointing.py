@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_ext.training.ckpt_dirs import TRACKER, complete_iterations, retained
+from megatron_ext.checkpoint.dirs import TRACKER, complete_iterations, retained
 from tests.dist import run_distributed
 
 TOTAL, SPLIT = 4, 2  # uninterrupted: iterations 1..4; interrupted: 1..2, save, resume, 3..4
@@ -164,7 +164,7 @@ def test_async_save_request_survives_validate_args_with_its_source(given, source
 def test_debris_rule():
     """Once iter_4 is committed: deletes in progress and older partial saves go; a newer partial
     save is an async save still being written (they overlap when saves come faster than writes)."""
-    from megatron_ext.training.ckpt_dirs import debris
+    from megatron_ext.checkpoint.dirs import debris
 
     names = ["iter_0000002", "iter_0000003.partial", "iter_0000004", "iter_0000001.deleting",
              "iter_0000005.partial", TRACKER]
@@ -304,7 +304,7 @@ def assert_checksums_match(ckpt: str) -> dict:
     every file."""
     import json
 
-    from megatron_ext.training.ckpt_integrity import crc32_file
+    from megatron_ext.checkpoint.integrity import crc32_file
 
     with open(os.path.join(ckpt, "metadata.json")) as f:
         files = json.load(f)["checksums"]["files"]
@@ -361,7 +361,7 @@ def test_zero_grad_warning_only_after_a_resume():
 
 
 def test_latest_marker_rule(tmp_path):
-    from megatron_ext.training.ckpt_dirs import read_tracker
+    from megatron_ext.checkpoint.dirs import read_tracker
 
     assert read_tracker(str(tmp_path), [2, 4]) is None  # no marker
     for text, ok in [("4", True), ("2\n", True), ("", False), ("4x", False), ("6", False), ("release", False)]:
@@ -378,7 +378,7 @@ def test_checksum_of_the_bytes_as_written(tmp_path):
     from torch.distributed.checkpoint.filesystem import _write_item
 
     from megatron_ext.seams import checkpointing as checksummed
-    from megatron_ext.training import ckpt_integrity
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
 
     checksummed.start_recording()
     wrapped = checksummed.summing_write_item(_write_item)
@@ -411,7 +411,7 @@ def test_dry_run_refuses_a_load_directory_whose_every_checkpoint_is_damaged(tmp_
 
     import arguments
     from megatron_ext.errors import ConfigError
-    from megatron_ext.training import ckpt_integrity
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
     from tests.training import jobs_ckpt
 
     def no_checksum_pass(path):

@@ -1,4 +1,4 @@
-"""The command line's refusals (megatron_ext/training/command_line.py): a flag the parser does not
+"""The command line's refusals (megatron_ext/config/command_line.py): a flag the parser does not
 know is named with the closest flag there is, one line per flag, as a recipe's unknown key is."""
 from __future__ import annotations
 

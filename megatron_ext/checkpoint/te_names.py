@@ -32,7 +32,7 @@ optimizer is not loaded across specs (--finetune or --no-load-optim).
 
 ``--dry-run`` with --load builds this run's model on the meta device (transformer-engine's spec with the
 stand-ins where it is not installed here) and checks every key the same way, before any compute
-(training/checkpoint_keys.py).
+(checkpoint/keys.py).
 """
 from __future__ import annotations
 

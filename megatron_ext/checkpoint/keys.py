@@ -1,5 +1,5 @@
 """``--dry-run --load C``: every key of C's newest checkpoint placed in this run's model before any compute,
-by its own name or the other layer spec's (training/te_names.py), on any machine. The run's whole model
+by its own name or the other layer spec's (checkpoint/te_names.py), on any machine. The run's whole model
 (:func:`whole_model_args`) is built by the run's model-only bring-up on the meta device
 (training/run.py ``check_load``), transformer-engine's spec with megatron_ext/seams/te_spec.py's
 stand-ins where transformer-engine is not installed here (`--dry-run --platform cuda --assume-te` on a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_ext.training import te_names
+from megatron_ext.checkpoint import te_names
 
 
 def whole_model_args(args):
@@ -36,7 +36,8 @@ def checkpoint_to_load(args):
     not torch_dist."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    from megatron_ext.training import ckpt_dirs, ckpt_integrity
+    from megatron_ext.checkpoint import dirs as ckpt_dirs
+    from megatron_ext.checkpoint import integrity as ckpt_integrity
 
     iterations = ckpt_dirs.committed_iterations(args.load) if os.path.isdir(args.load) else []
     if args.ckpt_step is not None:

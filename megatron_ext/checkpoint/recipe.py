@@ -9,7 +9,7 @@ and command line set (resolved), and ``iter_N/tokenizer/``, a copy of the files 
 
 The recipe loads on its own (``--recipe iter_N/recipe.yaml``; its tokenizer paths name the copy), and
 a run that loads the checkpoint without ``--recipe`` reads it (:func:`recorded`, from
-``arguments.parse`` through training/command_line.py ``recipe_values``; a conversion reads it once before
+``arguments.parse`` through config/command_line.py ``recipe_values``; a conversion reads it once before
 its run, checkpointing.first_read, and hands it to the parse): ``scripts/convert.py export`` and ``logits``, ``train.py --finetune --load RUN``.
 ``--recipe`` still overrides it. A run directory that was moved keeps working: a tokenizer path that
 no longer exists is taken from the copy beside the recipe (:func:`relocate`)."""
@@ -20,7 +20,7 @@ import enum
 import os
 import shutil
 
-from megatron_ext.training import ckpt_dirs
+from megatron_ext.checkpoint import dirs as ckpt_dirs
 
 RECIPE = "recipe.yaml"
 TOKENIZER = "tokenizer"
@@ -102,7 +102,7 @@ _CHANGED = (", cli)", ", recipe)")
 
 def megatron_groups(parser) -> dict:
     """dest -> the title of the group that declared it (--help lists the common flags apart:
-    training/command_line.py order_help records where each came from)."""
+    config/command_line.py order_help records where each came from)."""
     return {a.dest: getattr(a, "megatron_group", g.title) for g in parser._action_groups for a in g._group_actions}
 
 

@@ -3,7 +3,8 @@
 Save every ``--save-interval`` iterations and at exit, resume from the newest complete checkpoint
 under ``--load`` (also into another parallel layout, where megatron-core reshards), saves that are
 atomic, keep-last-K retention. The directories under ``--save`` and what retention keeps:
-ckpt_dirs.py; the common state and RNG states every format records: ckpt_state.py.
+dirs.py; what a checkpoint holds of the model: model_state.py; the common state and RNG states
+every format records: state.py; the flags' checks: options.py; --load read ahead of a run: reading.py.
 
 A save is written into ``iter_N.partial``; only after every rank's files and the metadata are on
 disk (for ``--async-save``: in the finalize step, after all ranks' writer processes succeeded) does
@@ -12,7 +13,7 @@ rank 0 rename it to ``iter_N``, which is atomic on a POSIX filesystem. Resume on
 that loads. A run that resumes from its own --save directory (a restart after a rank was killed)
 removes what the killed run's saves left behind (`.partial`, `.deleting`) before it loads.
 
-Integrity (ckpt_integrity.py): every file's CRC-32 is taken from the bytes as they are written and
+Integrity (integrity.py): every file's CRC-32 is taken from the bytes as they are written and
 recorded in the checkpoint's metadata.json at commit; a resume verifies every file it reads before
 using it (and that none is missing). A damaged checkpoint is named in one line and the newest
 intact older one loads instead, or, with --no-ckpt-fallback, the run stops there.
@@ -28,7 +29,6 @@ import zlib
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -37,164 +37,32 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
-from megatron.core.utils import to_local_if_dtensor
 
 from megatron_ext import seams
+from megatron_ext.checkpoint import dirs as ckpt_dirs
+from megatron_ext.checkpoint import fsdp as fsdp_checkpoint
+from megatron_ext.checkpoint import integrity
+from megatron_ext.checkpoint import lora as ckpt_lora
+from megatron_ext.checkpoint import recipe as ckpt_recipe
+from megatron_ext.checkpoint import state as ckpt_state
+from megatron_ext.checkpoint import te_names
+from megatron_ext.checkpoint.model_state import (
+    gather_params,
+    load_model_state,
+    model_key,
+    non_finite_parameters,
+    onto_checkpoint_names,
+    sharded_state_dict,
+    unwrap,
+)
+from megatron_ext.checkpoint.options import options_from_args as ckpt_options
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import ckpt_dirs, ckpt_lora, ckpt_recipe, ckpt_state, fsdp_checkpoint, te_names
-from megatron_ext.training import optimizer as optim
-from megatron_ext.training import ckpt_integrity as integrity
-
-
-def first_read(load: str, recipe: str | None = None) -> ckpt_dirs.FirstRead:
-    """--load read once, before any process group exists, by a stage that reads it ahead of its run (a
-    conversion, which needs the recipe's layers and the LoRA record before it can name its run's flags):
-    the one listing of its checkpoints and the tracker; the recipe (``recipe``, else the one the
-    checkpoints record: ckpt_recipe.recorded); then, newest first, each checkpoint looked at as the load
-    looks (ckpt_integrity.Verifier.inspect, without a world: metadata.json, `.metadata`'s checksum, every file's size) and
-    its common state read with the files that read touches verified, down to the first that is intact.
-    Handed to the run's parse (``Run.for_model(argv, first_read=...)``), so that neither its parser, its
-    checks nor its load read any of it again (ckpt_dirs.handed); the load agrees over the ranks on what
-    each found, and says what it skips and refuses as it does when it looks itself. Nothing collective."""
-    from megatron_ext.config import recipes
-
-    root = os.path.abspath(load)
-    iterations, note = ckpt_dirs.listing(root)
-    path = recipe if recipe is not None else ckpt_recipe.recorded(root, iterations=iterations)
-    looked, intact, common = {}, None, None
-    for iteration in iterations[::-1]:
-        verifier = looked[iteration] = integrity.Verifier(ckpt_dirs.checkpoint_dir(root, iteration), collective=False)
-        if verifier.inspect()[0]:
-            continue
-        if (verifier.config or {}).get("sharded_backend") == "torch_dist":  # fsdp_dtensor: its load reads its own
-            try:
-                with seams.verified_reads(verifier) if verifier.files is not None else contextlib.nullcontext():
-                    common = dist_checkpointing.load_common_state_dict(verifier.directory)
-            except BaseException:  # torch's CheckpointException (wrapping ours) is a BaseException
-                if not verifier.problems:  # set when a file the read touched failed its checksum
-                    raise
-                continue
-        intact = iteration
-        break
-    return ckpt_dirs.FirstRead(root=root, iterations=iterations, tracker_note=note, recipe=path,
-                               recorded=recipe is None and path is not None,
-                               recipe_values=recipes.read(path) if path else None,
-                               looked=looked, iteration=intact, common=common)
 
 
 class DamagedCheckpoint(ConfigError):
     """The checkpoint to resume from failed verification and no older one is to be loaded
     (--no-ckpt-fallback, --ckpt-step, or none intact): one line naming the checkpoint and files,
     raised on every rank before any compute, like a refused flag."""
-
-
-def add_arguments(group) -> None:
-    group.add_argument(
-        "--no-ckpt-fallback",
-        action="store_true",
-        help="When the checkpoint to resume from is damaged (a file missing, truncated or failing "
-        "its checksum), stop with one line naming it instead of loading the newest intact older one.",
-    )
-    group.add_argument(
-        "--allow-missing-checkpoint",
-        action="store_true",
-        help="Start from fresh weights at iteration 0 when --load holds no checkpoint. Without it such a "
-        "--load is refused (a mistyped path would otherwise train from scratch), except when it is also "
-        "--save without --finetune: the first run of a job that resumes later. megatron's "
-        "--exit-on-missing-checkpoint refuses that case too.",
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# what a checkpoint holds (the common state and RNG: ckpt_state.py)
-# ---------------------------------------------------------------------------------------------
-def _unwrap(chunk):
-    """The model under megatron-core DDP: DDP.sharded_state_dict() keys carry a `module.` prefix
-    that DDP.load_state_dict() does not accept, so both directions use the unwrapped module."""
-    return chunk.module if hasattr(chunk, "no_sync") else chunk
-
-
-def _gather_params(model, optimizer) -> None:
-    """With --overlap-param-gather the optimizer step updates only this rank's shard of each
-    parameter; the other ranks' shards arrive in the next forward's pre-hooks. The model state
-    saved now would hold the previous step's values there. A load writes the model weights and the
-    distributed optimizer's (current) shard of them into the same memory, and the stale values are
-    the ones that stayed (measured: a tiny_moe EP2 resume diverged at its first iteration). So
-    gather first, as megatron.training's save_checkpoint_and_time does (training.py:3045,
-    force_param_sync). The next forward gathers the same values again: training is unchanged."""
-    from megatron.training.training import force_param_sync
-
-    force_param_sync(model, optimizer=optimizer)
-
-
-def _non_finite_parameters(model) -> list[str]:
-    """Names of the parameters holding NaN or Inf, over all ranks (collective; one host read per
-    rank). Checksums cannot tell weights saved non-finite from good ones; megatron's own check
-    would stop in the first backward pass with a traceback on every rank instead."""
-    flags, names = [], []
-    for i, chunk in enumerate(model):
-        for name, p in _unwrap(chunk).named_parameters():
-            local = to_local_if_dtensor(p).reshape(-1)  # a DTensor (FSDP2): this rank's shard
-            # a boolean copy of 2**20 elements at a time, not of the whole parameter: host allocators
-            # kept what one per parameter left (measured: +92 MiB of an export's 175 MiB of weights)
-            flags.append(torch.stack([torch.isfinite(part).all() for part in local.split(1 << 20)]).all())
-            names.append(f"{_model_key(i)}.{name}" if len(model) > 1 else name)
-    bad = [n for n, ok in zip(names, torch.stack(flags).tolist() if flags else []) if not ok]
-    return integrity.union_over_ranks(bad)
-
-
-def _model_key(i: int) -> str:
-    return f"model{i}"
-
-
-def _load_model_state(module, state: dict, part: str | None) -> None:
-    """load_state_dict; a LoRA part (ckpt_lora) holds some of the module's keys, and exactly those."""
-    if part is None:
-        module.load_state_dict(state, strict=True)
-        return
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    expected = set(ckpt_lora.select(dict.fromkeys(missing), ckpt_lora.BASE if part == ckpt_lora.ADAPTERS
-                                    else ckpt_lora.ADAPTERS))
-    if unexpected or set(missing) != expected:
-        raise ConfigError(f"LoRA {part} checkpoint: keys not in this model {sorted(unexpected)[:3]}, "
-                          f"missing {sorted(set(missing) - expected)[:3]}")
-
-
-def sharded_state_dict(args, model, optimizer, scheduler, iteration: int, *, loading: bool,
-                       with_optimizer: bool, with_rng: bool, part: str | None = None) -> dict:
-    """``part``: a LoRA run's adapters or base only (ckpt_lora.select); None: the whole model."""
-    metadata = ckpt_state.sharding_metadata(args)
-    state = ckpt_state.common_state(args, scheduler, iteration, with_rng=with_rng)
-    for i, chunk in enumerate(model):
-        state[_model_key(i)] = ckpt_lora.select(_unwrap(chunk).sharded_state_dict(metadata=metadata), part)
-    if part == ckpt_lora.ADAPTERS:
-        state["lora"] = ckpt_lora.record(args, model)
-    if with_optimizer:
-        if loading:
-            seams.ensure_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
-    if with_rng:  # one object per rank (EP/TP ranks hold different tracker states)
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        state["rng_state"] = ShardedObject(
-            "rng_state", ckpt_state.rng_state() if not loading else None, (world,), (rank,), replica_id=0
-        )
-    return state
-
-
-def onto_checkpoint_names(args, template: dict, chunks: int, path: str, with_optimizer: bool) -> None:
-    """The model's keys of a load template placed on the names the checkpoint has: the other layer
-    spec's where they differ (a local-spec import into the transformer-engine spec and back,
-    training/te_names.py), one line naming a key that has no place, the same on every rank
-    (collective)."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    models = {key: template[key] for key in map(_model_key, range(chunks))}
-    parts = [None] * torch.distributed.get_world_size()  # every rank places its own part of the model
-    torch.distributed.all_gather_object(parts, te_names.onto_checkpoint(models, load_sharded_metadata(path)))
-    placement = te_names.Placement.over_ranks(parts)
-    line = placement.refusal(args.load, te_names.spec_name(args), args.dist_ckpt_strictness, with_optimizer)
-    if line:
-        raise ConfigError(line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +137,7 @@ class Checkpointer:
     # ---- resume ----------------------------------------------------------------------------
     def load(self) -> int:
         """Load the newest intact checkpoint (or --ckpt-step) under --load; return its iteration,
-        0 if there is none. Every file is verified before it is used (ckpt_integrity.py); a damaged
+        0 if there is none. Every file is verified before it is used (integrity.py); a damaged
         checkpoint is named in one line and the next older intact one loads instead, unless
         --no-ckpt-fallback (or --ckpt-step) asks for exactly that one."""
         args = self.args
@@ -313,7 +181,7 @@ class Checkpointer:
                 self._print(loaded)
                 return 0 if args.finetune else iteration  # --finetune: megatron's iteration 0
             line = f"damaged checkpoint {path}: {damage}"
-            if args.no_ckpt_fallback or args.ckpt_step is not None:
+            if ckpt_options(args).no_ckpt_fallback or args.ckpt_step is not None:
                 why = "--no-ckpt-fallback" if args.no_ckpt_fallback else f"--ckpt-step={args.ckpt_step}"
                 raise DamagedCheckpoint(f"{line} ({why}: not loading an older one)")
             self._print(line)
@@ -324,7 +192,7 @@ class Checkpointer:
         return Checkpointer(args, self.model, None, WeightsOnly())
 
     def _load_pretrained(self) -> int:
-        """megatron's --pretrained-checkpoint (training/checkpointing.py load_checkpoint): with no
+        """megatron's --pretrained-checkpoint (checkpoint/checkpointer.py load_checkpoint): with no
         checkpoint under --load, the run fine-tunes from it (its model weights, iteration 0)."""
         args = self.args
         if not args.pretrained_checkpoint:
@@ -415,10 +283,10 @@ class Checkpointer:
             # torch FSDP2: the load wrote the DTensors' local shards in place; megatron skips both
             # load_state_dicts (training.py:2204, skip_load_to_model_and_opt)
             for i, chunk in enumerate(self.model if not args.use_torch_fsdp2 else []):
-                module = _unwrap(chunk)
-                _load_model_state(module, te_names.with_own_extra_states(module, state[_model_key(i)]), part)
+                module = unwrap(chunk)
+                load_model_state(module, te_names.with_own_extra_states(module, state[model_key(i)]), part)
             if args.check_for_nan_in_loss_and_grad:  # the non-finite check, before the first step
-                bad = _non_finite_parameters(self.model)
+                bad = non_finite_parameters(self.model)
                 if bad:
                     more = ", ..." if len(bad) > 3 else ""
                     verifier.problems = [f"non-finite values in {len(bad)} parameters ({', '.join(bad[:3])}{more})"]
@@ -457,7 +325,7 @@ class Checkpointer:
         --no-load-optim), from a checkpoint that ``saved`` it. One saved without it (--no-save-optim,
         or --freeze-all-layers, where nothing trained) starts its optimizer fresh, which the user sees."""
         args = self.args
-        wanted = not args.no_load_optim and optim.has_state(args) and not args.finetune
+        wanted = not args.no_load_optim and ckpt_state.optimizer_has_state(args) and not args.finetune
         if wanted and not saved:
             self._print(f"note: {path} holds no optimizer state (saved with --no-save-optim or "
                         "--freeze-all-layers): the optimizer starts fresh")
@@ -500,7 +368,7 @@ class Checkpointer:
             os.makedirs(partial)
         torch.distributed.barrier()
         if args.use_distributed_optimizer and args.overlap_param_gather:
-            _gather_params(self.model, self.optimizer)
+            gather_params(self.model, self.optimizer)
         if not args.use_persistent_ckpt_worker:
             seams.set_write_results_queue(args.async_save, partial, self.rank)
         # the writer (this process, or the one forked for --async-save) sums every file's bytes as
@@ -513,7 +381,7 @@ class Checkpointer:
             else:
                 state = sharded_state_dict(
                     args, self.model, self.optimizer, self.scheduler, iteration, loading=False,
-                    with_optimizer=not args.no_save_optim and optim.has_state(args), with_rng=not args.no_save_rng,
+                    with_optimizer=not args.no_save_optim and ckpt_state.optimizer_has_state(args), with_rng=not args.no_save_rng,
                     part=ckpt_lora.save_part(args),
                 )
                 request = dist_checkpointing.save(
@@ -538,7 +406,7 @@ class Checkpointer:
         final = ckpt_dirs.checkpoint_dir(args.save, iteration)
         partial = final + ckpt_dirs.PARTIAL
         note, stats = "", {"iteration": iteration, "commit_start_s": time.perf_counter() - t0}
-        # the model it holds, beside it and checksummed with it (ckpt_recipe.py)
+        # the model it holds, beside it and checksummed with it (recipe.py)
         recipe = ckpt_recipe.record(args, partial, final) if self.rank == 0 else None
         if self.checksums:
             c0 = time.perf_counter()
@@ -573,7 +441,7 @@ class Checkpointer:
     def _apply_retention(self, newest: int) -> None:
         args = self.args
         iterations = ckpt_dirs.committed_iterations(args.save)
-        keep = ckpt_dirs.retained(iterations, args.save_keep_last, args.save_retain_interval)
+        keep = ckpt_dirs.retained(iterations, ckpt_options(args).save_keep_last, args.save_retain_interval)
         for it in iterations:
             if it not in keep and it != newest:
                 ckpt_dirs.remove_dir(ckpt_dirs.checkpoint_dir(args.save, it))
@@ -607,45 +475,3 @@ class Checkpointer:
             print(f"[checkpoint] {message}", flush=True)
 
 
-
-def before_validate(args) -> None:
-    """What was asked for, before megatron's validate_args changes it."""
-    args.async_save_requested = bool(args.async_save)
-    args.config_sources["async_save_requested"] = args.config_sources.get("async_save", "default")
-
-
-def validate(args) -> None:
-    if args.save_keep_last is not None and args.save_keep_last < 1:
-        raise ConfigError(f"--save-keep-last={args.save_keep_last}: keep at least 1 checkpoint")
-    if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
-        raise ConfigError(f"--ckpt-format={args.ckpt_format}: megatron_ext saves and loads torch_dist, and "
-                          "fsdp_dtensor with --use-megatron-fsdp")
-    if (args.save and args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor" and args.swiglu
-            and args.data_parallel_sharding_strategy in ("optim", "optim_grads")):
-        raise ConfigError(
-            f"--data-parallel-sharding-strategy={args.data_parallel_sharding_strategy} with --save, "
-            "--ckpt-format=fsdp_dtensor and --swiglu: megatron-core's split of the fused SwiGLU fc1 "
-            "(fsdp_dtensor_checkpoint.py:317 split_swiglu_linear_fc1) builds DTensor metadata it then "
-            "rejects (uneven_dtensor.py:161, measured with tiny_dense at DP2) at the first save; "
-            "optim_grads_params saves"
-        )
-    if args.pretrained_checkpoint and (args.use_megatron_fsdp or args.use_torch_fsdp2):
-        raise ConfigError(f"--pretrained-checkpoint={args.pretrained_checkpoint} with a sharded data-parallel "
-                          "wrapper: load the base with --finetune --load (a torch_dist checkpoint loads before "
-                          "the model is sharded)")
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ConfigError(f"--save-interval={args.save_interval}: must be >= 1")
-    # megatron's validate_args (megatron/training/arguments.py:1740) turns --async-save off unless
-    # --use-persistent-ckpt-worker, because megatron.training's async path needs that worker. We drive
-    # megatron-core's AsyncCallsQueue ourselves, with its fork-based caller by default: honour the
-    # request (recorded by before_validate).
-    if getattr(args, "async_save_requested", False):
-        args.async_save = True
-        args.config_sources["async_save"] = args.config_sources["async_save_requested"]
-    from megatron_ext import platform
-
-    if args.async_save and args.use_persistent_ckpt_worker and not platform.current().is_cuda:
-        raise ConfigError(
-            "--use-persistent-ckpt-worker: not supported on CPU (the spawned worker re-imports megatron "
-            "without megatron_ext's CPU shims and hangs); --async-save alone uses a forked writer per save"
-        )

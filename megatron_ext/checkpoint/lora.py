@@ -8,7 +8,7 @@ records ``lora``: the adapters' configuration and ``base``, the checkpoint they 
 directory, iteration and the CRC-32 of its checksum manifest), or, for a base that no checkpoint
 held, the seed that drew it.
 
-Loaded by the Checkpointer (checkpointing.py ``_load``), as ``plan`` decides:
+Loaded by the Checkpointer (checkpointer.py ``_load``), as ``plan`` decides:
 
 * a full checkpoint with LoRA on is the frozen base: its model weights only (with --finetune, or as
   --pretrained-checkpoint); the adapters start fresh (A drawn from its key, B zeros);
@@ -23,9 +23,10 @@ import copy
 import os
 
 from megatron_ext import lora, seams
+from megatron_ext.checkpoint import dirs as ckpt_dirs
+from megatron_ext.checkpoint import integrity as ckpt_integrity
 from megatron_ext.errors import ConfigError
 from megatron_ext.lora.adapters import is_adapter_key
-from megatron_ext.training import ckpt_dirs, ckpt_integrity
 
 ADAPTERS, BASE = "adapters", "base"
 TRAINED_BUFFERS = ("router.expert_bias", "router.qb_beta")

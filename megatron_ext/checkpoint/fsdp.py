@@ -1,6 +1,6 @@
 """Megatron-FSDP checkpoints in megatron's fsdp_dtensor format, inside the Checkpointer's directory
-layout, atomic commit, retention and integrity (training/checkpointing.py, ckpt_dirs.py,
-ckpt_integrity.py); the common and RNG state as ckpt_state.py builds it for both formats.
+layout, atomic commit, retention and integrity (checkpointer.py, dirs.py,
+integrity.py); the common and RNG state as state.py builds it for both formats.
 
 As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's
 state dict of DTensors (each rank holds its shard of every parameter) and the optimizer's
@@ -27,9 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 
 from megatron_ext import seams
-from megatron_ext.training import ckpt_state
-from megatron_ext.training import optimizer as optim
-from megatron_ext.training.ckpt_integrity import CONFIG
+from megatron_ext.checkpoint import state as ckpt_state
+from megatron_ext.checkpoint.integrity import CONFIG
 
 RNG = "rng_state.{rank}.pt"
 
@@ -77,7 +76,7 @@ def save(ckpt, directory: str, iteration: int):
     seams.checksummed_writes() sums. With --async-save they are planned here and written by the
     returned AsyncRequest; without it the request runs now and None is returned."""
     args, rank = ckpt.args, torch.distributed.get_rank()
-    state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim and optim.has_state(args))
+    state = _state(ckpt, loading=False, with_optimizer=not args.no_save_optim and ckpt_state.optimizer_has_state(args))
     prepared = _prepared(args, state, ckpt.model[0])
     request = _write_request(prepared, directory)
     if not args.async_save:
@@ -87,7 +86,7 @@ def save(ckpt, directory: str, iteration: int):
         torch.save(ckpt_state.rng_state(), os.path.join(directory, RNG.format(rank=rank)))
     if rank == 0:
         common = {**ckpt_state.common_state(args, ckpt.scheduler, iteration, with_rng=not args.no_save_rng),
-                  "has_optimizer": not args.no_save_optim and optim.has_state(args)}
+                  "has_optimizer": not args.no_save_optim and ckpt_state.optimizer_has_state(args)}
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump({"sharded_backend": "fsdp_dtensor", "megatron_ext": common}, f)
     torch.distributed.barrier()

@@ -21,9 +21,10 @@ import os
 import re
 import shutil
 
+from megatron_ext.checkpoint import integrity as ckpt_integrity
+from megatron_ext.checkpoint.integrity import CONFIG
+from megatron_ext.checkpoint.options import options_from_args as ckpt_options
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import ckpt_integrity
-from megatron_ext.training.ckpt_integrity import CONFIG
 
 TRACKER = "latest_checkpointed_iteration.txt"
 PARTIAL = ".partial"
@@ -58,7 +59,7 @@ def handed(args) -> FirstRead | None:
     """The FirstRead handed to this run (``args.first_read``) if it is of this run's --load; else None
     (a run that reads --load itself, or a load of another directory: a LoRA adapter's base)."""
     found = getattr(args, "first_read", None)
-    return found if found is not None and found.covers(getattr(args, "load", None), args.ckpt_step) else None
+    return found if found is not None and found.covers(args.load, args.ckpt_step) else None
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -176,11 +177,12 @@ def _refuse_without_checkpoint(args) -> None:
     if not root:
         return
     first_run = bool(args.save) and os.path.abspath(root) == os.path.abspath(args.save) and not args.finetune
+    allowed = ckpt_options(args).allow_missing_checkpoint
     if args.exit_on_missing_checkpoint:
-        if args.allow_missing_checkpoint:
+        if allowed:
             raise ConfigError("--exit-on-missing-checkpoint, --allow-missing-checkpoint: choose one")
         raise ConfigError(f"--load={root}: no checkpoint there (--exit-on-missing-checkpoint)")
-    if args.allow_missing_checkpoint or first_run:
+    if allowed or first_run:
         return
     what = "--finetune --load" if args.finetune else "--load"
     where = "no such directory" if not os.path.exists(root) else "no checkpoint there (no iter_N directory)"
@@ -195,7 +197,7 @@ def check_loadable(args) -> None:
     ConfigError naming the directory and what is wrong with each, as the run itself would stop
     ("every checkpoint is damaged") after reading them. Checkpoints that pass can still fail the
     load's full verification, which then falls back or stops as usual."""
-    root = getattr(args, "load", None)
+    root = args.load
     first = handed(args)  # what --load's first reader found: it looked at each down to the intact one
     iterations = first.iterations if first else committed_iterations(root)
     if not iterations:

@@ -31,7 +31,8 @@ from megatron.training.arguments import validate_args
 from megatron_ext.config import domains, megatron_checks, recipes, rules
 from megatron_ext.errors import TRACEBACK_ENV, ConfigError
 from megatron_ext.platform import target
-from megatron_ext.training import ckpt_recipe, features
+from megatron_ext import checkpoint
+from megatron_ext.training import features
 
 
 class Parser(argparse.ArgumentParser):
@@ -139,22 +140,22 @@ def explicit_cli_dests(parser, argv) -> set:
 
 def recipe_values(known, parser, first_read=None) -> tuple[dict, str | None]:
     """(the recipe's values through the parser's actions, the path of the recorded one or None): --recipe,
-    else the recipe the --load checkpoint records (training/ckpt_recipe.py ``recorded``: --ckpt-step's, or
+    else the recipe the --load checkpoint records (checkpoint/recipe.py ``recorded``: --ckpt-step's, or
     the newest that has one, else the one beside them; a moved directory's tokenizer paths moved onto the
     copy beside it). ``first_read``: what a stage that read --load before the parse found
-    (training/ckpt_dirs.py FirstRead): its listing and the recipe it read are used, not read again."""
+    (checkpoint/dirs.py FirstRead): its listing and the recipe it read are used, not read again."""
     first = first_read if first_read is not None and first_read.covers(known.load, known.ckpt_step) else None
     path, recorded = known.recipe, None
     if path is None and known.load:
         if first is not None:
             path = recorded = first.recipe if first.recorded else None
         else:
-            path = recorded = ckpt_recipe.recorded(known.load, known.ckpt_step)
+            path = recorded = checkpoint.recorded_recipe(known.load, known.ckpt_step)
     if not path:
         return {}, None
     raw = first.recipe_values if first is not None and first.recipe == path else recipes.read(path)
     values = recipes.resolve(raw, parser, path)
-    return (ckpt_recipe.relocate(values, recorded) if recorded else values), recorded
+    return (checkpoint.relocate_recipe(values, recorded) if recorded else values), recorded
 
 
 def _fit_defaults_to_platform(args) -> None:
@@ -228,7 +229,7 @@ def finalize(args, parser, first_read=None) -> None:
     """Everything megatron's validate_args and config classes check, plus ours, before any compute,
     in stages (Problems): every problem of the first stage that finds any is reported. ``parser``:
     the one that parsed ``args`` (its actions name the flags refusals name). ``first_read``: what a
-    stage that read --load before the parse found (training/ckpt_dirs.py FirstRead), kept as
+    stage that read --load before the parse found (checkpoint/dirs.py FirstRead), kept as
     ``args.first_read`` for the checks and the load that would read --load again (ckpt_dirs.handed)."""
     from megatron_ext.training import data
 

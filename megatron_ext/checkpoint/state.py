@@ -1,5 +1,5 @@
-"""What a checkpoint holds beside the tensors, shared by both formats (checkpointing.py: torch_dist,
-fsdp_checkpoint.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
+"""What a checkpoint holds beside the tensors, shared by both formats (checkpointer.py: torch_dist,
+fsdp.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
 sharding metadata megatron-core's sharded state dicts take, the RNG states, the common state
 (iteration, consumed samples, LR schedule)."""
 from __future__ import annotations
@@ -9,6 +9,14 @@ import random
 import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
+
+
+def optimizer_has_state(args) -> bool:
+    """Does the run's optimizer hold state a checkpoint saves and loads? Not under --freeze-all-layers:
+    no parameter trains, so megatron's get_megatron_optimizer builds a stub optimizer with no torch
+    optimizer inside (its state_dict would fail, optimizer/optimizer.py FP32Optimizer.state_dict). Such
+    a run saves the model, schedule and RNG (as with --no-save-optim) and loads none into the stub."""
+    return not args.freeze_all_layers
 
 
 def layout(args) -> dict:
@@ -80,3 +88,19 @@ def common_state(args, scheduler, iteration: int, *, with_rng: bool) -> dict:
         "scheduler": scheduler.state_dict(),
         "has_rng": with_rng,
     }
+
+
+def sharded_tensors(state):
+    """Every ShardedTensor of a megatron-core sharded state dict (factories built, nesting walked)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for value in state.values():
+        if isinstance(value, ShardedTensor):
+            yield value
+        elif isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            yield from sharded_tensors(built if isinstance(built, dict) else {i: t for i, t in enumerate(built)})
+        elif isinstance(value, dict):
+            yield from sharded_tensors(value)
+        elif isinstance(value, (list, tuple)):
+            yield from sharded_tensors(dict(enumerate(value)))
