@@ -84,7 +84,7 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """[*] -> [cp, *]."""
     cp = dist.get_world_size(group)
     out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     return out.view(cp, *x.shape)
 
 
