@@ -29,6 +29,16 @@ def train_grads(argv: list[str]) -> dict:
     return dict(losses=[r["lm loss"] for r in history], grad_norms=[r["grad norm"] for r in history], grads=grads)
 
 
-def train_grads_many(argvs: dict) -> dict:
-    """train_grads for several runs in one job: {name: result}."""
-    return {name: train_grads(list(argv)) for name, argv in argvs.items()}
+def train_grads_many(argvs: dict, document_tokens: int | None = None) -> dict:
+    """train_grads for several runs in one job: {name: result}. ``document_tokens``: --mock-data's
+    documents at most that long (megatron's are up to 4096 tokens), so that a sequence holds several
+    and --eod-mask-loss takes a different number of tokens out of each CP rank's share."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    longest = MockGPTLowLevelDataset.max_sequence_length
+    if document_tokens:
+        MockGPTLowLevelDataset.max_sequence_length = document_tokens
+    try:
+        return {name: train_grads(list(argv)) for name, argv in argvs.items()}
+    finally:
+        MockGPTLowLevelDataset.max_sequence_length = longest
