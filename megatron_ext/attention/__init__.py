@@ -94,11 +94,6 @@ def _check_context_parallel(args, chosen: str) -> None:
             f"--context-parallel-size={cp} with --attention-backend={backend_name(args)}: megatron's "
             "DotProductAttention attends the whole sequence on one rank (it asserts one CP rank, "
             "transformer/dot_product_attention.py:57); use --attention-backend auto or flash (torch's attention)")
-    if args.hierarchical_context_parallel_sizes:
-        raise ConfigError(
-            f"--hierarchical-context-parallel-sizes={args.hierarchical_context_parallel_sizes} with "
-            "--transformer-impl=local: the two-level a2a+p2p exchange is transformer-engine's; the local spec "
-            "runs --cp-comm-type p2p, all_gather or a2a over one CP group")
     types = comm_types(args)
     for value in types:
         if value not in _CP_COMM_TYPES:
