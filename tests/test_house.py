@@ -22,7 +22,8 @@ ROOTS = ("megatron_ext",)
 FLOORS = (
     ("megatron_ext", "megatron_ext.errors", "megatron_ext.patching", "megatron_ext.counters", "megatron_ext.helptext"),
     ("megatron_ext.platform",),
-    ("megatron_ext.attention.kernels",),  # pure torch, below the seam that runs it (seams/attention.py)
+    ("megatron_ext.attention.kernels", "megatron_ext.attention.context_parallel"),  # pure torch, below the seam
+    # that runs them (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
      "megatron_ext.attention"),

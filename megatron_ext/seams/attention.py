@@ -33,12 +33,14 @@ attention package's kernels.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models import backends
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_ext.attention import kernels
+from megatron_ext.attention import context_parallel, kernels
 from megatron_ext.patching import Patch, set_attr
 from megatron_ext.seams.architectures import LocalLatentAttention
 
@@ -46,7 +48,23 @@ from megatron_ext.seams.architectures import LocalLatentAttention
 class TorchCoreAttention(LocalLatentAttention):
     """megatron-core's DotProductAttention (k_channels / v_channels as multi-latent attention gives them)
     computed by torch's scaled_dot_product_attention / flex_attention: nothing of size s x s is kept for
-    backward (queries, keys, values, the output and the log-sum-exp are)."""
+    backward (queries, keys, values, the output and the log-sum-exp are). Under context parallelism
+    (this rank holds megatron's load-balanced share of the sequence) the layer's --cp-comm-type (one, or
+    this layer's of a per-layer list, as megatron's TransformerLayer passes it) computes it over the CP
+    group (megatron_ext.attention.context_parallel); DotProductAttention's assert of one CP rank (:57)
+    is what that replaces."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        one_rank = config
+        if config.context_parallel_size > 1:
+            one_rank = copy.copy(config)
+            one_rank.context_parallel_size = 1
+        super().__init__(one_rank, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.config = config
+        self.cp_comm_type = (cp_comm_type or "p2p") if config.context_parallel_size > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -59,8 +77,12 @@ class TorchCoreAttention(LocalLatentAttention):
         fork = tensor_parallel.get_cuda_rng_tracker().fork() \
             if dropout_p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext()
         sq, b = query.shape[:2]
+        attend = kernels.attend
+        if self.cp_comm_type is not None:
+            attend = functools.partial(context_parallel.attend, self.cp_comm_type,
+                                       group=parallel_state.get_context_parallel_group())
         with fork:
-            out = kernels.attend(
+            out = attend(
                 query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                 scale=self.softmax_scale * layer_scaling, causal=self.attn_mask_type == AttnMaskType.causal,
                 mask=attention_mask, window=self.scale_mask_softmax.window_size, sink=self.softmax_offset,
@@ -86,7 +108,8 @@ def _install_torch_attention():
 
 TORCH_ATTENTION = Patch(
     "attention.torch_attention",
-    ["megatron/core/models/backends.py:129", "megatron/core/transformer/dot_product_attention.py:142"],
+    ["megatron/core/models/backends.py:129", "megatron/core/transformer/dot_product_attention.py:57",
+     "megatron/core/transformer/dot_product_attention.py:142"],
     "the local spec's core attention materialises the s x s probabilities and keeps them for backward; "
     "torch's scaled_dot_product_attention keeps O(s x hidden)",
     _install_torch_attention,

@@ -58,9 +58,14 @@ def before_validate(args) -> None:
             raise ConfigError(f"--{dest.replace('_', '-')}=True with --sft: packed conversations always restart "
                               "their positions, never attend across each other and keep the loss on assistant "
                               "tokens only")
-    if args.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size={args.context_parallel_size} with --sft: packed conversations "
-                          "are not split across context-parallel ranks here")
+    if args.context_parallel_size > 1 and args.transformer_impl != "local":
+        raise ConfigError(f"--context-parallel-size={args.context_parallel_size} with --sft and --transformer-impl="
+                          f"{args.transformer_impl}: packed (THD) conversations are not split across context-parallel "
+                          "ranks here; the local spec's all_gather or a2a attention keeps each conversation's mask")
+    cp_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    if args.context_parallel_size > 1 and "p2p" in cp_types:
+        raise ConfigError(f"--cp-comm-type=p2p with --sft: ring attention runs the causal triangle only; packed "
+                          "conversations need their document mask: use --cp-comm-type all_gather or a2a")
     if args.mtp_num_layers:
         raise ConfigError(f"--mtp-num-layers={args.mtp_num_layers} with --sft: multi-token prediction shifts labels "
                           "across the packed conversations' boundaries")

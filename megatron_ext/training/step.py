@@ -6,6 +6,7 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_ext import platform
 from megatron_ext.training import features
@@ -31,6 +32,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         batch, packed = inputs
     else:
         batch, packed = {k: v.to(device) for k, v in batch.items()}, {}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = _on_this_cp_rank(batch)
+    loss = partial(loss_func, batch["loss_mask"])
+    if parallel_state.get_context_parallel_world_size() > 1 and not get_model_config(model).calculate_per_token_loss:
+        loss = partial(_loss_over_cp, batch["loss_mask"])
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["tokens"],
@@ -39,7 +45,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
             labels=batch["labels"],
             **packed,
         )
-        return plan, partial(loss_func, batch["loss_mask"])
+        return plan, loss
     output = model(
         batch["tokens"],
         batch["position_ids"],
@@ -47,7 +53,31 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         labels=batch["labels"],
         **packed,
     )
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, loss
+
+
+def _on_this_cp_rank(batch: dict) -> dict:
+    """megatron's split of a micro-batch over the context-parallel ranks (pretrain_gpt.py get_batch):
+    2 x CP chunks of the sequence, rank r keeping chunks r and 2·CP−1−r; the attention mask keeps this
+    rank's query rows over every key."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                     cp_group=parallel_state.get_context_parallel_group())
+
+
+def _loss_over_cp(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """loss_func under context parallelism, token-weighted over the CP ranks: the schedule divides each
+    rank's summed loss by the count it returns, and the data x context gradient reduction averages the
+    CP ranks; returning CP x this rank's sum over the CP group's count makes that the sum of every
+    rank's token losses over every rank's tokens, however the loss mask falls across the ranks (the
+    per-rank count of megatron's loss_func weighs a rank with fewer loss tokens up). Logged as
+    loss_func's: this rank's sum and count."""
+    loss, num_tokens, logged = loss_func(loss_mask, output_tensor)
+    group = parallel_state.get_context_parallel_group()
+    total = num_tokens.clone()
+    torch.distributed.all_reduce(total, group=group)
+    return loss * torch.distributed.get_world_size(group), total, logged
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -113,8 +113,6 @@ def test_unfused_and_local_keep_megatrons_attention():
 @pytest.mark.parametrize("argv, line", [
     (("--attention-backend", "fused"),
      "--attention-backend=fused with --transformer-impl=local: 'fused' is transformer-engine's cuDNN attention"),
-    (("--context-parallel-size", "2", "--world-size", "2"),
-     "--context-parallel-size=2 with --transformer-impl=local: the local spec's core attention"),
 ])
 def test_what_the_local_spec_cannot_run_is_refused_by_name(argv, line):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,342 @@
+"""Core attention over a context-parallel group: plain torch with autograd, gloo (CPU) or NCCL (CUDA).
+
+Every rank holds megatron's load-balanced share of the sequence (megatron.core.utils
+get_batch_on_this_cp_rank): the sequence in 2 x CP chunks, rank r holding chunks r and 2·CP−1−r, in
+that order. Queries, keys and values arrive [b, heads (or groups), s / CP, d] in that order, and the
+output leaves in it. A given mask is megatron's (True = not attended) as the batch split leaves it:
+this rank's query rows, every key column in natural order, [b or 1, 1, s / CP, s].
+
+  all_gather   keys and values all-gathered (natural order), this rank's queries attend at their own
+               positions (the causal triangle, a window, a packed row's documents, sinks: everything
+               kernels.attend takes, as one mask over the local rows). Backward: dK / dV reduce-scattered.
+  p2p          ring attention: key / value blocks travel around the ring (asynchronous send / receive
+               issued before each block's attention and waited after it), partial outputs merged by
+               their log-sum-exp; backward sends dK / dV around the ring after the blocks. With the
+               load-balanced split every block is one unmasked rectangle or the local causal triangle:
+               fully masked halves are never computed. Causal layers without a mask, window or sink
+               (a packed row's documents and windows: all_gather or a2a express them).
+  a2a          Ulysses: an all-to-all from sequence-sharded to head-sharded queries, keys and values,
+               full-sequence attention (kernels.attend, everything it takes) on heads / CP heads, an
+               all-to-all back. Query groups fewer than CP are repeated to CP (when CP is a multiple of
+               them); heads and groups otherwise divisible by CP (config/rules.py checks).
+
+The per-block kernel of p2p is torch's own flash attention returning its log-sum-exp (CPU:
+``_scaled_dot_product_flash_attention_for_cpu``; CUDA: the memory-efficient kernel), and its backward
+the matching backward op given the merged output and log-sum-exp: exactly the block's share of the
+gradients. Not measured on GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.attention import kernels
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+# ------------------------------------------------------------------------------------------ positions
+@functools.lru_cache(maxsize=32)
+def _positions(local: int, cp: int, rank: int, device: str) -> torch.Tensor:
+    """The global positions of a rank's tokens under the load-balanced split."""
+    half = local // 2
+    chunks = (rank, 2 * cp - 1 - rank)
+    return torch.cat([torch.arange(c * half, (c + 1) * half) for c in chunks]).to(device)
+
+
+def positions(local: int, cp: int, rank: int, device) -> torch.Tensor:
+    return _positions(local, cp, rank, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=32)
+def _natural(local: int, cp: int, device: str) -> torch.Tensor:
+    """Index putting the rank-ordered concatenation of every rank's tokens in sequence order."""
+    gathered = torch.cat([_positions(local, cp, r, "cpu") for r in range(cp)])
+    return torch.argsort(gathered).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _rank_order(local: int, cp: int, device: str) -> torch.Tensor:
+    """The inverse of _natural: sequence order back to the rank-ordered concatenation."""
+    return torch.argsort(_natural(local, cp, "cpu")).to(device)
+
+
+def _keep_rows(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window) -> torch.Tensor | None:
+    """[sq, sk] bool (True = attended) of a causal layer / window at the given positions, as
+    kernels.attend applies them (a window replaces the triangle); None for neither."""
+    q, k = qpos.view(-1, 1), kpos.view(1, -1)
+    if window is not None:
+        return (k >= q - int(window[0])) & (k <= q + int(window[1]))
+    if causal:
+        return k <= q
+    return None
+
+
+# -------------------------------------------------------------------------------------- collectives
+def _gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[*] -> [cp, *]."""
+    cp = dist.get_world_size(group)
+    out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.view(cp, *x.shape)
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """[cp, *] -> [*]: this rank's slot summed over ranks."""
+    if _gloo(group):  # gloo has no reduce-scatter
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x[dist.get_rank(group)].clone()
+    out = x.new_empty(x.shape[1:])
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """x [b, g, s / CP, d] -> [cp, b, g, s / CP, d]; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """[cp, *]: slot j sent to rank j; slot i of the result came from rank i."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over stacked slots; its adjoint is the same all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group), None
+
+
+# ---------------------------------------------------------------------------------------- all_gather
+def _local_mask(mask, local, cp, rank, causal, window, device):
+    """megatron's mask (True = not attended) for this rank's query rows over the natural keys."""
+    qpos, kpos = positions(local, cp, rank, device), torch.arange(local * cp, device=device)
+    keep = _keep_rows(qpos, kpos, causal and mask is None, window)
+    if mask is None:
+        return None if keep is None else ~keep.view(1, 1, local, local * cp)
+    if keep is None:
+        return mask
+    return kernels._derived(mask, ("cp_window", window), lambda: mask | ~keep.view(1, 1, local, local * cp))
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(local, cp, rank, window, device):
+    return _local_mask(None, local, cp, rank, True, window, device)
+
+
+def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
+    cp, rank, local = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
+    natural = _natural(local, cp, str(q.device))
+
+    def gather(x):  # [b, g, local, d] -> [b, g, s, d] in sequence order
+        stacked = _GatherSequence.apply(x, group)  # [cp, b, g, local, d]
+        full = stacked.permute(1, 2, 0, 3, 4).reshape(*x.shape[:2], cp * local, x.shape[-1])
+        return full.index_select(2, natural)
+
+    window = None if window is None else (int(window[0]), int(window[1]))
+    if mask is None:
+        given = _causal_mask(local, cp, rank, window, str(q.device)) if (causal or window) else None
+    else:
+        given = _local_mask(mask, local, cp, rank, causal, window, q.device)
+    return kernels.attend(q, gather(k), gather(v), scale=scale, causal=False, mask=given, sink=sink,
+                          dropout_p=dropout_p)
+
+
+# ----------------------------------------------------------------------------------------------- a2a
+def _to_heads(x, group):
+    """[b, h, local, d] (sequence-sharded) -> [b, h / cp, s, d] (head-sharded), sequence order."""
+    cp, (b, h, local, d) = dist.get_world_size(group), x.shape
+    send = x.view(b, cp, h // cp, local, d).transpose(0, 1)  # slot j: heads of rank j
+    recv = _AllToAll.apply(send, group)  # slot i: rank i's tokens of my heads
+    full = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d)
+    return full.index_select(2, _natural(local, cp, str(x.device)))
+
+
+def _to_sequence(x, group):
+    """The inverse of _to_heads: [b, h / cp, s, d] -> [b, h, local, d]."""
+    cp, (b, hp, s, d) = dist.get_world_size(group), x.shape
+    local = s // cp
+    ranked = x.index_select(2, _rank_order(local, cp, str(x.device)))
+    send = ranked.view(b, hp, cp, local, d).permute(2, 0, 1, 3, 4)  # slot j: rank j's tokens
+    recv = _AllToAll.apply(send, group)  # slot i: heads of rank i
+    return recv.transpose(0, 1).reshape(b, cp * hp, local, d)
+
+
+def _full_mask(mask, group, local, cp):
+    """The whole [b or 1, 1, s, s] mask from every rank's query rows (once per micro-batch)."""
+    def make():
+        rows = _all_gather(mask.to(torch.uint8), group)  # [cp, b, 1, local, s]
+        full = rows.permute(1, 2, 0, 3, 4).reshape(*mask.shape[:2], cp * local, mask.shape[-1])
+        return full.index_select(2, _natural(local, cp, str(mask.device))).bool()
+    return kernels._derived(mask, ("cp_full", cp), make)
+
+
+def a2a_attention(q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
+    cp, h, g, local = dist.get_world_size(group), q.shape[1], k.shape[1], q.shape[2]
+    if g < cp:  # each rank's heads read one group: the groups repeated to CP
+        k, v = k.repeat_interleave(cp // g, dim=1), v.repeat_interleave(cp // g, dim=1)
+    if sink is not None:
+        sink = sink.view(cp, h // cp)[dist.get_rank(group)]
+    full = None if mask is None else _full_mask(mask, group, local, cp)
+    out = kernels.attend(_to_heads(q, group), _to_heads(k, group), _to_heads(v, group), scale=scale,
+                         causal=causal, mask=full, window=window, sink=sink, dropout_p=dropout_p)
+    return _to_sequence(out, group)
+
+
+# ----------------------------------------------------------------------------------------------- p2p
+def _block_forward(q, k, v, scale, causal):
+    """One block: (output, log-sum-exp fp32 [b, h, sq])."""
+    if q.is_cuda:
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)
+        return out, lse[..., :q.shape[2]].float()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.float()
+
+
+def _block_backward(dout, q, k, v, out, lse, scale, causal):
+    """The block's share of dq, dk, dv given the merged output and log-sum-exp."""
+    if q.is_cuda:
+        padded = F.pad(lse, (0, -(-lse.shape[-1] // 32) * 32 - lse.shape[-1]))
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _ring_exchange(tensor, group):
+    """Send ``tensor`` to the next rank, receive the previous rank's: (buffer, requests to wait)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    buffer = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
+           dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    return buffer, dist.batch_isend_irecv(ops)
+
+
+def _arrived(exchange):
+    buffer, requests = exchange
+    for request in requests:
+        request.wait()
+    return buffer
+
+
+def _ring_blocks(rank, cp, step, half):
+    """(query rows, key rows, causal) of step ``step``'s block: the local triangle, all queries over
+    the first key chunk (an earlier rank's), or the second query chunk over all keys (a later one's)."""
+    source = (rank - step) % cp
+    if step == 0:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _repeat(x, n):
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def _fold(dx, n):
+    """A repeated-group gradient summed back onto its groups."""
+    if n == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // n, n, s, d).sum(2)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        half, n = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        kv = torch.stack([k, v]).contiguous()
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(cp):
+            pending = _ring_exchange(kv, group) if step < cp - 1 else None
+            rows, cols, causal = _ring_blocks(rank, cp, step, half)
+            o, l = _block_forward(q[:, :, rows], _repeat(kv[0][:, :, cols], n), _repeat(kv[1][:, :, cols], n),
+                                  scale, causal)
+            merged = torch.logaddexp(lse[:, :, rows], l)
+            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1) \
+                + o.float() * torch.exp(l - merged).unsqueeze(-1)
+            lse[:, :, rows] = merged
+            if pending is not None:
+                kv = _arrived(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        half, n = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        dout = dout.contiguous()
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        in_flight = None  # the gradients of the block before, travelling one step behind its keys
+        for step in range(cp):
+            pending = _ring_exchange(kv, group) if step < cp - 1 else None
+            rows, cols, causal = _ring_blocks(rank, cp, step, half)
+            bq, bk, bv = _block_backward(
+                dout[:, :, rows], q[:, :, rows], _repeat(kv[0][:, :, cols], n), _repeat(kv[1][:, :, cols], n),
+                out[:, :, rows], lse[:, :, rows].contiguous(), scale, causal)
+            dq[:, :, rows] += bq.float()
+            if in_flight is not None:
+                dkv = _arrived(in_flight)
+            dkv[0][:, :, cols] += _fold(bk.float(), n)
+            dkv[1][:, :, cols] += _fold(bv.float(), n)
+            in_flight = _ring_exchange(dkv, group)
+            if pending is not None:
+                kv = _arrived(pending)
+        dkv = _arrived(in_flight)  # this rank's own, from the previous rank
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, *, group, scale):
+    dv, d = v.shape[-1], q.shape[-1]
+    if dv != d:  # multi-latent attention's narrower values, zero-padded (the kernels take one head size)
+        v = F.pad(v, (0, d - dv))
+    return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, scale)[..., :dv]
+
+
+def attend(comm_type: str, q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
+    """kernels.attend's contract over the context-parallel ``group`` (see the module doc)."""
+    if comm_type == "p2p":
+        assert causal and mask is None and window is None and sink is None and dropout_p == 0.0, (
+            "p2p context parallelism takes a causal layer without a mask, window, sink or dropout")
+        return ring_attention(q, k, v, group=group, scale=scale)
+    fn = {"all_gather": all_gather_attention, "a2a": a2a_attention}[comm_type]
+    return fn(q, k, v, group=group, scale=scale, causal=causal, mask=mask, window=window, sink=sink,
+              dropout_p=dropout_p)

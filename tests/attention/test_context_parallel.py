@@ -1,0 +1,76 @@
+"""Context parallelism on the local spec (megatron_ext/attention/context_parallel.py): each comm type's
+attention over a gloo CP group against the one-rank kernel on the whole sequence, fp32."""
+from __future__ import annotations
+
+import pytest
+
+from tests.attention import jobs_cp
+from tests.dist import run_distributed
+
+_RUNS: dict = {}
+
+
+def _kernels(cp: int) -> dict:
+    if cp not in _RUNS:
+        _RUNS[cp] = run_distributed(cp, "tests.attention.jobs_cp:kernels_match_one_rank")
+    return _RUNS[cp]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_comm_type_matches_one_rank(cp):
+    """Output and the gradients of queries, keys, values (and sinks) on every rank within 2e-6 of the
+    one-rank kernel's same rows: the causal triangle, GQA, narrower values, windows, sinks and a packed
+    row's documents under the load-balanced split."""
+    expected = {f"{c[0]}/{comm}" for c in jobs_cp.KERNEL_CASES for comm in c[-1]}
+    for rank, result in enumerate(_kernels(cp)):
+        assert set(result) == expected
+        for case, errors in result.items():
+            assert max(errors) <= 2e-6, (rank, case, errors)
+
+
+def _parse(*argv):
+    import contextlib
+    import io
+
+    import arguments
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return arguments.parse([*argv, "--dry-run"], exit_on_dry_run=False)
+
+
+DENSE = ("--recipe", "recipes/tiny_dense.yaml", "--world-size", "4")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "6", "--kv-channels", "16"],
+     "--cp-comm-type=a2a with --num-attention-heads=6: 6 heads per tensor-parallel rank do not split over "
+     "--context-parallel-size=4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "12", "--kv-channels", "16",
+      "--group-query-attention", "--num-query-groups", "3"],
+     "--cp-comm-type=a2a with --num-query-groups=3: 3 query groups per tensor-parallel rank neither split "
+     "over nor repeat to --context-parallel-size=4"),
+    (["--context-parallel-size", "2", "--window-size", "8,0"],
+     "--window-size=(8, 0) with --cp-comm-type=p2p: ring attention runs the causal triangle only"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "p2p", "p2p", "p2p", "--softmax-type",
+      "learnable"], "--softmax-type=learnable with --cp-comm-type=p2p"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], "--cp-comm-type=a2a+p2p with --transformer-impl=local"),
+    (["--context-parallel-size", "2", "--attention-backend", "unfused"],
+     "--context-parallel-size=2 with --attention-backend=unfused: megatron's DotProductAttention"),
+    (["--context-parallel-size", "4", "--seq-length", "36"], "--seq-length=36"),
+])
+def test_what_a_comm_type_cannot_express_is_refused_by_name(argv, line):
+    """One line before any compute, naming the flag, its value and the comm type that can."""
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _parse(*DENSE, *argv)
+    assert str(e.value).startswith(line) and len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_per_layer_comm_types_reach_their_layers():
+    """--cp-comm-type one per layer passes megatron's validation (its length = --num-layers) and the
+    local spec takes it; a window with all_gather and a2a only is allowed."""
+    args = _parse(*DENSE, "--context-parallel-size", "2", "--cp-comm-type", "p2p", "all_gather", "a2a", "a2a")
+    assert args.cp_comm_type == ["p2p", "all_gather", "a2a", "a2a"] and args.attention_kernel == "sdpa"
+    args = _parse(*DENSE, "--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--window-size", "8,0")
+    assert args.cp_comm_type == ["all_gather"]
