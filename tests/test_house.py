@@ -17,7 +17,7 @@ FLOORS = (
     ("megatron_ext.attention.kernels",),  # pure torch, below the seam that runs it (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
-     "megatron_ext.attention"),
+     "megatron_ext.attention", "megatron_ext.fp8"),
     ("megatron_ext.training",),
     ("megatron_ext.measure",),
     ("megatron_ext.planner",),

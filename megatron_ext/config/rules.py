@@ -270,9 +270,10 @@ RULES = (
     Rule("precision", ("fp16", "bf16"), lambda a: not (a.fp16 and a.bf16), "choose one of --fp16 and --bf16"),
     # --- platform: what transformer-engine / CUDA / apex provide (see target()) -----------------
     Rule("platform", ("fp8", "transformer_impl"),
-         lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
-         "FP8 runs in transformer-engine kernels: needs --transformer-impl transformer_engine with "
-         "transformer-engine installed (the local implementation would silently train in high precision)",
+         lambda a: a.transformer_impl in ("local", "transformer_engine")
+         and (a.transformer_impl == "local" or target(a).te),
+         "FP8 runs in transformer-engine's kernels (--transformer-impl transformer_engine, installed) or in "
+         "torchao's float8 products on the local spec (--transformer-impl local, megatron_ext/fp8)",
          when=lambda a: a.fp8 is not None),
     Rule("platform", ("fp4", "transformer_impl"),
          lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
