@@ -182,3 +182,16 @@ def train(argvs: dict) -> dict:
             out[name] = dict(losses=[h["lm loss"] for h in history], fp8_linears=n_fp8, names=names,
                              names_first_bf16=sorted(n for n, _ in fp8.float8_linears(kept, run.model)))
     return out
+
+
+def build(argv) -> None:
+    """The model of ``argv`` built with its capabilities (a refusal raised as it is built comes back)."""
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.training.run import Run
+
+    try:
+        with Run.from_argv(list(argv)) as run:
+            run.build()
+    except ConfigError as e:
+        return str(e)
+    return None
