@@ -102,6 +102,17 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
                                                _State(recipe)).backward(gy)
         out["main_grad_fused"] = bool(torch.equal(w.main_grad, w_plain.grad + 0.5) and w.grad_added_to_main_grad)
 
+        # a frozen weight (LoRA's base): the same output and input gradient as the trainable path
+        w_frozen = w1.float()
+        xf = x.float().clone().requires_grad_(True)
+        yf = seam.float8_forward_impl(_State(recipe))(xf, w_frozen, None, False, False, False, tp_group=group)
+        yf.backward(gy.reshape(S, B, F))
+        xt = x.float().clone().requires_grad_(True)
+        yt = Float8LinearWithGradAccumulation.apply(xt, w1.float().requires_grad_(True), None, False, False, False,
+                                                    group, _State(recipe))
+        yt.backward(gy.reshape(S, B, F))
+        out["frozen_equals_trainable"] = bool(torch.equal(yf, yt) and torch.equal(xf.grad, xt.grad))
+
         # the zero-sync grouped experts' product (padding rows at the end) against each expert's own
         # FP8 linear on its rows
         from types import SimpleNamespace
@@ -195,3 +206,29 @@ def build(argv) -> None:
     except ConfigError as e:
         return str(e)
     return None
+
+
+def compose(argv, save: str) -> dict:
+    """FP8 with offload, checkpoints and LoRA, every run through the training loop: {name: history}
+    (the offload manager's offloaded bytes for the offloaded run; the FP8 linears of the LoRA run)."""
+    import train as entry
+
+    from megatron_ext import offload
+
+    offloaded = ["--activation-offload-modules", "core_attention", "qkv_linear", "attn_proj",
+                 "--activation-offload-min-tensor-kb", "1"]
+    out = {}
+    out["straight"] = entry.main([*argv, "--train-iters", "3"])
+    try:
+        out["offloaded"] = entry.main([*argv, "--train-iters", "3", *offloaded])
+        out["offloaded_bytes"] = offload.current().stats["offloaded_bytes"]
+    finally:
+        offload.detach()
+    out["first"] = entry.main([*argv, "--train-iters", "3", "--save", save, "--save-interval", "2",
+                               "--exit-interval", "2"])
+    out["resumed"] = entry.main([*argv, "--train-iters", "3", "--load", save])
+    high = [a for i, a in enumerate(argv) if a not in ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")]
+    out["high_precision_from_fp8"] = entry.main([*high, "--train-iters", "3", "--load", save])
+    # LoRA: the frozen base's products in FP8, the adapters' in high precision
+    out["lora"] = train({"lora": [*argv, "--train-iters", "3", "--lora-rank", "4"]})["lora"]
+    return out
