@@ -63,29 +63,34 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
         from torchao.float8.float8_linear import Float8Linear
 
         x, w1, w2, dy = _data(torch.bfloat16)
-        ref1 = Float8Linear(H, F, bias=False, config=recipe.torchao_config(), dtype=torch.bfloat16)
-        ref2 = Float8Linear(F, H, bias=False, config=recipe.torchao_config(), dtype=torch.bfloat16)
-        with torch.no_grad():
-            ref1.weight.copy_(w1)
-            ref2.weight.copy_(w2)
-        xr = x.clone().requires_grad_(True)
-        yr = ref2(torch.relu(ref1(xr)))
-        yr.backward(dy)
-        torchao_result = (yr.detach(), xr.grad, ref1.weight.grad, ref2.weight.grad)
-
         fc1, fc2 = _pair(_config(False, torch.bfloat16))
         with torch.no_grad():
             fc1.weight.copy_(w1)
             fc2.weight.copy_(w2)
         high = _run_pair(fc1, fc2, x, dy)
-        for lin in (fc1, fc2):
-            lin.weight.grad = None
-            seam.use_float8(lin, recipe)
-        ours = _run_pair(fc1, fc2, x, dy)
-        out["bitwise_vs_torchao"] = [torch.equal(a, b) for a, b in zip(ours, torchao_result)]
-        out["differs_from_high_precision"] = [not torch.equal(a, b) for a, b in zip(ours, high)]
-        out["close_to_high_precision"] = [((a.float() - b.float()).norm() / b.float().norm()).item()
-                                          for a, b in zip(ours, high)]
+        results = {}
+        for name in ("hybrid", "e4m3"):  # --fp8-format: e5m2 or e4m3 output gradients
+            r = Float8Recipe(fmt=name)
+            ref1 = Float8Linear(H, F, bias=False, config=r.torchao_config(), dtype=torch.bfloat16)
+            ref2 = Float8Linear(F, H, bias=False, config=r.torchao_config(), dtype=torch.bfloat16)
+            with torch.no_grad():
+                ref1.weight.copy_(w1)
+                ref2.weight.copy_(w2)
+            xr = x.clone().requires_grad_(True)
+            yr = ref2(torch.relu(ref1(xr)))
+            yr.backward(dy)
+            torchao_result = (yr.detach(), xr.grad, ref1.weight.grad, ref2.weight.grad)
+            for lin in (fc1, fc2):
+                lin.weight.grad = None
+                seam.use_float8(lin, r)
+            ours = _run_pair(fc1, fc2, x, dy)
+            out[f"bitwise_vs_torchao_{name}"] = [torch.equal(a, b) for a, b in zip(ours, torchao_result)]
+            if name == fmt:
+                out["differs_from_high_precision"] = [not torch.equal(a, b) for a, b in zip(ours, high)]
+                out["close_to_high_precision"] = [((a.float() - b.float()).norm() / b.float().norm()).item()
+                                                  for a, b in zip(ours, high)]
+            results[name] = ours
+        out["formats_differ"] = [not torch.equal(a, b) for a, b in zip(results["hybrid"], results["e4m3"])]
 
         # gradient-accumulation fusion: the weight gradient added to main_grad in float32
         from megatron.core import parallel_state
