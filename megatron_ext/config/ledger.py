@@ -161,7 +161,7 @@ honoured(TC, """
 # FP8: transformer-engine's recipes read the config's fields (--transformer-impl transformer_engine); the
 # local spec's FP8 is torchao's float8 products (megatron_ext/fp8), which reads them from the arguments
 honoured("megatron_ext.fp8:enabled", "fp8")
-honoured("megatron_ext.fp8:validate", "fp8_recipe")
+honoured("megatron_ext.config.rules:_local_fp8_recipe", "fp8_recipe")
 honoured("megatron_ext.fp8:recipe", "fp8_wgrad")
 honoured("megatron_ext.fp8:_high_precision_layer",
          "first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16")

@@ -12,7 +12,7 @@ as transformer-engine's recipes keep them; ``--first-last-layers-bf16`` keeps
 megatron-core's own FP8 paths (every ``config.fp8`` branch) are transformer-engine's: the model's
 config is built without ``--fp8-format`` on the local spec (``config_args``), and this package puts
 the products in FP8 instead (``before_wrap``). What the local spec cannot run is refused by name
-before any compute (``validate``).
+before any compute (``validate``; the recipes torchao lacks: config/rules.py).
 """
 from __future__ import annotations
 
@@ -25,12 +25,6 @@ __all__ = ["validate", "before_wrap", "config_args", "enabled", "float8_linears"
 MULTIPLE = 16  # torch._scaled_mm on CUDA: both dimensions of every operand divisible by 16
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 
-_NOT_TORCHAO = {
-    "delayed": "torchao has no delayed scaling; use tensorwise, or transformer-engine",
-    "blockwise": "torchao's float8 training has no blockwise recipe; use tensorwise, or transformer-engine",
-    "mxfp8": "the local spec's FP8 is torchao's tensorwise float8 training; mxfp8 needs transformer-engine",
-    "custom": "a custom quantizer factory builds transformer-engine quantizers; use tensorwise, or transformer-engine",
-}
 
 
 def enabled(args) -> bool:
@@ -58,9 +52,7 @@ def config_args(args):
 def validate(args) -> None:
     if not enabled(args):
         return
-    flag = f"--fp8-recipe={args.fp8_recipe}"
-    if args.fp8_recipe in _NOT_TORCHAO:
-        raise ConfigError(f"{flag}: {_NOT_TORCHAO[args.fp8_recipe]}")
+    # --fp8-recipe: only tensorwise runs here (config/rules.py refuses the others by name, with the platform's)
     if args.fp8_param_gather:
         raise ConfigError("--fp8-param-gather: the local spec keeps its parameters in high precision and casts "
                           "them to FP8 per product (torchao's float8 training); use transformer-engine for FP8 "

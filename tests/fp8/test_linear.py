@@ -30,9 +30,11 @@ DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--fp8-format", "
 
 
 @pytest.mark.parametrize("argv,match", [
-    (DENSE, r"^--fp8-recipe=delayed: torchao has no delayed scaling; use tensorwise, or transformer-engine$"),
-    (DENSE + ["--fp8-recipe", "mxfp8"], r"^--fp8-recipe=mxfp8: the local spec's FP8 is torchao's"),
-    (DENSE + ["--fp8-recipe", "blockwise"], r"^--fp8-recipe=blockwise: torchao's float8 training has no blockwise"),
+    (DENSE, r"^--fp8-recipe=delayed, --transformer-impl=local: the local spec's FP8 is torchao's float8 training "
+            r"with tensorwise scaling .* \(torchao has no delayed scaling; use tensorwise, or transformer-engine\); "
+            r"`--dry-run --platform cuda --assume-te`"),
+    (DENSE + ["--fp8-recipe", "mxfp8"], r"^--fp8-recipe=mxfp8, --transformer-impl=local: .*\(mxfp8 needs "),
+    (DENSE + ["--fp8-recipe", "blockwise"], r"^--fp8-recipe=blockwise, --transformer-impl=local: .*no blockwise"),
     (DENSE + ["--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"],
      r"^--fp8-param-gather: the local spec keeps its parameters in high precision"),
     (DENSE + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "5"],
