@@ -86,6 +86,9 @@ QUIET_WARNINGS = (
      "torch.distributed.checkpoint's note on its own signature, which megatron-core's loader calls"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
      "torch's deprecation of ShardedTensor, which megatron-core's distributed checkpoints still use"),
+    (UserWarning, r"--fp8-recipe=tensorwise is incompatible with the streaming checkpoint dequantize path",
+     "megatron's note on transformer-engine's FP8 parameters in checkpoints; the local spec's FP8 keeps its "
+     "parameters in high precision (megatron_ext/fp8)"),
     (UserWarning, r"WARNING: there is no optimizer on RANK",
      "no parameter trains on this rank: asked for with --freeze-all-layers (megatron says it may be expected)"),
 )

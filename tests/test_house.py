@@ -26,7 +26,7 @@ FLOORS = (
     # that runs them (seams/attention.py)
     ("megatron_ext.seams", "megatron_ext.config"),
     ("megatron_ext.moe", "megatron_ext.offload", "megatron_ext.schedules", "megatron_ext.sft", "megatron_ext.lora",
-     "megatron_ext.attention"),
+     "megatron_ext.attention", "megatron_ext.fp8"),
     ("megatron_ext.checkpoint",),  # save, resume, verify: under the run, the conversions and the planner
     ("megatron_ext.training",),
     # the parser's machinery and the checks in stages: with the configuration's tables, above the run's

@@ -292,10 +292,13 @@ def build_configs(args) -> list:
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
 
+    from megatron_ext import fp8
+
     built = []
     with contextlib.redirect_stdout(io.StringIO()):
         if not (rules.target(args).te and not target.te_importable()):
-            built.append(type(core_transformer_config_from_args(args)).__name__)
+            # as training/model.py builds it: FP8 on the local spec is megatron_ext.fp8's, not the config's
+            built.append(type(core_transformer_config_from_args(fp8.config_args(args))).__name__)
         built.append(type(get_megatron_ddp_config(args)).__name__)
         built.append(type(get_megatron_optimizer_config(args)[0]).__name__)
     return built

@@ -131,9 +131,8 @@ honoured(TC, """
     mup_base_head_dim mup_attn_scale_power apply_query_key_layer_scaling
     disable_bf16_reduced_precision_matmul use_fused_weighted_squared_relu fused_residual_rmsnorm
     recompute_granularity recompute_method recompute_num_layers distribute_saved_activations
-    recompute_modules fp8 fp8_recipe fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
-    fp8_amax_compute_algo fp8_wgrad fp8_output_proj first_last_layers_bf16 num_layers_at_start_in_bf16
-    num_layers_at_end_in_bf16 fp4 fp4_recipe fp4_quantizer_factory high_priority_a2a_comm_stream
+    recompute_modules fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
+    fp8_amax_compute_algo fp8_output_proj fp4 fp4_recipe fp4_quantizer_factory high_priority_a2a_comm_stream
     moe_shared_expert_intermediate_size moe_shared_expert_gate moe_shared_expert_overlap
     use_grouped_gemm_for_shared_expert moe_shared_expert_glu_interleave_size moe_ffn_hidden_size
     moe_router_topk moe_enable_routing_replay moe_router_padding_for_quantization moe_router_padding_for_fp8
@@ -159,6 +158,13 @@ honoured(TC, """
     pipeline_model_parallel_layout overlap_p2p_comm cp_comm_type test_mode moe_layer_freq
     moe_router_load_balancing_type moe_aux_loss_coeff barrier_with_L1_time
 """)
+# FP8: transformer-engine's recipes read the config's fields (--transformer-impl transformer_engine); the
+# local spec's FP8 is torchao's float8 products (megatron_ext/fp8), which reads them from the arguments
+honoured("megatron_ext.fp8:enabled", "fp8")
+honoured("megatron_ext.config.rules:_local_fp8_recipe", "fp8_recipe")
+honoured("megatron_ext.fp8:recipe", "fp8_wgrad")
+honoured("megatron_ext.fp8:_high_precision_layer",
+         "first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16")
 honoured(MLA, "q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor mscale "
          "mscale_all_dim cache_mla_latents")
 honoured(CONFIG_FROM_ARGS, """

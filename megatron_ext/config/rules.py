@@ -21,6 +21,19 @@ def target(args):
     return resolve(args)
 
 
+_NOT_TORCHAO = {
+    "delayed": "torchao has no delayed scaling; use tensorwise, or transformer-engine",
+    "blockwise": "torchao's float8 training has no blockwise recipe; use tensorwise, or transformer-engine",
+    "mxfp8": "mxfp8 needs transformer-engine",
+    "custom": "a custom quantizer factory builds transformer-engine quantizers; use tensorwise, or transformer-engine",
+}
+
+
+def _local_fp8_recipe(a) -> str | None:
+    """Why --fp8-recipe cannot run on the local spec (megatron_ext/fp8: torchao's tensorwise float8), or None."""
+    return _NOT_TORCHAO.get(a.fp8_recipe)
+
+
 @dataclass(frozen=True)
 class Rule:
     family: str
@@ -270,10 +283,15 @@ RULES = (
     Rule("precision", ("fp16", "bf16"), lambda a: not (a.fp16 and a.bf16), "choose one of --fp16 and --bf16"),
     # --- platform: what transformer-engine / CUDA / apex provide (see target()) -----------------
     Rule("platform", ("fp8", "transformer_impl"),
-         lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
-         "FP8 runs in transformer-engine kernels: needs --transformer-impl transformer_engine with "
-         "transformer-engine installed (the local implementation would silently train in high precision)",
+         lambda a: a.transformer_impl in ("local", "transformer_engine")
+         and (a.transformer_impl == "local" or target(a).te),
+         "FP8 runs in transformer-engine's kernels (--transformer-impl transformer_engine, installed) or in "
+         "torchao's float8 products on the local spec (--transformer-impl local, megatron_ext/fp8)",
          when=lambda a: a.fp8 is not None),
+    Rule("platform", ("fp8_recipe", "transformer_impl"), lambda a: _local_fp8_recipe(a) is None,
+         "the local spec's FP8 is torchao's float8 training with tensorwise scaling (--fp8-recipe tensorwise); "
+         "the other recipes are transformer-engine's", when=lambda a: a.fp8 is not None and a.transformer_impl == "local",
+         detail=_local_fp8_recipe),
     Rule("platform", ("fp4", "transformer_impl"),
          lambda a: a.transformer_impl == "transformer_engine" and target(a).te,
          "FP4 runs in transformer-engine kernels: needs --transformer-impl transformer_engine with "

@@ -89,6 +89,8 @@ def _validate_zero_sync(args, opts: MoEOptions) -> None:
                           "per-expert row counts on the host; the grouped experts here need the local "
                           "SequentialMLP experts (drop --moe-grouped-gemm)")
     for flag, value in (("--fp8-format", args.fp8), ("--fp4-format", args.fp4)):
+        if flag == "--fp8-format" and args.transformer_impl == "local":
+            continue  # torchao's FP8 products (megatron_ext/fp8): checked there
         if value:
             raise ConfigError(f"{on}: {flag} pads expert inputs per expert on the host; not supported")
     if args.use_te_activation_func:

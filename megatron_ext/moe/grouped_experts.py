@@ -71,7 +71,13 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = _GroupedMatmul.apply(x2, self.offsets, *[lin.weight for lin in self._linears])
+        float8 = getattr(self._linears[0], "float8", None)  # FP8 (megatron_ext/fp8, seams/fp8.py)
+        if float8 is not None:
+            from megatron_ext.seams.fp8 import float8_grouped_matmul
+
+            y = float8_grouped_matmul(x2, self.offsets, self._linears)
+        else:
+            y = _GroupedMatmul.apply(x2, self.offsets, *[lin.weight for lin in self._linears])
         adapter = getattr(self._linears[0], "lora", None)  # LoRA (megatron_ext/lora/adapters.py)
         if adapter is not None:  # added before any bias, as on the expert's own linear
             y = y + adapter.grouped_delta(x2, self.offsets, self._linears, _GroupedMatmul.apply)

@@ -62,6 +62,12 @@ def fp8_gemms(args) -> bool:
     return on_transformer_engine(args) and bool(args.fp8)
 
 
+def fp8_products(args) -> bool:
+    """The layer GEMMs run at the FP8 rate: transformer-engine's FP8, or torchao's float8 products on the
+    local spec (megatron_ext/fp8), which keeps what bf16 keeps (no FP8 copies: fp8_gemms is False)."""
+    return fp8_gemms(args) or (args.transformer_impl == "local" and args.fp8 is not None)
+
+
 def fp8_saved_delta(args, gemm_only: float, gemm_shared: float) -> float:
     """Bytes a component saves under FP8 beyond (negative: below) its trace: a layer linear's input
     kept for the weight gradient is transformer-engine's FP8 copy, one byte per element (the

@@ -142,13 +142,13 @@ class Shapes:
     ep: int
     elem: int            # activation bytes
     grad_elem: int       # main-gradient bytes (the weight gradients accumulate into it)
-    fp8: bool            # the layer linears in FP8 (transformer-engine)
+    fp8: bool            # the layer linears in FP8 (transformer-engine, or torchao on the local spec)
     attention: str
 
 
 def shapes(args, layout, attention: str | None = None) -> Shapes:
     """``attention``: the core attention's kind in place of the run's (``attention_kind``)."""
-    from megatron_ext.planner.run import fp8_gemms
+    from megatron_ext.planner.run import fp8_products
 
     tokens = args.seq_length * args.micro_batch_size // max(1, layout.cp)
     sp = args.sequence_parallel
@@ -156,7 +156,7 @@ def shapes(args, layout, attention: str | None = None) -> Shapes:
     grad_elem = 4 if (args.accumulate_allreduce_grads_in_fp32 or elem == 4) else elem
     return Shapes(tokens=tokens, norm_tokens=tokens // layout.tp if sp else tokens,
                   moe_tokens=tokens // layout.tp if layout.tp > 1 else tokens, tp=layout.tp, etp=layout.etp,
-                  ep=layout.ep, elem=elem, grad_elem=grad_elem, fp8=fp8_gemms(args),
+                  ep=layout.ep, elem=elem, grad_elem=grad_elem, fp8=fp8_products(args),
                   attention=attention or attention_kind(args))
 
 

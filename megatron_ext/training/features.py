@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_ext import attention, lora, moe, offload, schedules, sft
+from megatron_ext import attention, fp8, lora, moe, offload, schedules, sft
 from megatron_ext.training import hooks as training
 
 # The order every hook runs in. attention first: it resolves --attention-backend for the layer spec
@@ -51,8 +51,10 @@ from megatron_ext.training import hooks as training
 # experts, and offload (next) hooks the expert modules moe put in place; the overlap schedule pairs
 # passes whose saved tensors offload already manages; sft before training: it sets
 # --calculate-per-token-loss before megatron validates, and its datasets stand in for the GPT datasets
-# training would read; training last (its checks read what the others settled).
-CAPABILITIES = (attention, lora, moe, offload, schedules, sft, training)
+# training would read; training last (its checks read what the others settled). fp8 after lora:
+# it puts the products of the (frozen) base linears in FP8, the adapters' stay in high precision;
+# before moe, whose grouped experts find the FP8 recipe on the experts' linears.
+CAPABILITIES = (attention, lora, fp8, moe, offload, schedules, sft, training)
 
 
 def _hooks(name):

@@ -35,7 +35,9 @@ from megatron_ext import checkpoint
 
 
 def transformer_config(args) -> TransformerConfig:
-    config = core_transformer_config_from_args(args)
+    from megatron_ext import fp8  # FP8 on the local spec: megatron's config.fp8 branches are transformer-engine's
+
+    config = core_transformer_config_from_args(fp8.config_args(args))
     if args.multi_latent_attention:
         _mla_yarn_from_flags(args, config)
     return config

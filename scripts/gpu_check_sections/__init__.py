@@ -10,6 +10,7 @@ import sys
 import traceback
 
 from gpu_check_sections.cuda_facts import section_cuda_facts
+from gpu_check_sections.fp8 import section_fp8
 from gpu_check_sections.moe_graphs import section_moe_graphs
 from gpu_check_sections.moe_layer import section_moe_layer
 from gpu_check_sections.multihot import section_multihot
@@ -21,11 +22,12 @@ from gpu_check_sections.transformer_engine import section_transformer_engine
 
 
 SECTIONS = ("cuda_facts", "multihot", "moe_layer", "moe_graphs", "offload", "train", "planner", "throughput",
-            "transformer_engine")
+            "transformer_engine", "fp8")
 RUNNERS = {"cuda_facts": section_cuda_facts, "multihot": section_multihot, "moe_layer": section_moe_layer,
            "moe_graphs": section_moe_graphs,
            "offload": section_offload, "train": section_train, "planner": section_planner,
-           "throughput": section_throughput, "transformer_engine": section_transformer_engine}
+           "throughput": section_throughput, "transformer_engine": section_transformer_engine,
+           "fp8": section_fp8}
 
 
 def run_section(name: str, size: dict) -> tuple:

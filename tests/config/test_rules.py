@@ -237,8 +237,9 @@ def test_platform_rules_ask_the_target():
 
 @pytest.mark.parametrize("argv,recipe,world,flags", [  # on a CUDA cluster without transformer-engine
     (["--tensor-model-parallel-size", "2"], MOE, 2, "--num-experts=8, --tensor-model-parallel-size=2, --sequence-parallel=False"),
-    (["--fp8-format", "hybrid", "--bf16"], MOE, 1, "--fp8-format=hybrid, --transformer-impl=local"),
-    (["--fp8-format", "hybrid", "--bf16"], DENSE, 1, "--fp8-format=hybrid, --transformer-impl=local"),
+    # FP8 on the local spec is torchao's (megatron_ext/fp8): megatron's default recipe is refused by name
+    (["--fp8-format", "hybrid", "--bf16"], MOE, 1, "--fp8-recipe=delayed, --transformer-impl=local"),
+    (["--fp8-format", "hybrid", "--bf16"], DENSE, 1, "--fp8-recipe=delayed, --transformer-impl=local"),
     (["--moe-permute-fusion"], MOE, 1, "--moe-permute-fusion=True, --transformer-impl=local"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], DENSE, 1,
      "--recompute-modules=layernorm, --transformer-impl=local"),

@@ -1,0 +1,104 @@
+"""fp8: FP8 on the local spec (``--fp8-format hybrid --fp8-recipe tensorwise``: torchao's float8 products,
+megatron_ext/fp8) against bf16, whole training steps through train.py's bring-up (``Run``), on the
+throughput section's Llama-3-8B-shaped case (b) and its MoE case (c) with torch attention: tokens/s,
+TFLOP/s and MFU (megatron's FLOP count, against the bf16 matrix-product rate measured in the same run,
+as the throughput section reports them), FP8's speed-up over bf16; torchtitan's Float8 at (b)'s shape
+where it runs; then the losses of 50 steps in FP8 and in bf16 on the same data, on (b)'s shape at 2 layers
+(on CPU: the (b) rows' own steps). On CPU every case runs at the throughput section's tiny sizes; what
+only a GPU measures reads "skipped: no CUDA"."""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from gpu_check_sections.common import NO_CUDA, claim, cuda
+from gpu_check_sections.throughput import MODELS, STEPS, layers_that_fit, matmul_rate, measure_run, rates, run_argv
+
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+CASES = ("b", "c")
+SPEEDUP_TARGET = 1.2  # FP8 tokens/s over bf16's on (b)
+LOSS_STEPS = {"gpu": 50, "smoke": None}  # smoke: the (b) rows' losses (the same data), no runs of their own
+LOSS_LAYERS = 2
+LOSS_TOLERANCE = 0.03  # the last loss, relative to bf16's
+TITAN_FLOAT8 = "skipped: scripts/bench/titan.py runs torchtitan without its Float8 converter (not wired)"
+
+
+def _row(case: str, m: dict, layers: int, variant: str, steps: dict, matmul: dict) -> dict:
+    row = {"case": case, "variant": variant, "layers": layers, "seq": m["seq"]}
+    argv = run_argv(m, layers, "flash", (), steps["warmup"] + steps["measured"] + 1) + (FP8 if variant == "fp8" else [])
+    try:
+        got = measure_run(argv, steps)
+    except Exception as e:  # noqa: BLE001 - one case's failure keeps the others
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return row
+    row.update(status="ok", losses=got["losses"], parameters=got["parameters"], peak_bytes=got["peak_bytes"])
+    row.update(rates(got["flops_per_step"], got["tokens_per_step"], got["step_s"], matmul))
+    row["finite"] = all(math.isfinite(x) for x in got["losses"])
+    return row
+
+
+def _losses(kind: str, rows: list) -> dict:
+    """``LOSS_STEPS`` steps of (b)'s shape at 2 layers in bf16 and in FP8: the same seed, the same mock data
+    (on CPU the (b) rows' own steps)."""
+    m = MODELS[kind]["b"]
+    n = LOSS_STEPS[kind]
+    if n is None:
+        b = {r["variant"]: r for r in rows if r["case"] == "b"}
+        out = {"steps": len(b["bf16"].get("losses", [])), "layers": b["bf16"]["layers"]}
+        for variant in ("bf16", "fp8"):
+            out[variant] = b[variant].get("losses", b[variant]["status"])
+    else:
+        out = {"steps": n, "layers": LOSS_LAYERS}
+    for variant in ("bf16", "fp8") if n is not None else ():
+        argv = run_argv(m, LOSS_LAYERS, "flash", (), n + 1) + (FP8 if variant == "fp8" else [])
+        try:
+            out[variant] = measure_run(argv, dict(warmup=0, measured=n))["losses"]
+        except Exception as e:  # noqa: BLE001
+            out[variant] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    if isinstance(out["bf16"], list) and isinstance(out["fp8"], list):
+        out["last_relative_difference"] = round(abs(out["fp8"][-1] - out["bf16"][-1]) / abs(out["bf16"][-1]), 5)
+        out["differ"] = out["fp8"] != out["bf16"]
+    return out
+
+
+def section_fp8(size, claims) -> dict:
+    kind = size["throughput"]
+    steps, models = STEPS[kind], MODELS[kind]
+    matmul = matmul_rate(kind)
+    layers = {}
+    for case in CASES:
+        m = models[case]
+        if m["layers"] is None:
+            if cuda():
+                torch.cuda.empty_cache()
+            layers[case] = layers_that_fit(m, "sdpa", torch.cuda.mem_get_info()[0])["layers"]
+        else:
+            layers[case] = m["layers"]
+    rows = []
+    for case in CASES:
+        for variant in ("bf16", "fp8"):
+            print(f"[fp8] {case} {variant} layers={layers[case]}", file=sys.stderr, flush=True)
+            rows.append(_row(case, models[case], layers[case], variant, steps, matmul))
+    rows.append({"case": "b", "variant": "torchtitan float8", "status": TITAN_FLOAT8})
+    speedup = {}
+    for case in CASES:
+        bf16, fp8 = (next(r for r in rows if r["case"] == case and r["variant"] == v) for v in ("bf16", "fp8"))
+        ok = bf16["status"] == "ok" and fp8["status"] == "ok"
+        speedup[case] = (round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3) if cuda() and ok
+                         else NO_CUDA if not cuda() else "skipped: a row failed")
+    losses = _losses(kind, rows)
+    ran = [r for r in rows if r["variant"] != "torchtitan float8"]
+    claim(claims, "fp8: every case ran in bf16 and in FP8 with finite losses",
+          all(r["status"] == "ok" and r["finite"] for r in ran))
+    claim(claims, f"fp8 (b): FP8 tokens/s >= {SPEEDUP_TARGET} x bf16's on the Llama-3-8B-shaped case",
+          speedup["b"] if isinstance(speedup["b"], str) else speedup["b"] >= SPEEDUP_TARGET)
+    claim(claims, "fp8 (b): FP8 tokens/s >= 1.0 x torchtitan's Float8 at the same shape",
+          TITAN_FLOAT8 if cuda() else NO_CUDA)
+    holds = ("skipped: a loss run failed" if "last_relative_difference" not in losses
+             else losses["differ"] and losses["last_relative_difference"] <= LOSS_TOLERANCE)
+    claim(claims, f"fp8: after {losses['steps']} steps the FP8 loss differs from bf16's and is within "
+          f"{LOSS_TOLERANCE:.0%} of it", holds)
+    return {"status": "ok", "recipe": " ".join(FP8), "matmul": matmul, "steps": steps, "rows": rows,
+            "speedup": speedup, "losses": losses}
