@@ -26,7 +26,6 @@ MULTIPLE = 16  # torch._scaled_mm on CUDA: both dimensions of every operand divi
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 
 
-
 def enabled(args) -> bool:
     """FP8 through torchao: --fp8-format on the local spec."""
     return args.fp8 is not None and args.transformer_impl == "local"
@@ -47,6 +46,14 @@ def config_args(args):
     masked.fp8 = None
     masked.first_last_layers_bf16 = False
     return masked
+
+
+def summary(args) -> str:
+    """The startup summary's line (training/features.py)."""
+    if not enabled(args):
+        return "fp8: off" if args.fp8 is None else f"fp8: off (--fp8-format {args.fp8} runs in transformer-engine)"
+    wgrad = "" if args.fp8_wgrad else ", wgrad in high precision (--no-fp8-wgrad)"
+    return f"fp8: {args.fp8} tensorwise through torchao (--fp8-format {args.fp8}){wgrad}"
 
 
 def validate(args) -> None:
