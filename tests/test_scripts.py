@@ -29,7 +29,7 @@ RUN_BY = {
     "bench_offload": DOCS,
     "bench_overlap": "here",
     "bench_plan": "tests/planner/test_planner.py::test_predicted_peak_within_5_percent_pp2_with_offload",
-    "bench_startup": "not yet: no --smoke",
+    "bench_startup": "here",
     "convert": DOCS,
     "estimate_memory": "here",
     "flags_doc": "here",
@@ -121,3 +121,14 @@ def test_estimate_memory_and_flags_doc(capsys):
     assert status in (None, 0) and json.loads(out)
     status, out = _main("flags_doc", [], capsys)
     assert status in (None, 0) and out == open(os.path.join(ROOT, "docs", "flags.md")).read()
+
+
+def test_bench_startup_smoke(capsys):
+    """The two --help that answer without torch, each in a fresh process from the root: exit 0 in well
+    under the CPU second importing torch alone costs (2.8 s on the 2-core CPU)."""
+    bench = load_script("bench_startup")
+    result = bench.main(["--smoke", "--json"])
+    assert json.loads(capsys.readouterr().out) == result and result["repeats"] == 1
+    rows = result["after"]
+    assert list(rows) == bench.SMOKE
+    assert all(r["exit"] == 0 and r["runs"] == 1 and 0 < r["cpu s"] < 1.0 for r in rows.values()), rows
