@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 from tests import test_docs
 from tests.scripts import ROOT, load_script, warm_worlds
@@ -33,7 +35,7 @@ RUN_BY = {
     "convert": DOCS,
     "estimate_memory": "here",
     "flags_doc": "here",
-    "gloo_coalesced_crash": "not yet: no --smoke",
+    "gloo_coalesced_crash": "here",
     "gpu_check": "tests/test_gpu_check.py::test_smoke_exits_clean_and_writes_json_and_markdown",
     "pins": "tests/test_pins.py::test_a_package_at_another_version_or_missing_is_named",
     "plan": "tests/planner/test_planner.py::test_plan_json_components_and_candidates",
@@ -132,3 +134,16 @@ def test_bench_startup_smoke(capsys):
     rows = result["after"]
     assert list(rows) == bench.SMOKE
     assert all(r["exit"] == 0 and r["runs"] == 1 and 0 < r["cpu s"] < 1.0 for r in rows.values()), rows
+
+
+def test_gloo_coalesced_crash_smoke():
+    """docs/reliability.md's torch-only reproduction, from the root as a user runs it, in its smoke form
+    with the CPU shim (--one-by-one; the crash itself is too rare for 20 iterations): one 2-process
+    gloo world does Megatron-FSDP's gather / resize pattern 20 times and ends cleanly."""
+    done = subprocess.run([sys.executable, "scripts/gloo_coalesced_crash.py", "--smoke", "--one-by-one", "--json"],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["one_by_one"] and result["resize"] and result["worlds"] == 1 and result["died"] == 0
+    assert result["runs"][0]["finished"] and result["iterations"] == 20, result
