@@ -21,7 +21,7 @@ DOCS = "tests/test_docs.py::test_doc_commands_run"  # a documented command of th
 # script -> the test that runs it end to end: "here" (this file: its smoke form) or a test elsewhere,
 # named as path::test
 RUN_BY = {
-    "bench_ckpt": "not in the suite: its async saves start a process, which the warm (daemonic) workers cannot",
+    "bench_ckpt": "here",
     "bench_convert": "not in the suite: its model maker (transformers save_pretrained) leaves threads the warm "
                      "workers' leak check refuses",
     "bench_dispatcher": "here",
@@ -147,3 +147,20 @@ def test_gloo_coalesced_crash_smoke():
     result = json.loads(done.stdout)
     assert result["one_by_one"] and result["resize"] and result["worlds"] == 1 and result["died"] == 0
     assert result["runs"][0]["finished"] and result["iterations"] == 20, result
+
+
+def test_bench_ckpt_smoke(capsys):
+    """docs/checkpointing.md's checksum cost in its smoke form (tiny_dense, DP2 with the distributed
+    optimizer, 3 saves and 1 load per case, the async writer forked from the warm workers): saves
+    synchronous and asynchronous, with checksums and without; the checksums' own work within the 5 %
+    target of the save's, and none done without them."""
+    _, out = _main("bench_ckpt", ["--smoke", "--json"], capsys)
+    rows = {(r["mode"], r["checksums"]): r for r in json.loads(out)["rows"]}
+    assert sorted(rows) == [("async", False), ("async", True), ("sync", False), ("sync", True)]
+    assert all(r["recipe"] == "tiny_dense" and r["saves"] == 2 and r["bytes"] > 1e6 and r["load_ms"] > 0
+               for r in rows.values())
+    for mode in ("sync", "async"):
+        on, off = rows[mode, True], rows[mode, False]
+        assert 0 < on["sum_ms"] and 0 < on["sum_pct"] < 5, on
+        assert "sum_ms" not in off and off["sum_pct"] is None, off
+    assert rows["async", True]["writer_ms"] > 0  # the forked writer ran and reported
