@@ -22,8 +22,7 @@ DOCS = "tests/test_docs.py::test_doc_commands_run"  # a documented command of th
 # named as path::test
 RUN_BY = {
     "bench_ckpt": "here",
-    "bench_convert": "not in the suite: its model maker (transformers save_pretrained) leaves threads the warm "
-                     "workers' leak check refuses",
+    "bench_convert": "here",
     "bench_dispatcher": "here",
     "bench_fsdp": "here",
     "bench_gather": "here",
@@ -164,3 +163,17 @@ def test_bench_ckpt_smoke(capsys):
         assert 0 < on["sum_ms"] and 0 < on["sum_pct"] < 5, on
         assert "sum_ms" not in off and off["sum_pct"] is None, off
     assert rows["async", True]["writer_ms"] > 0  # the forked writer ran and reported
+
+
+def test_bench_convert_smoke(capsys):
+    """The Hugging Face import and export benchmark in its smoke form (2 layers, hidden 64, on 2
+    processes): the model made, imported under TP2 and exported with each rank a pipeline stage, the
+    export bit for bit the model's tensors. Its memory columns need fresh processes (a warm worker's
+    peak is its lifetime's), so only their order is checked here."""
+    _, out = _main("bench_convert", ["--smoke", "--json"], capsys)
+    result = json.loads(out)
+    rows = {r["step"]: r for r in result["rows"]}
+    assert sorted(rows) == ["export", "import"] and all(r["processes"] == 2 for r in rows.values())
+    assert rows["export"]["bitwise"] is True and rows["import"]["bitwise"] is None
+    assert 0 < result["largest_tensor_mib"] < result["weights_mib"] and result["layers"] == 2
+    assert all(r["peak_mib"] >= r["base_mib"] > 0 for r in rows.values())
