@@ -40,7 +40,6 @@ RUN_BY = {
     "plan": "tests/planner/test_planner.py::test_plan_json_components_and_candidates",
     "prepare_data": "tests/test_prepare_data.py",
     "soak": "not yet: no --smoke",
-    "stress_fsdp": "not yet: no --smoke",
 }
 
 
