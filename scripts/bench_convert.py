@@ -1,7 +1,7 @@
 """Per-rank peak host memory of a Hugging Face import and export on N processes, against the weights.
 
     .venv/bin/python scripts/bench_convert.py [--sizes 1 2 4] [--layers 12] [--hidden 1024] [--json]
-    .venv/bin/python scripts/bench_convert.py --smoke [--json]    # 2 layers, hidden 64, N = 2: seconds (the suite's run)
+    .venv/bin/python scripts/bench_convert.py --smoke [--json]    # 2 layers, hidden 64, N = 2: seconds
 
 A random Llama-style model (bf16, hidden 1024, FFN 4096, 16 heads in 4 groups, 12 layers, a
 640-id vocabulary so that the layers hold the weights; 366 MiB in 100 MB safetensors files) is

@@ -39,7 +39,8 @@ RUN_BY = {
     "pins": "tests/test_pins.py::test_a_package_at_another_version_or_missing_is_named",
     "plan": "tests/planner/test_planner.py::test_plan_json_components_and_candidates",
     "prepare_data": "tests/test_prepare_data.py",
-    "soak": "tests/training/test_restart.py::test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exactly",
+    "soak": "tests/training/test_restart.py::"
+            "test_rank_sigkilled_mid_step_during_an_async_save_restarts_and_resumes_exactly",
 }
 
 
