@@ -1,7 +1,7 @@
 """What checkpoint checksums cost: saves and loads of the tiny recipes with and without them.
 
     .venv/bin/python scripts/bench_ckpt.py [--saves 6] [--json]
-    .venv/bin/python scripts/bench_ckpt.py --smoke [--json]    # tiny_dense, 3 saves per case: seconds (the suite's run)
+    .venv/bin/python scripts/bench_ckpt.py --smoke [--json]    # tiny_dense, 3 saves and 1 load per case: seconds
 
 Runs the training loop (megatron_ext/training/run.py) on a fresh 2-process gloo world per case (megatron_ext.measure.launch), DP2
 with the distributed optimizer, saving every iteration, synchronously and with --async-save, with
@@ -17,7 +17,7 @@ checksums on (the default) and off. The first save of a run (planning, the first
   gather_ms   the commit's gather of the sums on rank 0 (mostly waiting for the slowest rank,
               which the commit's barrier waits for anyway)
   sum_%       sum_ms / save_ms (async: sum_ms / (writer_ms + commit_ms), the save's own work)
-Then three loads of the last checkpoint (medians): load_ms; verify_ms, the rank's own verification work (reading
+Then --loads loads (3) of the last checkpoint (medians): load_ms; verify_ms, the rank's own verification work (reading
 and summing every file it reads; without checksums the completeness check); agree_ms, the
 collectives in which the ranks decide together (mostly waiting for the slowest one).
 """
@@ -66,12 +66,12 @@ def measure(argv: list[str], save_dir: str, checksums: bool, loads: int = 3) -> 
     return {"saves": saves, "loaded": loaded}
 
 
-def run_case(recipe: str, saves: int, async_save: bool, checksums: bool) -> dict:
+def run_case(recipe: str, saves: int, async_save: bool, checksums: bool, loads: int = 3) -> dict:
     from megatron_ext.measure.launch import run_world
 
     argv = RECIPES[recipe] + ["--train-iters", str(saves)] + (["--async-save"] if async_save else [])
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_world(2, measure, timeout=600, argv=argv, save_dir=tmp, checksums=checksums)
+        per_rank = run_world(2, measure, timeout=600, argv=argv, save_dir=tmp, checksums=checksums, loads=loads)
         size = sum(os.path.getsize(os.path.join(tmp, f"iter_{saves:07d}", f))
                    for f in os.listdir(os.path.join(tmp, f"iter_{saves:07d}")))
     rows = list(zip(*[r["saves"] for r in per_rank]))[1:]  # per save, every rank; the first left out
@@ -121,7 +121,7 @@ def table(rows: list[dict]) -> str:
                 f"{pct:.1f}" if pct is not None else "-", f"{r['load_ms']:.1f}",
                 f"{r['verify_ms']:.1f}", f"{r['agree_ms']:.1f}"])
     lines = fixed_width(cols, table_rows)
-    lines.append(f"device: {DEVICE}; medians over the saves after the first, and over 3 loads")
+    lines.append(f"device: {DEVICE}; medians over the saves after the first, and over the loads")
     return "\n".join(lines)
 
 
@@ -130,12 +130,13 @@ def main(argv=None) -> None:
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--saves", type=int, default=8, help="iterations, one save each (the first is left out)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="seconds: tiny_dense, 3 saves per case")
+    p.add_argument("--loads", type=int, default=3, help="loads of the last checkpoint (their medians)")
+    p.add_argument("--smoke", action="store_true", help="seconds: tiny_dense, 3 saves and 1 load per case")
     a = p.parse_args(argv)
     if a.smoke:
-        a.recipes, a.saves = ["tiny_dense"], 3
+        a.recipes, a.saves, a.loads = ["tiny_dense"], 3, 1
     # a fresh world of processes per case (megatron_ext.measure.launch): they log to stderr
-    rows = [run_case(recipe, a.saves, mode, sums) for recipe in a.recipes for mode in (False, True)
+    rows = [run_case(recipe, a.saves, mode, sums, a.loads) for recipe in a.recipes for mode in (False, True)
             for sums in (True, False)]
     for r in rows:
         r["sum_pct"] = share(r)

@@ -3,6 +3,7 @@ side with megatron's theoretical estimate.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py [--json] [--cases NAME ...]
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py --published-fit [--json]   # step time vs published runs
+    PYTHONPATH=. .venv/bin/python scripts/bench_plan.py --smoke [--json]   # one case (dense PP2 offload): seconds
 
 Each case is a recipe with flags, run through train.py's own builders on a local world (gloo on CPU):
 one warm step, one measured step (scripts/bench/plan). Measured peak per rank = parameters +
@@ -67,6 +68,7 @@ CASES = {
     "moe EP2 zero-sync": (2, [*MOE, *EP2, *ZERO_SYNC]),
     "moe64 EP2 zero-sync": (2, [*MOE, *EP2, *MANY, *ZERO_SYNC, "--moe-dropless-budget-factor", "1.5"]),
 }
+SMOKE = "dense PP2 offload"  # both stages, offload's removed bytes: the planner's pipeline and offload models
 
 
 def run_case(name: str) -> list:
@@ -93,6 +95,7 @@ def run_case(name: str) -> list:
             predicted_model_state_bytes=round(sum(p["components"][k] for k in ("parameters", "gradients", "optimizer"))),
             offloaded_bytes=(worst["offload_stats"] or {}).get("offloaded_bytes", 0),
             peak_at=p["at"],
+            measured=m, predicted_components=p["components"],
         ))
     return rows
 
@@ -222,7 +225,10 @@ def main(argv=None) -> int:
     parser.add_argument("--published-fit", action="store_true",
                         help="fit the step time's constants over the calibration runs and predict every published "
                         "run's throughput (no trace); JSON key \"published_fit\"")
+    parser.add_argument("--smoke", action="store_true", help=f"seconds: the case {SMOKE!r} only (the suite's run)")
     opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.cases = [SMOKE]
     os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
     from megatron_ext import platform
 

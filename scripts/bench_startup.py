@@ -7,6 +7,7 @@ cache their text (megatron_ext/helptext.py): the cache starts empty, and the fir
 it, is shown as its own row.
 
     python scripts/bench_startup.py [--before REF] [--repeats N] [--json]
+    python scripts/bench_startup.py --smoke [--json]    # the two --help that import no torch, once: a second
 
 A table on stdout (the machine, its load, the numbers); with --json only JSON. Timings on a shared
 machine are noisy: CPU seconds move less than wall seconds there.
@@ -36,6 +37,7 @@ COMMANDS = {
     "scripts/prepare_data.py --help": ["scripts/prepare_data.py", "--help"],
     "train.py --dry-run (tiny_dense)": DRY_RUN,
 }
+SMOKE = ["scripts/plan.py --help", "scripts/convert.py --help"]  # answered without importing torch
 
 
 def machine() -> dict:
@@ -64,11 +66,12 @@ def run_once(tree: str, argv: list[str], cache: str) -> tuple[float, float, int]
     return wall, cpu, done.returncode
 
 
-def measure(tree: str, repeats: int) -> dict:
+def measure(tree: str, repeats: int, names: list[str]) -> dict:
     cache = tempfile.mkdtemp(prefix="bench_startup_cache_")
     try:
         out = {}
-        for name, argv in COMMANDS.items():
+        for name in names:
+            argv = COMMANDS[name]
             runs = [run_once(tree, argv, cache) for _ in range(1 if "first run" in name else repeats)]
             out[name] = {"wall s": statistics.median(r[0] for r in runs), "cpu s": statistics.median(r[1] for r in runs),
                          "exit": max(r[2] for r in runs), "runs": len(runs)}
@@ -93,7 +96,7 @@ def table(result: dict) -> str:
     head = ["command"] + [f"{s} {k}" for s in sides for k in ("wall s", "cpu s")]
     rows = [[name] + [f"{result[s][name]['wall s']:.2f}{'' if result[s][name]['exit'] == 0 else ' (exit ' + str(result[s][name]['exit']) + ')'}"
                       if k == "wall s" else f"{result[s][name]['cpu s']:.2f}" for s in sides for k in ("wall s", "cpu s")]
-            for name in COMMANDS]
+            for name in result["after"]]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(head, widths)), "-|-".join("-" * w for w in widths)]
     lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -109,17 +112,21 @@ def main(argv=None) -> dict:
     p.add_argument("--before", metavar="REF", help="an earlier commit to compare with (e.g. the branch's base)")
     p.add_argument("--repeats", type=int, default=3, help="runs per command (the median is shown)")
     p.add_argument("--json", action="store_true", help="print only JSON")
+    p.add_argument("--smoke", action="store_true", help=f"{' and '.join(SMOKE)} once each (the suite's run)")
     opts = p.parse_args(argv)
+    names = SMOKE if opts.smoke else list(COMMANDS)
+    if opts.smoke:
+        opts.repeats = 1
     result = {"machine": machine(), "repeats": opts.repeats}
     if opts.before:
         tree = extract(opts.before)
         try:
             result["before ref"] = subprocess.run(["git", "rev-parse", "--short", opts.before], cwd=ROOT,
                                                   capture_output=True, text=True, check=True).stdout.strip()
-            result["before"] = measure(tree, opts.repeats)
+            result["before"] = measure(tree, opts.repeats, names)
         finally:
             shutil.rmtree(tree, ignore_errors=True)
-    result["after"] = measure(ROOT, opts.repeats)
+    result["after"] = measure(ROOT, opts.repeats, names)
     result["load average after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1) if opts.json else table(result))
     return result

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/gloo_coalesced_crash.py [--worlds 2] [--iterations 30000] [--budget-s 900]
                                                       [--one-by-one] [--no-resize] [--json [PATH]]
+    .venv/bin/python scripts/gloo_coalesced_crash.py --smoke --one-by-one --json   # one world, 20 iterations
 
 Each world is two gloo processes that, every iteration, do what Megatron-FSDP's all-gather pipeline
 does with its parameter buckets (megatron_fsdp/param_and_grad_buffer.py): a coalesced asynchronous
@@ -121,7 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--one-by-one", action="store_true", help="the CPU shim: all-gathers issued one by one")
     parser.add_argument("--no-resize", action="store_true", help="keep the buckets' storage (no free / re-allocate)")
     parser.add_argument("--json", nargs="?", const="-", default=None)
+    parser.add_argument("--smoke", action="store_true", help="seconds: one world of 20 iterations (the suite's run, "
+                        "with --one-by-one: the crash is too rare to show in 20)")
     opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.worlds, opts.runs, opts.iterations, opts.budget_s = 1, 1, 20, 120.0
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")

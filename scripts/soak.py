@@ -2,6 +2,7 @@
 
     make soak                                   # N=2
     scripts/soak.py --repeats N [--parallel P] [--burn B] [--cases a,b] [--json]
+    scripts/soak.py --smoke [--json]            # one case, its reference and one job killed mid-step
 
 Each case is a torchrun job of train.py (through tests/training/restart_probe.py, which records
 every logged iteration as it happens and injects the faults) with --save/--load in one directory
@@ -64,7 +65,9 @@ CASES = {  # name -> (world size, train.py arguments)
                                      "--activation-offload-min-tensor-kb", "0"]),
     "overlap-1f1b-moe-tp2": (2, MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                        "--overlap-tp-comm-1f1b"]),
+    "async-save-distopt": (2, DENSE + ["--use-distributed-optimizer", "--async-save"]),
 }
+SMOKE = "async-save-distopt"  # --smoke: its reference and one job with the first fault (step), at once
 FAULTS = {"step": 5, "save": 4, "term": 3}  # fault -> iteration
 
 
@@ -131,17 +134,22 @@ def run_job(case: str, fault: str | None, work: str, faithful: bool) -> dict:
     t0 = time.perf_counter()
     done = _launch(world, argv, records, kills, env)
     outputs = [done.stdout + done.stderr]
+    said = [line for line in done.stdout.splitlines() if line.startswith(("[checkpoint]", "[restart]"))]
     seen = _records(records, last)
     if done.returncode == 0 and fault == "term" and seen and max(r[0] for r in seen[max(seen)]) < ITERS:
         done = _launch(world, argv, records, kills, dict(env, SLURM_RESTART_COUNT="1"))  # requeued
         outputs.append(done.stdout + done.stderr)
+        said += [line for line in done.stdout.splitlines() if line.startswith(("[checkpoint]", "[restart]"))]
         seen = _records(records, last)
     text = "\n".join(outputs)
     logged = [r for attempt in sorted(seen) for r in seen[attempt]]
     finished = done.returncode == 0 and bool(logged) and logged[-1][0] == ITERS
+    checkpoints = sorted(os.listdir(save)) if os.path.isdir(save) else []
     shutil.rmtree(directory, ignore_errors=True)
     return {"case": case, "fault": fault, "finished": finished, "rc": done.returncode,
             "attempts": len(seen), "logged": logged, "seconds": round(time.perf_counter() - t0, 1),
+            "iterations": [[row[0] for row in seen[a]] for a in sorted(seen)],  # logged by the last rank, per attempt
+            "sigkills": text.count("(exitcode: -9)"), "said": said, "checkpoints": checkpoints,
             "crashes": _crashes(text, injected=1 if fault in ("step", "save") else 0),
             "tail": None if finished else text[-3000:]}
 
@@ -157,10 +165,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="faulted jobs per case (N)")
     parser.add_argument("--parallel", type=int, default=2, help="jobs run at once (CPU load)")
     parser.add_argument("--burn", type=int, default=1, help="extra processes that only spin (CPU load)")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    parser.add_argument("--cases", default=",".join(c for c in CASES if c != SMOKE),
+                        help="comma-separated, of: " + ", ".join(CASES) + f" (all but {SMOKE} by default)")
     parser.add_argument("--no-faithful", action="store_true", help="without the CUDA-faithful CPU mode")
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    parser.add_argument("--smoke", action="store_true", help=f"seconds: {SMOKE}'s reference and one job killed "
+                        "mid-step, at once, no spinning process (the suite's run)")
     opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.cases, opts.repeats, opts.parallel, opts.burn = SMOKE, 1, 2, 0
     cases = opts.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:

@@ -13,17 +13,35 @@ def load_script(name: str):
     return module
 
 
+def script_rank(function: str, kwargs: dict):
+    """Job (every rank): a script's rank function ``module:name``, allowed to start processes as a
+    rank of a fresh world may (--async-save forks a writer per save): the pool's workers are daemonic,
+    and multiprocessing refuses children to a daemonic process, so the flag is lifted for the job."""
+    import importlib
+    import multiprocessing
+
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        module, name = function.split(":")
+        return getattr(importlib.import_module(module), name)(**kwargs)
+    finally:
+        config["daemon"] = daemon
+
+
 @contextlib.contextmanager
 def warm_worlds():
     """Inside the block a script's fresh world of processes (megatron_ext.measure.launch.run_world) is
     the suite's warm gloo workers (tests/dist.py): the same function on every rank, results in rank
-    order, without each rank's imports paid again. Load the script inside the block (a script that
-    imports run_world at its top binds it then)."""
+    order, without each rank's imports paid again (script_rank: it may start processes). Load the
+    script inside the block (a script that imports run_world at its top binds it then)."""
     from megatron_ext.measure import launch
     from tests.dist import run_distributed
 
     def run_world(world_size, fn, timeout=900, **kwargs):
-        return run_distributed(world_size, f"{fn.__module__}:{fn.__qualname__}", **kwargs)
+        return run_distributed(world_size, "tests.scripts:script_rank", function=f"{fn.__module__}:{fn.__qualname__}",
+                               kwargs=kwargs)
 
     original, launch.run_world = launch.run_world, run_world
     try:
