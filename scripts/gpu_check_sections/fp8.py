@@ -18,6 +18,7 @@ from gpu_check_sections.throughput import MODELS, STEPS, layers_that_fit, matmul
 
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 CASES = ("b", "c")
+SMOKE_CASES = ("b",)  # --cpu-smoke: one case proves the rows' code (the MoE case's FP8 experts: tests/fp8)
 SPEEDUP_TARGET = 1.2  # FP8 tokens/s over bf16's on (b)
 LOSS_STEPS = {"gpu": 50, "smoke": None}  # smoke: the (b) rows' losses (the same data), no runs of their own
 LOSS_LAYERS = 2
@@ -66,9 +67,10 @@ def _losses(kind: str, rows: list) -> dict:
 def section_fp8(size, claims) -> dict:
     kind = size["throughput"]
     steps, models = STEPS[kind], MODELS[kind]
+    cases = SMOKE_CASES if kind == "smoke" else CASES
     matmul = matmul_rate(kind)
     layers = {}
-    for case in CASES:
+    for case in cases:
         m = models[case]
         if m["layers"] is None:
             if cuda():
@@ -77,13 +79,13 @@ def section_fp8(size, claims) -> dict:
         else:
             layers[case] = m["layers"]
     rows = []
-    for case in CASES:
+    for case in cases:
         for variant in ("bf16", "fp8"):
             print(f"[fp8] {case} {variant} layers={layers[case]}", file=sys.stderr, flush=True)
             rows.append(_row(case, models[case], layers[case], variant, steps, matmul))
     rows.append({"case": "b", "variant": "torchtitan float8", "status": TITAN_FLOAT8})
     speedup = {}
-    for case in CASES:
+    for case in cases:
         bf16, fp8 = (next(r for r in rows if r["case"] == case and r["variant"] == v) for v in ("bf16", "fp8"))
         ok = bf16["status"] == "ok" and fp8["status"] == "ok"
         speedup[case] = (round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3) if cuda() and ok

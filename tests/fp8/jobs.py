@@ -1,6 +1,8 @@
 """Job functions for the FP8 tests (run on every rank of a gloo world, see tests/dist.py)."""
 from __future__ import annotations
 
+import arguments
+
 import copy
 
 import torch
@@ -188,7 +190,7 @@ def train(argvs: dict) -> dict:
 
     out = {}
     for name, argv in argvs.items():
-        with Run.from_argv(list(argv)) as run:
+        with Run.from_argv(list(argv), parse=arguments.parse) as run:
             history = run.train()
             n_fp8 = sum(1 for chunk in run.model for m in chunk.modules() if getattr(m, "float8", None) is not None)
             names = sorted(name for name, _ in fp8.float8_linears(run.args, run.model))
@@ -206,7 +208,7 @@ def build(argv) -> None:
     from megatron_ext.training.run import Run
 
     try:
-        with Run.from_argv(list(argv)) as run:
+        with Run.from_argv(list(argv), parse=arguments.parse) as run:
             run.build()
     except ConfigError as e:
         return str(e)

@@ -89,14 +89,13 @@ def test_train_py_runs_bitwise_with_the_seams(extra):
 
 
 def test_a_megatron_fsdp_run_installs_the_seams_and_teardown_removes_them():
-    import argparse
-
     from megatron_ext.seams import fsdp_fetch, registry
+    from tests.parsed import parsed_args
 
     assert not any(r.active for r in fsdp_fetch.SEAMS)
-    registry.install(argparse.Namespace(overlap_tp_comm_1f1b=False))
+    registry.install(parsed_args())
     assert not any(r.active for r in fsdp_fetch.SEAMS)  # not without --use-megatron-fsdp
-    registry.install(argparse.Namespace(overlap_tp_comm_1f1b=False, use_megatron_fsdp=True))
+    registry.install(parsed_args(use_megatron_fsdp=True))
     assert all(r.active for r in fsdp_fetch.SEAMS)
     registry.uninstall()
     assert not any(r.active for r in fsdp_fetch.SEAMS)

@@ -1,6 +1,8 @@
 """Job functions for tests/training/test_context_parallel.py (every rank of a persistent gloo world)."""
 from __future__ import annotations
 
+import arguments
+
 
 def train_grads(argv: list[str]) -> dict:
     """The training loop on this rank: its logged losses and grad norms, and every parameter's last
@@ -16,7 +18,7 @@ def train_grads(argv: list[str]) -> dict:
         def after_build(self, run):
             built.extend(unwrapped(c) for c in run.model)
 
-    with Run.from_argv(list(argv), probes=[Keep()]) as run:
+    with Run.from_argv(list(argv), probes=[Keep()], parse=arguments.parse) as run:
         history = run.train()
     grads = {}
     if torch.distributed.get_rank() == 0:

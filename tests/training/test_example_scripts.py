@@ -171,7 +171,12 @@ def substitute(argv: list[str], assets, tmp_path) -> list[str]:
         "$DATA_CACHE_PATH": str(tmp_path / "cache"), "$CHECKPOINT_PATH": str(tmp_path / "ckpt"),
         "$TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"), "$CHECKPOINT_PATH/tensorboard": str(tmp_path / "ckpt" / "tb"),
     }
-    return [paths.get(a) or a for a in argv]
+    out = [paths.get(a) or a for a in argv]
+    if "$TOKENIZER_ARG" in argv and "--vocab-size" in out:  # the script's size is its tokenizer's: so is ours
+        from transformers import AutoTokenizer
+
+        out[out.index("--vocab-size") + 1] = str(len(AutoTokenizer.from_pretrained(assets["hf"])))
+    return out
 
 
 def _data(name, assets):
