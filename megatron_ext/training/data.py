@@ -128,15 +128,28 @@ def _check_splits(config: GPTDatasetConfig, sizes: list[int]) -> None:
                 )
 
 
-def build_datasets(args, sizes: list | None = None):
-    """(train, valid, test) of `sizes` samples (default: the run's, num_samples)."""
+def build_datasets(args, sizes: list | None = None, read: tuple = (True, True, True)):
+    """(train, valid, test) of `sizes` samples (default: the run's, num_samples); a split no iterator
+    reads (`read` False) is None."""
     config, sizes = dataset_config(args), list(sizes or num_samples(args))
     own = features.datasets(args)
     if own is not None:
         return own.build(config, sizes)
+    _leave_out_unread(config, read)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
     return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+
+
+def _leave_out_unread(config: GPTDatasetConfig, read: tuple) -> None:
+    """Megatron builds every split the --split ratios name, read or not: each a whole epoch of sample
+    and shuffle indices (the mock data's: a million samples, ~0.25 s a split and rank). A split no
+    iterator reads is marked as megatron marks a split of ratio 0 (None); the others' document
+    ranges, and so their samples, are unchanged."""
+    if config.blend_per_split is not None:
+        config.blend_per_split = [b if r else None for b, r in zip(config.blend_per_split, read)]
+    elif config.split_matrix is not None:
+        config.split_matrix = [m if r else None for m, r in zip(config.split_matrix, read)]
 
 
 def consumed_valid_samples(args, iteration: int) -> int:
@@ -171,9 +184,8 @@ def _iterators(args, dataset, consumed: int, num_chunks: int) -> list | None:
 def build_iterators(args, num_chunks: int, iteration: int = 0) -> Iterators:
     """Positioned after `iteration` iterations, so a resumed run reads exactly the data (training
     and validation) an uninterrupted one would."""
-    train, valid, test = build_datasets(args)
-    if not evaluating(args):
-        valid = test = None
+    held_out = evaluating(args)
+    train, valid, test = build_datasets(args, read=(True, held_out, held_out))
     return Iterators(
         train=_iterators(args, train, iteration * args.global_batch_size, num_chunks),
         valid=_iterators(args, valid, consumed_valid_samples(args, iteration), num_chunks),
@@ -183,5 +195,6 @@ def build_iterators(args, num_chunks: int, iteration: int = 0) -> Iterators:
 
 def build_train_iterators(args, num_chunks: int, consumed_samples: int = 0) -> list:
     """The training iterators alone (benchmarks and schedule tests)."""
-    train = build_datasets(args, [args.train_samples or args.train_iters * args.global_batch_size, 0, 0])[0]
+    train = build_datasets(args, [args.train_samples or args.train_iters * args.global_batch_size, 0, 0],
+                           read=(True, False, False))[0]
     return _iterators(args, train, consumed_samples, num_chunks)
