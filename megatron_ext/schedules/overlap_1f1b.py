@@ -45,7 +45,7 @@ from typing import Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_ext.schedules import lanes
+from megatron_ext.schedules import group_kinds, lane_state, lanes
 
 
 STATS = {"calls": 0, "pairs": 0, "forward_pairs": 0, "pair_warmup": False}  # tests, logs
@@ -264,11 +264,11 @@ def forward_backward_overlap(
         )
 
     STATS["calls"] += 1  # its seams were installed with the run (megatron_ext/seams/schedules.py)
-    lanes.set_groups()
+    group_kinds.set_groups()
     from megatron_ext.seams.moe import per_pass_state
 
-    lanes.set_stateful(per_pass_state(model if isinstance(model, list) else [model]))
-    lanes.GROUPS.hidden = get_model_config(model[0] if isinstance(model, list) else model).hidden_size
+    lane_state.set_stateful(per_pass_state(model if isinstance(model, list) else [model]))
+    group_kinds.GROUPS.hidden = get_model_config(model[0] if isinstance(model, list) else model).hidden_size
 
     models = model if isinstance(model, list) else [model]
     iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -516,5 +516,5 @@ def forward_backward_overlap(
             force_all_reduce=force_all_reduce,
         )
     lanes.reset_buffers()
-    lanes.set_stateful(())
+    lane_state.set_stateful(())
     return forward_data_store

@@ -26,7 +26,7 @@ def _all_backward_collectives_handed_off(r, where="", ep_first=False):
     """Under the CUDA-faithful mode (backward on the autograd device thread) every TP collective a
     paired backward issues is handed to the forward, unless that forward had already finished or
     (`ep_first`: TP with expert parallelism) it has a token all-to-all in flight, which keeps the
-    baton (lanes.waits_in_place)."""
+    baton (group_kinds.waits_in_place)."""
     b = r["ours"]["b_lane"]
     assert r["cuda_faithful"], where
     assert b["collectives"] > 0 and b["handed_off"] > 0, (where, b)
@@ -439,7 +439,7 @@ def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeyp
     import torch
 
     from bench.overlap import Recorder
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import exposed_comm
 
     class Event:
         clock = 0.0
@@ -463,14 +463,14 @@ def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeyp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(lanes, "EXPOSED_S", {})
-    monkeypatch.setattr(lanes, "_PENDING_EVENTS", [])
+    monkeypatch.setattr(exposed_comm, "EXPOSED_S", {})
+    monkeypatch.setattr(exposed_comm, "_PENDING_EVENTS", [])
     rec = Recorder()
     token = rec.collective_issued("all_reduce", "tp", 8, "F0", "F", False)
-    t0, t1, events = lanes._timed_wait(Work(), "tp")
+    t0, t1, events = exposed_comm.timed_wait(Work(), "tp")
     rec.collective_waited(token, t0, t1, events, True, False)
     assert rec.exposed("tp") == pytest.approx(0.25)
-    assert lanes.exposed_seconds() == {"tp": pytest.approx(0.25)}
+    assert exposed_comm.exposed_seconds() == {"tp": pytest.approx(0.25)}
 
 
 def test_cost_model_arithmetic():
