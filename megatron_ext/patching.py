@@ -1,5 +1,5 @@
 """Reversible patches of code we do not own: the record type of the CPU-only shims
-(megatron_ext/platform/cpu_shims.py) and of the seams (megatron_ext/seams/).
+(megatron_ext/platform/cpu_shims/) and of the seams (megatron_ext/seams/).
 
 A record names the upstream sites it covers and knows how to install and remove itself, so a test
 can take one away and prove it is needed, or install and remove it and prove the original is back.

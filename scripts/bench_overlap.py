@@ -136,7 +136,7 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     from megatron_ext.seams import registry
     from bench.overlap import FlopCounter, NodeLog, Recorder
     from megatron_ext.platform import faithful
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import group_kinds
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.seams.schedules import plan_nodes_recorded
     from megatron_ext.training.run import Run
@@ -149,7 +149,7 @@ def moe_job(tp, pp, vpp, ep, steps, timed_steps, shape):
     model, args, config = run.build(), run.args, run.config
     registry.install_schedules_seams()
     config.finalize_model_grads_func = finalize_model_grads
-    lanes.set_groups()
+    group_kinds.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     # megatron's own refusals of its EP overlap for this layout (transformer_config.py:2669-2713)
     why_not = None
@@ -292,7 +292,7 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     from megatron_ext.seams import registry, schedules as schedules_seams
     from bench.overlap import FlopCounter, Recorder
     from megatron_ext.platform import faithful, nccl_p2p
-    from megatron_ext.schedules import lanes, overlap_1f1b, p2p, trace
+    from megatron_ext.schedules import group_kinds, overlap_1f1b, p2p, trace
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
     from megatron_ext.training.run import Run
 
@@ -302,7 +302,7 @@ def job(tp, pp, vpp, steps, timed_steps, shape):
     run = Run.from_argv(_argv(tp, pp, vpp, shape), parse=arguments.parse, exit_on_dry_run=False)
     model, args, config = run.build(), run.args, run.config
     config.finalize_model_grads_func = finalize_model_grads
-    lanes.set_groups()
+    group_kinds.set_groups()
     num_mb = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
     def one(schedule_name, count_flops=False, p2p_trace=None, record=True):

@@ -14,7 +14,7 @@ a bucket while its gather is in flight.
 
 On torch 2.13's gloo this dies now and then (glibc: "malloc(): unaligned tcache chunk detected",
 SIGABRT; or SIGSEGV): a write into freed memory. ``--one-by-one`` issues the same all-gathers one by
-one (``megatron_ext.platform.cpu_shims.all_gathers_one_by_one``, the CPU shim this project applies);
+one (``megatron_ext.platform.cpu_shims.gloo.all_gathers_one_by_one``, the CPU shim this project applies);
 ``--no-resize`` keeps the buckets' storage. Worlds run ``--worlds`` at a time until ``--iterations``
 each or ``--budget-s``; the table counts worlds, iterations done and worlds that died by a signal.
 """
@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, iterations: int, one_by_one: bool, resize: bool,
     group = dist.new_group([0, 1])
     manager = c10d._coalescing_manager
     if one_by_one:
-        from megatron_ext.platform.cpu_shims import all_gathers_one_by_one
+        from megatron_ext.platform.cpu_shims.gloo import all_gathers_one_by_one
 
         manager = all_gathers_one_by_one(manager)
     shards = [torch.randn(n // 2) for n in SIZES]

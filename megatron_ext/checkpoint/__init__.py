@@ -2,6 +2,8 @@
 
     checkpointer.py  the Checkpointer (save every --save-interval, resume from the newest intact one,
                      atomic commits, retention), the pre-shard --finetune load
+    resuming.py      its load: the newest intact checkpoint, verified, with fallback
+    saving.py        its save: written, checksummed, committed, retention applied
     model_state.py   what a checkpoint holds of the model and optimizer (sharded state dicts)
     options.py       the flags and their checks          reading.py   --load read ahead of a run
     dirs.py          the directories under --save/--load: iter_N, the tracker, debris, retention
@@ -19,7 +21,7 @@ import importlib
 # megatron-core (the entry points set the platform up first; checkpointer.py imports megatron-core)
 _PUBLIC = {
     "Checkpointer": ("checkpointer", "Checkpointer"),
-    "DamagedCheckpoint": ("checkpointer", "DamagedCheckpoint"),
+    "DamagedCheckpoint": ("resuming", "DamagedCheckpoint"),
     "WeightsOnly": ("checkpointer", "WeightsOnly"),
     "add_arguments": ("options", "add_arguments"),
     "before_validate": ("options", "before_validate"),

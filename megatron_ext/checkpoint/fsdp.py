@@ -1,5 +1,5 @@
 """Megatron-FSDP checkpoints in megatron's fsdp_dtensor format, inside the Checkpointer's directory
-layout, atomic commit, retention and integrity (checkpointer.py, dirs.py,
+layout, atomic commit, retention and integrity (saving.py, dirs.py,
 integrity.py); the common and RNG state as state.py builds it for both formats.
 
 As Megatron-LM saves them (megatron/training/checkpointing.py:841-891, 1761-1812): the model's

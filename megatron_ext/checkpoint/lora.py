@@ -8,7 +8,7 @@ records ``lora``: the adapters' configuration and ``base``, the checkpoint they 
 directory, iteration and the CRC-32 of its checksum manifest), or, for a base that no checkpoint
 held, the seed that drew it.
 
-Loaded by the Checkpointer (checkpointer.py ``_load``), as ``plan`` decides:
+Loaded by the Checkpointer (resuming.py ``_load``), as ``plan`` decides:
 
 * a full checkpoint with LoRA on is the frozen base: its model weights only (with --finetune, or as
   --pretrained-checkpoint); the adapters start fresh (A drawn from its key, B zeros);

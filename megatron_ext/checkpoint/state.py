@@ -1,4 +1,4 @@
-"""What a checkpoint holds beside the tensors, shared by both formats (checkpointer.py: torch_dist,
+"""What a checkpoint holds beside the tensors, shared by both formats (resuming.py, saving.py: torch_dist,
 fsdp.py: Megatron-FSDP's fsdp_dtensor): the parallel layout it was saved in, the
 sharding metadata megatron-core's sharded state dicts take, the RNG states, the common state
 (iteration, consumed samples, LR schedule)."""

@@ -1,126 +1,13 @@
-"""The families, as data: for each Hugging Face ``model_type``, the megatron flags its config implies
-(``flags(cfg)``) and ONE weight table.
-
-A table row is ``(megatron name, [HF names], transform)``: ``{L}`` is the layer index (HF
-``model.layers.L`` = megatron ``decoder.layers.L``), ``{E}`` the expert index. Names are those of
-megatron-core's *local* spec (``--transformer-impl local``), as the unwrapped GPTModel's state dict
-holds them and as the torch_dist checkpoint keys them. Transforms (import direction; export inverts):
-
-  copy   the tensor as it is
-  qkv    q [heads*d, h], k [groups*d, h], v [groups*d, h] -> linear_qkv, interleaved by GQA group:
-         for each group its heads/groups query heads, then its key head, then its value head
-  glu    gate [f, h], up [f, h] -> linear_fc1 = cat(gate, up) (megatron's --swiglu: first half is gated)
-
-A row whose megatron name has {E} and whose HF names do not is *stacked*: one HF tensor holds every
-expert on its first dimension (gpt-oss, Llama-4), and the row fills all the experts' megatron tensors at once:
-
-  stacked_glu_t   [E, h, 2f], gate and up interleaved on the last dimension (gate at even columns,
-                  transposed against nn.Linear) -> each expert's linear_fc1 [2f, h] = cat(gate, up)
-  stacked_glu     [E, 2f], interleaved the same way -> each expert's linear_fc1 bias [2f]
-  stacked_t       [E, in, out] (transposed against nn.Linear) -> each expert's [out, in]: gpt-oss's
-                  down projection; Llama-4's gate_up [E, h, 2f] (gate then up) and down [E, f, h]
-  stacked         [E, ...] -> each expert's tensor [...]
-
-Only rows whose megatron name the built model has are used (tied embeddings have no output_layer,
-a dense layer of a MoE model has no router); every model parameter must come from a row, every HF
-tensor must go into one.
+"""The families: for each Hugging Face ``model_type`` supported (SUPPORTED, ALIASES; INSTEAD for the
+types that wrap one), the megatron flags its config implies (``flags(model_type, cfg)``), each field
+read through config_json.Config so that what no family reads is refused by name. Each family's weight
+table: weight_tables.py.
 """
 from __future__ import annotations
 
 from megatron_ext.errors import ConfigError
-
-L = "model.layers.{L}."
-M = "decoder.layers.{L}."
-
-_EMBEDDING = [
-    ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "copy"),
-    ("decoder.final_layernorm.weight", ["model.norm.weight"], "copy"),
-    ("output_layer.weight", ["lm_head.weight"], "copy"),  # untied only: tied models have neither
-]
-_ATTENTION = [
-    (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
-    (M + "self_attention.linear_qkv.weight",
-     [L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"], "qkv"),
-    (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
-    (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
-]
-_QK_NORM = [  # per-head RMSNorm of queries and keys, before rope (Qwen3)
-    (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_norm.weight"], "copy"),
-    (M + "self_attention.k_layernorm.weight", [L + "self_attn.k_norm.weight"], "copy"),
-]
-_DENSE_MLP = [
-    (M + "mlp.linear_fc1.weight", [L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"], "glu"),
-    (M + "mlp.linear_fc2.weight", [L + "mlp.down_proj.weight"], "copy"),
-]
-_E = M + "mlp.experts.local_experts.{E}."
-
-_DEEPSEEK = _EMBEDDING + [  # MLA (query LoRA: the q down/up rows; else q_proj); dense first layers, routed + shared experts
-    (M + "input_layernorm.weight", [L + "input_layernorm.weight"], "copy"),
-    (M + "self_attention.linear_q_proj.weight", [L + "self_attn.q_proj.weight"], "copy"),
-    (M + "self_attention.linear_q_down_proj.weight", [L + "self_attn.q_a_proj.weight"], "copy"),
-    (M + "self_attention.q_layernorm.weight", [L + "self_attn.q_a_layernorm.weight"], "copy"),
-    (M + "self_attention.linear_q_up_proj.weight", [L + "self_attn.q_b_proj.weight"], "copy"),
-    (M + "self_attention.linear_kv_down_proj.weight", [L + "self_attn.kv_a_proj_with_mqa.weight"], "copy"),
-    (M + "self_attention.kv_layernorm.weight", [L + "self_attn.kv_a_layernorm.weight"], "copy"),
-    (M + "self_attention.linear_kv_up_proj.weight", [L + "self_attn.kv_b_proj.weight"], "copy"),
-    (M + "self_attention.linear_proj.weight", [L + "self_attn.o_proj.weight"], "copy"),
-    (M + "pre_mlp_layernorm.weight", [L + "post_attention_layernorm.weight"], "copy"),
-    *_DENSE_MLP,  # the first_k_dense_replace layers
-    (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
-    (M + "mlp.router.expert_bias", [L + "mlp.gate.e_score_correction_bias"], "copy"),
-    (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
-    (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
-    (M + "mlp.shared_experts.linear_fc1.weight",
-     [L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"], "glu"),
-    (M + "mlp.shared_experts.linear_fc2.weight", [L + "mlp.shared_experts.down_proj.weight"], "copy"),
-]
-
-TABLES = {
-    "llama": _EMBEDDING + _ATTENTION + _DENSE_MLP,
-    "qwen3": _EMBEDDING + _ATTENTION + _QK_NORM + _DENSE_MLP,
-    "qwen3_moe": _EMBEDDING + _ATTENTION + _QK_NORM + _DENSE_MLP + [  # dense rows: mlp_only_layers
-        (M + "mlp.router.weight", [L + "mlp.gate.weight"], "copy"),
-        (_E + "linear_fc1.weight", [L + "mlp.experts.{E}.gate_proj.weight", L + "mlp.experts.{E}.up_proj.weight"], "glu"),
-        (_E + "linear_fc2.weight", [L + "mlp.experts.{E}.down_proj.weight"], "copy"),
-    ],
-    "deepseek_v3": _DEEPSEEK,
-    "deepseek_v2": [row for row in _DEEPSEEK if not row[0].endswith("expert_bias")],  # softmax scores
-    "gpt_oss": _EMBEDDING + _ATTENTION + [  # biases on every linear, attention sinks, stacked experts
-        (M + "self_attention.linear_qkv.bias",
-         [L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"], "qkv"),
-        (M + "self_attention.linear_proj.bias", [L + "self_attn.o_proj.bias"], "copy"),
-        (M + "self_attention.core_attention.softmax_offset", [L + "self_attn.sinks"], "copy"),
-        (M + "mlp.router.weight", [L + "mlp.router.weight"], "copy"),
-        (M + "mlp.router.bias", [L + "mlp.router.bias"], "copy"),
-        (_E + "linear_fc1.weight", [L + "mlp.experts.gate_up_proj"], "stacked_glu_t"),
-        (_E + "linear_fc1.bias", [L + "mlp.experts.gate_up_proj_bias"], "stacked_glu"),
-        (_E + "linear_fc2.weight", [L + "mlp.experts.down_proj"], "stacked_t"),
-        (_E + "linear_fc2.bias", [L + "mlp.experts.down_proj_bias"], "stacked"),
-    ],
-    "nemotron": _EMBEDDING + _ATTENTION + [  # LayerNorm with biases (weights stored zero-centred), squared ReLU
-        ("decoder.final_layernorm.bias", ["model.norm.bias"], "copy"),
-        (M + "input_layernorm.bias", [L + "input_layernorm.bias"], "copy"),
-        (M + "pre_mlp_layernorm.bias", [L + "post_attention_layernorm.bias"], "copy"),
-        (M + "mlp.linear_fc1.weight", [L + "mlp.up_proj.weight"], "copy"),
-        (M + "mlp.linear_fc2.weight", [L + "mlp.down_proj.weight"], "copy"),
-    ],
-    "llama4_text": _EMBEDDING + _ATTENTION + [  # dense and MoE layers; experts stacked, one shared expert
-        (M + "mlp.linear_fc1.weight", [L + "feed_forward.gate_proj.weight", L + "feed_forward.up_proj.weight"], "glu"),
-        (M + "mlp.linear_fc2.weight", [L + "feed_forward.down_proj.weight"], "copy"),
-        (M + "mlp.router.weight", [L + "feed_forward.router.weight"], "copy"),
-        (_E + "linear_fc1.weight", [L + "feed_forward.experts.gate_up_proj"], "stacked_t"),
-        (_E + "linear_fc2.weight", [L + "feed_forward.experts.down_proj"], "stacked_t"),
-        (M + "mlp.shared_experts.linear_fc1.weight",
-         [L + "feed_forward.shared_expert.gate_proj.weight", L + "feed_forward.shared_expert.up_proj.weight"], "glu"),
-        (M + "mlp.shared_experts.linear_fc2.weight", [L + "feed_forward.shared_expert.down_proj.weight"], "copy"),
-    ],
-    "mixtral": _EMBEDDING + _ATTENTION + [
-        (M + "mlp.router.weight", [L + "block_sparse_moe.gate.weight"], "copy"),
-        (_E + "linear_fc1.weight",
-         [L + "block_sparse_moe.experts.{E}.w1.weight", L + "block_sparse_moe.experts.{E}.w3.weight"], "glu"),
-        (_E + "linear_fc2.weight", [L + "block_sparse_moe.experts.{E}.w2.weight"], "copy"),
-    ],
-}
+from megatron_ext.hf.config_json import Config, refuse, refuse_unread_rope, rope_get, rope_parameters
+from megatron_ext.hf.weight_tables import TABLES
 
 # model types whose architecture is a supported family's, under another name (the published Kimi-K2
 # ships transformers' DeepSeek-V3 code as its remote code)
@@ -132,68 +19,9 @@ INSTEAD = {
     "llama4": "a text-and-vision Llama-4: import its text model alone, a Llama4ForCausalLM (model_type llama4_text)",
 }
 
-# config fields that say nothing about the weights or the forward pass
-IGNORED = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
-    "eos_token_id", "pad_token_id", "output_router_logits", "initializer_range", "return_dict", "output_hidden_states",
-    "output_attentions", "tie_encoder_decoder", "is_encoder_decoder", "_name_or_path", "chunk_size_feed_forward",
-    "id2label", "label2id", "problem_type", "task_specific_params", "tokenizer_class", "prefix", "sep_token_id",
-    "decoder_start_token_id", "add_cross_attention", "cross_attention_hidden_size", "is_decoder", "pruned_heads",
-    "torchscript", "tf_legacy_loss", "use_bfloat16", "finetuning_task", "max_window_layers",
-    "auto_map",  # where remote code lives (the family's table and flags stand for it)
-}
-
-
-class Config:
-    """The HF config dict; every field read is recorded, so the unread ones can be refused by name."""
-
-    def __init__(self, raw: dict):
-        self.raw, self.read = raw, set()
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        if key not in self.raw:
-            raise ConfigError(f"config.json: field {key!r} is missing")
-        return self.raw[key]
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return self.raw.get(key, default)
-
-    def expect(self, key, allowed, why: str):
-        value = self.get(key, allowed[0])
-        if value not in allowed:
-            raise refuse(key, value, why)
-        return value
-
-    def unread(self) -> list[str]:
-        return sorted(k for k in self.raw if k not in self.read and k not in IGNORED)
-
-
-def refuse(key, value, why: str) -> ConfigError:
-    return ConfigError(f"config.json: {key}={value!r}: {why}")
-
-
-def _rope_parameters(c: Config) -> tuple[dict, int, str]:
-    """(the rope parameters not yet read, the base, the rope type): what every family's rope reads
-    first; what it leaves is refused by _refuse_unread_rope."""
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None)
-    if theta is None:
-        theta = c["rope_theta"]
-    if float(theta) != int(theta):
-        raise refuse("rope_theta", theta, "megatron's --rotary-base is an integer")
-    return rope, int(theta), rope.pop("rope_type", rope.pop("type", "default"))
-
-
-def _refuse_unread_rope(rope: dict, kind: str) -> None:
-    if rope:
-        key = sorted(rope)[0]
-        raise refuse(f"rope_parameters.{key}", rope[key], f"not representable for rope_type {kind}")
-
 
 def _rope(c: Config) -> dict:
-    rope, theta, kind = _rope_parameters(c)
+    rope, theta, kind = rope_parameters(c)
     partial = rope.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0
     flags = {"position_embedding_type": "rope", "rotary_base": theta, "rotary_percent": float(partial)}
     if kind == "llama3":
@@ -209,12 +37,8 @@ def _rope(c: Config) -> dict:
                 flags[f"rope_scaling_{key}"] = value
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, llama3")
-    _refuse_unread_rope(rope, kind)
+    refuse_unread_rope(rope, kind)
     return flags
-
-
-def rope_get(c: Config, key):
-    return (c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}).get(key)
 
 
 def _dense(c: Config, layer_types=("full_attention",)) -> dict:
@@ -326,7 +150,7 @@ def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
     if c.get("num_key_value_heads", heads) != heads:
         raise refuse("num_key_value_heads", c.raw["num_key_value_heads"], "multi-latent attention has one per head")
     c.get("head_dim"), c.get("qk_head_dim")  # derived: qk_rope_head_dim, qk_nope + qk_rope
-    rope, theta, kind = _rope_parameters(c)
+    rope, theta, kind = rope_parameters(c)
     flags = {"rope_type": "rope", "rotary_base": theta}
     if kind == "yarn":
         # megatron's MLA yarn always rounds its correction range (transformers' truncate)
@@ -338,7 +162,7 @@ def _mla_moe(c: Config, routing: dict, groups: int, group_topk: int) -> dict:
                  "yarn_beta_fast": float(rope.pop("beta_fast", 32.0)), "yarn_beta_slow": float(rope.pop("beta_slow", 1.0))}
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "supported: default, yarn")
-    _refuse_unread_rope(rope, kind)
+    refuse_unread_rope(rope, kind)
     layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
     out = {
         "num_layers": layers, "hidden_size": c["hidden_size"], "ffn_hidden_size": c["intermediate_size"],
@@ -437,7 +261,7 @@ def _yarn(c: Config) -> dict:
     """Rotate-half yarn rope (gpt-oss): megatron's --position-embedding-type yarn with its beta,
     original positions and rounding; the attention factor transformers derives from the factor
     (0.1 ln(factor) + 1) is megatron's with --mscale 1, --mscale-all-dim 0."""
-    rope, theta, kind = _rope_parameters(c)
+    rope, theta, kind = rope_parameters(c)
     if kind != "yarn":
         raise refuse("rope_parameters.rope_type", kind, "supported for gpt_oss: yarn")
     flags = {"position_embedding_type": "yarn", "rotary_base": theta, "rotary_percent": 1.0,
@@ -445,7 +269,7 @@ def _yarn(c: Config) -> dict:
              "yarn_original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
              "yarn_beta_fast": float(rope.pop("beta_fast", 32.0)), "yarn_beta_slow": float(rope.pop("beta_slow", 1.0)),
              "yarn_correction_range_round_to_int": bool(rope.pop("truncate", True))}
-    _refuse_unread_rope(rope, kind)
+    refuse_unread_rope(rope, kind)
     return flags
 
 

@@ -1,4 +1,4 @@
-"""A family's weight table (families.py) filled in for one model, and its transforms between the two sides.
+"""A family's weight table (weight_tables.py) filled in for one model, and its transforms between the two sides.
 
 A row is (megatron names, HF names, transform): one megatron name, or for a stacked row one per expert
 (gpt-oss, Llama-4 hold a layer's experts in one HF tensor). ``to_megatron`` and ``to_hf`` are each
@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.hf import families, shards
+from megatron_ext.hf import shards, weight_tables
+from megatron_ext.hf.config_json import Config
 
 
-def rows(model_type: str, c: families.Config):
+def rows(model_type: str, c: Config):
     """The family's table with {L} and {E} filled in for every layer and expert of the config."""
     layers = c["num_hidden_layers"]
     experts = c.raw.get("num_experts") or c.raw.get("num_local_experts") or c.raw.get("n_routed_experts") or 0
-    for mg, hf, kind in families.TABLES[model_type]:
+    for mg, hf, kind in weight_tables.TABLES[model_type]:
         stacked = kind.startswith("stacked")
         for layer in range(layers) if "{L}" in mg else [None]:
             for expert in range(experts) if "{E}" in mg and not stacked else [None]:
@@ -24,7 +25,7 @@ def rows(model_type: str, c: families.Config):
                 yield (tuple(fill(mg, e) for e in range(experts)) if stacked else (fill(mg),)), [fill(h) for h in hf], kind
 
 
-def expand(model_type: str, c: families.Config, names) -> list[tuple[tuple[str, ...], list[str], str]]:
+def expand(model_type: str, c: Config, names) -> list[tuple[tuple[str, ...], list[str], str]]:
     """The table's rows kept where the model has the megatron names; every name covered."""
     kept = [row for row in rows(model_type, c) if all(m in names for m in row[0])]
     covered = {m for r in kept for m in r[0]}
@@ -35,7 +36,7 @@ def expand(model_type: str, c: families.Config, names) -> list[tuple[tuple[str, 
     return kept
 
 
-def head_dim(c: families.Config) -> int:
+def head_dim(c: Config) -> int:
     return c.raw.get("head_dim") or c.raw["hidden_size"] // c.raw["num_attention_heads"]
 
 
@@ -48,7 +49,7 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], -1).flatten(-2)
 
 
-def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
+def to_megatron(kind: str, parts: list[torch.Tensor], c: Config) -> list[torch.Tensor]:
     """One row's HF tensors -> its megatron tensors (one per megatron name)."""
     if not kind.startswith("stacked"):
         return [shards.join(kind, parts, head_dim(c))]
@@ -63,7 +64,7 @@ def to_megatron(kind: str, parts: list[torch.Tensor], c: families.Config) -> lis
     return list(t)
 
 
-def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config, shapes: list) -> list[torch.Tensor]:
+def to_hf(kind: str, ts: list[torch.Tensor], c: Config, shapes: list) -> list[torch.Tensor]:
     """One row's megatron tensors -> its HF tensors of ``shapes`` (the inverse of to_megatron)."""
     if not kind.startswith("stacked"):
         return shards.split(kind, ts[0], shapes, head_dim(c))
@@ -77,7 +78,7 @@ def to_hf(kind: str, ts: list[torch.Tensor], c: families.Config, shapes: list) -
     return [torch.stack(ts)]
 
 
-def hf_shapes(kind: str, mg_shapes: list, c: families.Config) -> list[tuple]:
+def hf_shapes(kind: str, mg_shapes: list, c: Config) -> list[tuple]:
     """The HF tensors' shapes of a row whose megatron tensors have `mg_shapes`."""
     d = head_dim(c)
     if kind == "copy":
@@ -91,6 +92,6 @@ def hf_shapes(kind: str, mg_shapes: list, c: families.Config) -> list[tuple]:
     return [tuple(t.shape) for t in meta]
 
 
-def converted_to_hf(kind: str, ts: list[torch.Tensor], c: families.Config) -> list[torch.Tensor]:
+def converted_to_hf(kind: str, ts: list[torch.Tensor], c: Config) -> list[torch.Tensor]:
     """One row's megatron tensors as its HF tensors (their shapes from the row's)."""
     return to_hf(kind, ts, c, hf_shapes(kind, [t.shape for t in ts], c))

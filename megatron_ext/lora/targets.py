@@ -9,7 +9,7 @@ target path or a dotted tail of it: ``linear_fc1`` names every fc1 (dense, route
 ``experts.linear_fc1`` the routed experts' only, ``mlp.linear_fc1`` the dense MLPs' only.
 
 A target may also be peft's name (the Hugging Face module, as each family's weight table in
-megatron_ext/hf/families.py names it, and as an exported adapter speaks), alone or as a dotted tail:
+megatron_ext/hf/weight_tables.py names it, and as an exported adapter speaks), alone or as a dotted tail:
 it names the megatron linear that holds the module and, where that linear fuses several (linear_qkv,
 a gated linear_fc1), its canonical part:
 

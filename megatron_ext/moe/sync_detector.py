@@ -76,6 +76,7 @@ class SyncEvent:
 
 _HERE = (os.path.abspath(__file__), os.path.abspath(moe_seams.__file__))  # our frames, not the site
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SHIMS_DIR = os.path.join("platform", "cpu_shims", "")  # the CPU shims' frames (platform/cpu_shims/)
 
 
 def _site() -> str:
@@ -83,7 +84,7 @@ def _site() -> str:
     frames = traceback.extract_stack()
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename)
-        if path in _HERE or path.startswith(_TORCH_DIR) or "cpu_shims.py" in path:
+        if path in _HERE or path.startswith(_TORCH_DIR) or _SHIMS_DIR in path:
             continue
         marker = "/site-packages/"
         short = path.split(marker, 1)[1] if marker in path else os.path.relpath(path)

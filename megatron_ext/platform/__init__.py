@@ -3,7 +3,7 @@
 :func:`current` answers which device and backend this process uses and changes nothing.
 :func:`setup` prepares the process once, from an entry point (``train.main``, a script's ``main``,
 the test conftest), before megatron-core's models or schedules are imported: without CUDA it
-applies the CPU-only shims for megatron-core (``cpu_shims.py``); with CUDA it applies none and
+applies the CPU-only shims for megatron-core (``cpu_shims/``); with CUDA it applies none and
 selects this rank's device. Importing any megatron_ext module changes nothing in torch or megatron.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On CUDA ``Stream`` / ``Event`` wrap real ``torch.cuda`` streams and events. Without CUDA they wrap
 ``CpuStream`` / ``CpuEvent``, which are also what ``torch.cuda.Stream`` / ``torch.cuda.Event`` become
-under the CPU shims (``cpu_shims.py``), so megatron-core's streams and ours are the same objects.
+under the CPU shims (``cpu_shims/``), so megatron-core's streams and ours are the same objects.
 Scheduling code (offload, overlap) is written once against this.
 
 The CPU model. The host is the compute stream: what it runs is done when it returns, so an event

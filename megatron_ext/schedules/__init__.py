@@ -123,15 +123,15 @@ def get_forward_backward_func(args=None):
 
 def teardown() -> None:
     """The run's process groups are destroyed after this: forget every one we hold."""
-    from megatron_ext.schedules import lanes, overlap_1f1b
+    from megatron_ext.schedules import exposed_comm, group_kinds, lane_state, lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()
-    lanes.GROUPS.tp = lanes.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
-    lanes.GROUPS.hidden = 0
-    lanes.set_stateful(())  # references to the run's dispatchers / shared experts
+    group_kinds.GROUPS.tp = group_kinds.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
+    group_kinds.GROUPS.hidden = 0
+    lane_state.set_stateful(())  # references to the run's dispatchers / shared experts
     lanes.reset_buffers()
-    lanes.exposed_seconds()
-    lanes.EXPOSED_S.clear()
+    exposed_comm.exposed_seconds()
+    exposed_comm.EXPOSED_S.clear()
     _SINCE.reset()
 
 
@@ -141,9 +141,9 @@ _SINCE = SinceLastCall()
 def log_counters() -> dict:
     """Time the compute waited for TP (and EP) collectives of paired passes since the last line
     (CUDA events on the compute stream on GPUs; host time on CPU)."""
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import exposed_comm
 
-    delta = _SINCE(lanes.exposed_seconds())
+    delta = _SINCE(exposed_comm.exposed_seconds())
     return {f"{kind.upper()} comm exposed (ms)": f"{delta[kind] * 1e3:.1f}" for kind in sorted(delta)}
 
 

@@ -30,6 +30,10 @@ such a thread too (megatron_ext/platform/autograd_thread.py), so the tests see t
 On CUDA the collectives run on the communication library's own stream (async_op=True) and the
 lanes only decide the host-side launch order; on CPU+gloo the same code uses gloo's async work.
 Time left waiting for them is taken on the compute stream with CUDA events there (host time on CPU).
+
+Beside this module: which groups' collectives hand the baton over and which wait in place
+(group_kinds.py), what each lane keeps of the process's state (lane_state.py), and the time the
+compute waited for the collectives (exposed_comm.py).
 """
 from __future__ import annotations
 
@@ -38,91 +42,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch
-
-# ---------------------------------------------------------------------------------------------
-# which process groups count as tensor-parallel (overlapped) and which are only recorded
-# ---------------------------------------------------------------------------------------------
-class _Groups:
-    tp: tuple = ()  # groups whose collectives are overlapped (TP, expert-TP)
-    ep: tuple = ()  # expert-parallel groups (all-to-all), overlapped too; reported apart
-    hidden: int = 0  # the model's hidden size (set by the schedule): tells token rows from metadata
-
-
-def is_metadata(kind: Optional[str], width: Optional[int]) -> bool:
-    """An EP collective whose rows are at most a quarter of the hidden size wide (routing maps,
-    probabilities, per-expert counts) is waited for in place, without handing the baton over: the
-    token all-to-alls of a dispatch or combine then alternate with the other micro-batch's compute
-    instead of the small collectives between them taking their turns. The row width is the same on
-    every rank of the group (only row counts differ), so every rank makes the same choice and the
-    collectives stay in the same order everywhere."""
-    return kind == "ep" and width is not None and GROUPS.hidden > 0 and 4 * width <= GROUPS.hidden
-
-
-GROUPS = _Groups()
-
-
-def waits_in_place(kind: Optional[str], width: Optional[int], lane: Optional["Lane"]) -> bool:
-    """Collectives waited for where they are issued, without handing the baton over:
-
-    * EP metadata (is_metadata);
-    * a TP collective while the other lane has a token all-to-all in flight ("EP first"): handing
-      the baton back there would make the other lane wait for its all-to-all after only the compute
-      up to this lane's next TP collective. Kept, the all-to-all has all of this lane's compute up
-      to its own next token all-to-all behind it. On a cluster the all-to-all crosses nodes and
-      costs several times the TP collectives inside a node; both kinds' figures are reported.
-
-    Every rank of a group runs the same two programs under the same rules, so the baton moves at
-    the same collectives everywhere and their order stays the same on every rank."""
-    if is_metadata(kind, width):
-        return True
-    return kind == "tp" and lane is not None and lane.other.ep_in_flight > 0
-
-
-def set_groups() -> None:
-    """Read the current layout's TP / expert groups from megatron's parallel_state. A group is
-    "tp" if its ranks are a tensor-parallel group's (expert-TP, or expert groups with EP=1), and
-    "ep" if it spans expert-parallel ranks."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    def get(name):
-        getter = getattr(ps, name, None)
-        if getter is None:
-            return None
-        try:
-            g = getter(check_initialized=False)
-        except TypeError:
-            g = getter()
-        return g if g is not None and g.size() > 1 else None
-
-    tp_group = get("get_tensor_model_parallel_group")
-    tp_ranks = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else None
-    ep_group = get("get_expert_model_parallel_group")
-    ep_size = ep_group.size() if ep_group is not None else 1
-    tp, ep = [], []
-    for name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group",
-                 "get_expert_model_parallel_group", "get_expert_tensor_and_model_parallel_group"):
-        g = get(name)
-        if g is None or any(g is x for x in tp + ep):
-            continue
-        # the expert groups carry the token dispatch: "ep" whenever expert parallelism is on, even
-        # where its ranks are the TP group's (TP2 x EP2 on 2 processes, expert-TP 1)
-        same_as_tp = tp_ranks is not None and sorted(dist.get_process_group_ranks(g)) == tp_ranks
-        is_tp = name in ("get_tensor_model_parallel_group", "get_expert_tensor_parallel_group") or (
-            same_as_tp and name == "get_expert_tensor_and_model_parallel_group" and ep_size < 2)
-        (tp if is_tp else ep).append(g)
-    GROUPS.tp, GROUPS.ep = tuple(tp), tuple(ep)
-
-
-def group_kind(group) -> Optional[str]:
-    if group is None:
-        return None
-    if any(group is g for g in GROUPS.tp):
-        return "tp"
-    if any(group is g for g in GROUPS.ep):
-        return "ep"
-    return None
+from megatron_ext.schedules import exposed_comm, lane_state
+from megatron_ext.schedules.group_kinds import GROUPS, group_kind, waits_in_place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,71 +109,6 @@ def current_lane() -> Optional["Lane"]:
     return pair.turn if pair is not None else None
 
 
-def _rng_snapshot():
-    from megatron.core import tensor_parallel
-
-    state = [torch.get_rng_state(), None, None, None]
-    if torch.cuda.is_available():
-        state[1] = torch.cuda.get_rng_state()  # the current device's (set on every lane thread)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    if getattr(tracker, "states_", None) is not None:
-        state[2] = tracker.get_states()
-        state[3] = getattr(tracker, "_current_state_name", None)
-    return state
-
-
-def rng_equal(a, b) -> bool:
-    """Two _rng_snapshot()s hold the same generator states."""
-    def same(x, y):
-        if isinstance(x, dict):
-            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-        if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return x == y
-
-    return all(same(x, y) for x, y in zip(a, b))
-
-
-def _rng_restore(state) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
-    if state[2] is not None:
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        tracker.set_states(dict(state[2]))
-        if state[3] is not None:
-            tracker._current_state_name = state[3]
-
-
-# Objects that keep state between the calls of one pass (megatron's shared-expert overlap state
-# machine and its cached tensors, a token dispatcher's saved indices, splits and buffers): each
-# lane sees its own copy of their per-call attributes, swapped at every hand-off like the RNG.
-# Without it, a recompute re-entering a MoE layer's forward inside the paired backward, or the
-# two passes of a pair on the same model chunk, overwrite each other's state mid-layer.
-_STATEFUL: list = []  # (object, attribute names, or None: every attribute in its __dict__)
-_MISSING = object()
-
-
-def set_stateful(objects) -> None:
-    _STATEFUL[:] = list(objects)
-
-
-def _state_snapshot():
-    return [(obj, dict(obj.__dict__) if attrs is None else {a: obj.__dict__.get(a, _MISSING) for a in attrs})
-            for obj, attrs in _STATEFUL]
-
-
-def _state_restore(snapshot) -> None:
-    for obj, values in snapshot:
-        for k, v in values.items():
-            if v is _MISSING:
-                obj.__dict__.pop(k, None)
-            else:
-                obj.__dict__[k] = v
-
-
 class Lane:
     def __init__(self, name: str, pair: "Pair", label: str):
         self.name, self.pair, self.label = name, pair, label
@@ -275,16 +131,16 @@ class Lane:
         if other.done:
             return False
         self._close_segment()
-        self.rng = _rng_snapshot()
-        self.objs = _state_snapshot()
+        self.rng = lane_state.rng_snapshot()
+        self.objs = lane_state.state_snapshot()
         cv = self.pair.cv
         with cv:
             self.pair.turn = other
             self.pair.switches += 1
             cv.notify_all()
             cv.wait_for(lambda: self.pair.turn is self)
-        _rng_restore(self.rng)
-        _state_restore(self.objs)
+        lane_state.rng_restore(self.rng)
+        lane_state.state_restore(self.objs)
         self.t_resumed = time.perf_counter()
         return True
 
@@ -294,8 +150,8 @@ class Lane:
 
     def finish(self) -> None:
         self._close_segment()
-        self.rng = _rng_snapshot()
-        self.objs = _state_snapshot()
+        self.rng = lane_state.rng_snapshot()
+        self.objs = lane_state.state_snapshot()
         cv = self.pair.cv
         with cv:
             self.done = True
@@ -324,28 +180,6 @@ def reset_buffers() -> None:
     _BUFFERS.clear()
 
 
-def _inherit_thread_state(parent: dict) -> None:
-    if parent["device"] is not None:
-        torch.cuda.set_device(parent["device"])  # RNG snapshots, allocations: this rank's GPU
-    for mode in parent["function_modes"]:
-        torch._C._push_on_torch_function_stack(mode)
-    for mode in parent["dispatch_modes"]:
-        torch._C._push_on_torch_dispatch_stack(mode)
-    torch.set_grad_enabled(parent["grad"])
-
-
-def _capture_thread_state() -> dict:
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return {
-        "device": torch.cuda.current_device() if torch.cuda.is_available() else None,
-        "function_modes": list(_get_current_function_mode_stack()),
-        "dispatch_modes": list(_get_current_dispatch_mode_stack()),
-        "grad": torch.is_grad_enabled(),
-    }
-
-
 class Pair:
     """Run ``fwd()`` (calling thread) and ``bwd()`` (helper thread) interleaved at collectives.
 
@@ -370,7 +204,7 @@ class Pair:
     def earlier_drew_random(self) -> bool:
         """After run() of two forwards: the earlier one changed a random generator's state (so the
         later one, started from the same state, drew other numbers than after it). SERIAL: in order."""
-        return self.f.rng is not None and not rng_equal(self.start_rng, self.f.rng)
+        return self.f.rng is not None and not lane_state.rng_equal(self.start_rng, self.f.rng)
 
     # Diagnostics only: run the pair's forward then its backward in the calling thread, no hand-off
     # (same schedule order, no interleaving).
@@ -394,17 +228,17 @@ class Pair:
         if _PAIR is not None:
             raise RuntimeError("lanes.Pair.run: a pair is already running in this process")
         _route_collectives_here()
-        start_rng = self.start_rng = _rng_snapshot()
-        start_objs = _state_snapshot()  # between passes: the backward starts from it, not mid-forward
-        parent = _capture_thread_state()
+        start_rng = self.start_rng = lane_state.rng_snapshot()
+        start_objs = lane_state.state_snapshot()  # between passes: the backward starts from it, not mid-forward
+        parent = lane_state.capture_thread_state()
         results = {}
 
         def b_main():
-            _inherit_thread_state(parent)
+            lane_state.inherit_thread_state(parent)
             with self.cv:
                 self.cv.wait_for(lambda: self.turn is self.b)
-            _rng_restore(start_rng)
-            _state_restore(start_objs)
+            lane_state.rng_restore(start_rng)
+            lane_state.state_restore(start_objs)
             self.b.t_resumed = time.perf_counter()
             try:
                 results["b"] = bwd()
@@ -424,8 +258,8 @@ class Pair:
             if backward_first:
                 with self.cv:
                     self.cv.wait_for(lambda: self.turn is self.f or self.b.done)
-                _rng_restore(start_rng)  # the forward starts from the state the pair started from
-                _state_restore(start_objs)
+                lane_state.rng_restore(start_rng)  # the forward starts from the state the pair started from
+                lane_state.state_restore(start_objs)
             self.f.t_resumed = time.perf_counter()
             try:
                 results["f"] = fwd()
@@ -440,8 +274,8 @@ class Pair:
             _PAIR = None
         # Leave the process as the plain schedule would: the (later) forward's RNG stream continues.
         last = self.b if self.two_forwards else self.f
-        _rng_restore(last.rng)
-        _state_restore(last.objs)
+        lane_state.rng_restore(last.rng)
+        lane_state.state_restore(last.objs)
         for lane in (self.f, self.b):
             if lane.exc is not None:
                 raise lane.exc
@@ -480,39 +314,6 @@ class _Handle:
         return getattr(self._work, name)
 
 
-# Time the compute waits for TP (and EP) collectives under our schedule, per group kind, for the
-# log line. On CUDA, NCCL's wait() only makes the current stream wait: the time is taken with
-# CUDA events around it on that stream and read when the log line asks (host time on CPU).
-EXPOSED_S: dict = {}
-_PENDING_EVENTS: list = []
-
-
-def _timed_wait(work, kind: str):
-    """work.wait(), timed. Returns (host t0, host t1, (event0, event1) on CUDA else None)."""
-    events = None
-    if torch.cuda.is_available():
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
-    t0 = time.perf_counter()
-    work.wait()
-    t1 = time.perf_counter()
-    if events is not None:
-        events[1].record()
-        _PENDING_EVENTS.append((kind, events))
-    else:
-        EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + (t1 - t0)
-    return t0, t1, events
-
-
-def exposed_seconds() -> dict:
-    """EXPOSED_S with the CUDA-event intervals recorded so far added (waits for them)."""
-    while _PENDING_EVENTS:
-        kind, (e0, e1) = _PENDING_EVENTS.pop()
-        e1.synchronize()
-        EXPOSED_S[kind] = EXPOSED_S.get(kind, 0.0) + e0.elapsed_time(e1) / 1e3
-    return EXPOSED_S
-
-
 def _token_all_to_all(lane: Optional[Lane], kind: Optional[str], in_place: bool) -> bool:
     """An EP collective a lane hands the baton over at: counted in the lane's ep_in_flight from
     its issue to its wait (waits_in_place)."""
@@ -524,7 +325,7 @@ def _finish(work, token, lane: Optional[Lane], kind: str, in_place: bool = False
     handed = lane.hand_off() if lane is not None and not in_place else False
     if in_place and token is not None:
         token.in_place = True
-    t0, t1, events = _timed_wait(work, kind)
+    t0, t1, events = exposed_comm.timed_wait(work, kind)
     if _token_all_to_all(lane, kind, in_place):
         lane.ep_in_flight -= 1
     if HOOK is not None and token is not None:
@@ -570,4 +371,3 @@ def collective(op: str, group, nbytes: int, start: Callable[[], object], async_o
 
 
 SYNC_DONE = object()
-

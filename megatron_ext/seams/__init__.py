@@ -40,7 +40,7 @@ Where offload attaches (nothing replaced) lives with offload: megatron_ext/offlo
 records (a benchmark's labels, the sync detector's emulation, the tokenizer's local files) are
 applied only inside a block (`Patch.applied()`); the torch-norm record is held for the process (by
 the CPU shim registry, or by the model builder on CUDA). CPU-only compatibility shims are not here:
-megatron_ext/platform/cpu_shims.py.
+megatron_ext/platform/cpu_shims/.
 """
 from __future__ import annotations
 

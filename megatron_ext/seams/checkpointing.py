@@ -1,6 +1,6 @@
 """Seams of checkpointing.
 
-megatron_ext/checkpoint/checkpointer.py drives megatron.core.dist_checkpointing itself (not
+megatron_ext/checkpoint/ (resuming.py, saving.py) drives megatron.core.dist_checkpointing itself (not
 megatron.training.checkpointing, which needs megatron's global args). Replaced or wrapped:
   distrib_optimizer.py:838 / :1032 / :1193-1225  torch-Adam `step` handling (the two functions below)
   optimizer.py:1362-1377  the `common_step` of a torch FSDP2 run's optimizer, loaded in place

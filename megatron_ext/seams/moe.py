@@ -257,7 +257,7 @@ SHARED_EXPERT_STATE = ("_overlap_state", "cached_fc1_input", "cached_fc2_input",
 
 
 def per_pass_state(model_chunks) -> list:
-    """(object, attributes) that keep state between the calls of one pass, for lanes.set_stateful:
+    """(object, attributes) that keep state between the calls of one pass, for lane_state.set_stateful:
     every MoE layer's token dispatcher (MoELayer.token_dispatcher, moe_layer.py:299-324, ours or
     megatron's: every attribute, they are all per-call or constant) and every SharedExpertMLP
     with --moe-shared-expert-overlap (SHARED_EXPERT_STATE)."""

@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import schedules as S
 from megatron.core.tensor_parallel import layers, mappings
 
 from megatron_ext.patching import Patch, set_attr, undo_all
-from megatron_ext.platform.cpu_shims import pad_reduce_scatter_pieces
+from megatron_ext.platform.cpu_shims.gloo import pad_reduce_scatter_pieces
 
 
 class _Idle:
@@ -129,7 +129,7 @@ def _wrap_list_reduce_scatter(orig):
     # combine under TP): uneven pieces. In a lane it is issued async as the same primitive:
     # natively where the backend takes uneven pieces (NCCL); on CPU padded to the largest piece
     # exactly as the CPU shim pads the blocking call the plain schedule makes
-    # (platform/cpu_shims.py, uneven_collectives), then sliced back.
+    # (platform/cpu_shims/gloo.py, uneven_collectives), then sliced back.
     def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if lanes.active() and not async_op and lanes.group_kind(group) is not None:
             sizes = [t.shape[0] for t in input_list]

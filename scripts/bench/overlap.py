@@ -33,7 +33,7 @@ class CollectiveRecord:
     handed_off: bool = False  # the other lane ran between issue and wait
     partner_done: bool = False  # issued in a pair whose other lane had already finished
     issued_async_by_upstream: bool = False  # megatron itself asked for async_op=True
-    in_place: bool = False  # waited for without a hand-off (lanes.waits_in_place)
+    in_place: bool = False  # waited for without a hand-off (group_kinds.waits_in_place)
     events: Optional[tuple] = field(default=None, repr=False)  # CUDA events around the wait
 
     @property

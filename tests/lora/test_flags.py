@@ -100,17 +100,17 @@ def test_an_unmatched_target_on_multi_latent_attention_is_one_line():
 
 
 def test_peft_names_resolve_onto_the_linears_of_every_family_table():
-    """Every linear of every family's weight table (megatron_ext/hf/families.py), by the Hugging Face
+    """Every linear of every family's weight table (megatron_ext/hf/weight_tables.py), by the Hugging Face
     name peft gives it, alone and with its path inside the layer, names the megatron linear of that
     row and the row's part of it (q / k / v of linear_qkv, gate / up of a gated linear_fc1)."""
     import types
 
-    from megatron_ext.hf import families
+    from megatron_ext.hf import weight_tables
     from megatron_ext.lora import targets
 
     part_of = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
     checked = 0
-    for family, table in families.TABLES.items():
+    for family, table in weight_tables.TABLES.items():
         args = types.SimpleNamespace(multi_latent_attention=family.startswith("deepseek"),
                                      swiglu=family != "nemotron", quick_geglu=False)
         for megatron, hf_names, kind in table:

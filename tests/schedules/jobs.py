@@ -139,7 +139,7 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
     from megatron_ext.seams import registry
     from bench.overlap import FlopCounter, Recorder
     from megatron_ext.platform import nccl_p2p
-    from megatron_ext.schedules import lanes, overlap_1f1b
+    from megatron_ext.schedules import group_kinds, lanes, overlap_1f1b
     from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
     registry.install_schedules_seams()  # so the plain schedule's collectives are recorded too
@@ -161,7 +161,7 @@ def check_bitwise(kind: str = "dense", tp: int = 2, pp: int = 1, vpp: int | None
                 continue
             rec = Recorder()
             lanes.set_hook(rec)
-            lanes.set_groups()
+            group_kinds.set_groups()
             nccl_p2p.TRACE = []
             pairs_before = overlap_1f1b.STATS["forward_pairs"]
             t0 = time.perf_counter()
@@ -207,14 +207,14 @@ def check_without_rng_swap():
     """Negative control: full recompute re-runs each layer's forward (with its TP collectives and
     dropout) inside the backward, setting the RNG to the saved forward state; without the per-lane
     RNG swap the other lane's forward draws from that state and results change."""
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import lane_state
 
-    original = lanes._rng_restore
-    lanes._rng_restore = lambda state: None
+    original = lane_state.rng_restore
+    lane_state.rng_restore = lambda state: None
     try:
         return check_bitwise("dense", tp=2, extra=RECOMPUTE)
     finally:
-        lanes._rng_restore = original
+        lane_state.rng_restore = original
 
 
 def check_thread_local_lanes(faithful: bool):

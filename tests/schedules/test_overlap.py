@@ -26,7 +26,7 @@ def _all_backward_collectives_handed_off(r, where="", ep_first=False):
     """Under the CUDA-faithful mode (backward on the autograd device thread) every TP collective a
     paired backward issues is handed to the forward, unless that forward had already finished or
     (`ep_first`: TP with expert parallelism) it has a token all-to-all in flight, which keeps the
-    baton (lanes.waits_in_place)."""
+    baton (group_kinds.waits_in_place)."""
     b = r["ours"]["b_lane"]
     assert r["cuda_faithful"], where
     assert b["collectives"] > 0 and b["handed_off"] > 0, (where, b)
@@ -36,8 +36,8 @@ def _all_backward_collectives_handed_off(r, where="", ep_first=False):
 
 def _check_pipeline_messages(results):
     """Every rank's recorded pipeline messages complete under NCCL's rules (both schedules), and
-    ours are exactly the pure plan's (overlap_1f1b.program) for that rank."""
-    from megatron_ext.schedules import overlap_1f1b, p2p
+    ours are exactly the pure plan's (pipeline_plan.program) for that rank."""
+    from megatron_ext.schedules import p2p, pipeline_plan
 
     for name in ("plain", "ours"):
         programs = {rank: r[name]["p2p_program"] for rank, r in enumerate(results)}
@@ -47,9 +47,9 @@ def _check_pipeline_messages(results):
         if len(r["pp_ranks"]) == 1:
             assert r["ours"]["p2p_program"] == []
             continue
-        expected = overlap_1f1b.program(r["num_microbatches"], r["chunks"], len(r["pp_ranks"]),
-                                        r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"],
-                                        pair_warmup=r["ours"]["pair_warmup"])
+        expected = pipeline_plan.program(r["num_microbatches"], r["chunks"], len(r["pp_ranks"]),
+                                         r["pp_rank"], r["microbatch_group"], ranks=r["pp_ranks"],
+                                         pair_warmup=r["ours"]["pair_warmup"])
         strip = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in expected]
         got = [(i.kind, i.peer, i.comm) if isinstance(i, p2p.Op) else i for i in r["ours"]["p2p_program"]]
         assert got == strip, f"rank {rank}: issued messages differ from the plan"
@@ -293,16 +293,16 @@ def test_one_communicator_per_kind_deadlocks_under_nccl_p2p_and_is_reported():
     directions on one communicator per kind, PP2 x VPP2 puts two sends head to head under NCCL's
     rules; the CUDA-faithful mode reports it on both ranks, with both ranks' pending ops, within
     seconds. The schedule's own layout (one communicator per kind and direction) completes."""
-    from megatron_ext.schedules import overlap_1f1b
+    from megatron_ext.schedules import pipeline_plan
 
     shared = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock",
-                             layout=overlap_1f1b.SHARED)
+                             layout=pipeline_plan.SHARED)
     for r in shared:
         assert not r["completed"] and r["seconds"] < 30, r
         assert "deadlock: both heads are sends" in r["error"]
         assert "rank 0 (" in r["error"] and "rank 1 (" in r["error"] and "pending: send to" in r["error"]
     ours = run_distributed(2, "tests.schedules.jobs:check_p2p_layout_deadlock",
-                           layout=overlap_1f1b.DIRECTIONAL)
+                           layout=pipeline_plan.DIRECTIONAL)
     assert all(r["completed"] for r in ours)
 
 
@@ -314,7 +314,7 @@ def test_rng_per_lane_is_needed():
 
 
 def test_plan_pairs_distinct_and_ordered():
-    from megatron_ext.schedules.overlap_1f1b import plan
+    from megatron_ext.schedules.pipeline_plan import plan
 
     for pp, chunks, m in [(1, 1, 4), (1, 1, 1), (2, 1, 8), (4, 1, 8), (2, 2, 4), (2, 2, 8), (4, 2, 8)]:
         for rank in range(pp):
@@ -439,7 +439,7 @@ def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeyp
     import torch
 
     from bench.overlap import Recorder
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import exposed_comm
 
     class Event:
         clock = 0.0
@@ -463,14 +463,14 @@ def test_exposed_time_on_cuda_is_taken_with_events_on_the_compute_stream(monkeyp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(lanes, "EXPOSED_S", {})
-    monkeypatch.setattr(lanes, "_PENDING_EVENTS", [])
+    monkeypatch.setattr(exposed_comm, "EXPOSED_S", {})
+    monkeypatch.setattr(exposed_comm, "_PENDING_EVENTS", [])
     rec = Recorder()
     token = rec.collective_issued("all_reduce", "tp", 8, "F0", "F", False)
-    t0, t1, events = lanes._timed_wait(Work(), "tp")
+    t0, t1, events = exposed_comm.timed_wait(Work(), "tp")
     rec.collective_waited(token, t0, t1, events, True, False)
     assert rec.exposed("tp") == pytest.approx(0.25)
-    assert lanes.exposed_seconds() == {"tp": pytest.approx(0.25)}
+    assert exposed_comm.exposed_seconds() == {"tp": pytest.approx(0.25)}
 
 
 def test_cost_model_arithmetic():

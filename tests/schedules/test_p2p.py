@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.measure.p2p_programs import megatron_program
-from megatron_ext.schedules import overlap_1f1b
+from megatron_ext.schedules import pipeline_plan
 from megatron_ext.schedules.p2p import Op, Wait, check
 
 PPS, VPPS = (2, 3, 4, 8), (1, 2, 3, 4)
@@ -17,9 +17,9 @@ def _combos():
     return [(pp, vpp, m) for pp in PPS for vpp in VPPS for m in (pp, 2 * pp, 4 * pp)]
 
 
-def _ours(pp, vpp, m, layout=overlap_1f1b.DIRECTIONAL, pair_warmup=False):
+def _ours(pp, vpp, m, layout=pipeline_plan.DIRECTIONAL, pair_warmup=False):
     group = pp if vpp > 1 else None  # megatron's default microbatch_group_size_per_vp_stage
-    return {r: overlap_1f1b.program(m, vpp, pp, r, group, layout=layout, pair_warmup=pair_warmup)
+    return {r: pipeline_plan.program(m, vpp, pp, r, group, layout=layout, pair_warmup=pair_warmup)
             for r in range(pp)}
 
 
@@ -86,11 +86,11 @@ def test_ours_with_one_communicator_per_kind_deadlocks_at_pp2_with_virtual_stage
     layout the schedule had before, put two sends head to head under NCCL's rules."""
     for vpp in (2, 3, 4):
         for m in (2, 4, 8):
-            verdict = check(_ours(2, vpp, m, layout=overlap_1f1b.SHARED))
+            verdict = check(_ours(2, vpp, m, layout=pipeline_plan.SHARED))
             assert not verdict.completes
             assert all(any("running" in p and "send to" in p for p in verdict.pending[r]) for r in (0, 1))
     for pp in (3, 4, 8):  # with PP > 2 each pair of ranks carries one direction per kind anyway
-        assert check(_ours(pp, 2, 2 * pp, layout=overlap_1f1b.SHARED)).ok
+        assert check(_ours(pp, 2, 2 * pp, layout=pipeline_plan.SHARED)).ok
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (4, 2, 8), (2, 1, 4)])

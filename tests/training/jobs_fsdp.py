@@ -59,7 +59,7 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     import torch
 
     from megatron_ext.errors import ConfigError
-    from megatron_ext.checkpoint.checkpointer import DamagedCheckpoint
+    from megatron_ext.checkpoint.resuming import DamagedCheckpoint
     from tests.training.jobs_ckpt import _flip, _largest_tensor_item, _may_start_processes
 
     straight = _losses(argv + ["--train-iters", "6"])

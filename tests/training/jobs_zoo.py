@@ -49,15 +49,15 @@ def train_digests(argvs: dict) -> dict:
 
 def train_digests_without_state_swap(argvs: dict) -> dict:
     """Negative control: train_digests with the overlap's per-pass swap of the stateful modules'
-    attributes (schedules/lanes.py set_stateful) turned off; a run that raises gives its error.
+    attributes (schedules/lane_state.py set_stateful) turned off; a run that raises gives its error.
     The ranks whose pipeline peers stopped at the error wait for them as on NCCL; the faithful
     mode's p2p reports that after 2 s here instead of its default minute. (Early enough to be
     wrong only for the waiting ranks: the ranks that raise are computing, not waiting, then.)"""
     from megatron_ext.platform import nccl_p2p
-    from megatron_ext.schedules import lanes
+    from megatron_ext.schedules import lane_state
 
-    snapshot, restore, patience = lanes._state_snapshot, lanes._state_restore, nccl_p2p.DEADLOCK_S
-    lanes._state_snapshot, lanes._state_restore = (lambda: []), (lambda state: None)
+    snapshot, restore, patience = lane_state.state_snapshot, lane_state.state_restore, nccl_p2p.DEADLOCK_S
+    lane_state.state_snapshot, lane_state.state_restore = (lambda: []), (lambda state: None)
     nccl_p2p.DEADLOCK_S = 2.0
     try:
         out = {}
@@ -68,4 +68,4 @@ def train_digests_without_state_swap(argvs: dict) -> dict:
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
         return out
     finally:
-        lanes._state_snapshot, lanes._state_restore, nccl_p2p.DEADLOCK_S = snapshot, restore, patience
+        lane_state.state_snapshot, lane_state.state_restore, nccl_p2p.DEADLOCK_S = snapshot, restore, patience

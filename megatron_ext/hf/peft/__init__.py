@@ -6,7 +6,7 @@
 
 peft names an adapter by the Hugging Face module it adapts (``base_model.model.`` + the module path +
 ``.lora_A.weight`` / ``.lora_B.weight``), and those names come from the family's weight table
-(families.py): a row's megatron linear and HF names give each adapter part its peft module (``q``, ``k``,
+(weight_tables.py): a row's megatron linear and HF names give each adapter part its peft module (``q``, ``k``,
 ``v`` of linear_qkv: q_proj, k_proj, v_proj; ``gate``, ``up`` of a gated linear_fc1; ``all`` otherwise).
 The canonical parts map 1:1 (their B rows are the HF rows in order). A fused adapter (one A for the
 linear, --lora-fused-adapters) exports with its A repeated for each part and its B cut as the base's
