@@ -64,6 +64,8 @@ def test_a_value_out_of_range_is_refused_by_one_check_naming_the_flag():
     (["--lora-rank", "0"], "megatron_ext.lora", "LoRAOptions", dict(rank=0)),
     (["--lora-dropout", "1"], "megatron_ext.lora", "LoRAOptions", dict(dropout=1.0)),
     (["--save-keep-last", "-1"], "megatron_ext.checkpoint", "CheckpointOptions", dict(save_keep_last=-1)),
+    (["--plan-top", "0"], "megatron_ext.planner", "PlanOptions", dict(top=0)),
+    (["--plan-memory-gb", "0"], "megatron_ext.planner", "PlanOptions", dict(memory_gb=0.0)),
 ])
 def test_a_capabilitys_options_built_in_code_are_refused_as_its_flag_is(argv, module, cls, values):
     """The capabilities' options: the parse's domain check and a construction in code refuse the same
@@ -100,13 +102,14 @@ def _described(group) -> list:
 
 @pytest.mark.parametrize("module,cls,flag_prefix", [
     ("tests.config.test_typed", "ExampleOptions", None), ("tests.config.test_typed", "ExampleOptions", "--"),
+    ("megatron_ext.planner", "PlanOptions", None), ("megatron_ext.planner", "PlanOptions", "--"),
     ("megatron_ext.offload", "OffloadOptions", None),
     ("megatron_ext.moe", "MoEOptions", None), ("megatron_ext.lora", "LoRAOptions", None),
     ("megatron_ext.checkpoint", "CheckpointOptions", None), ("megatron_ext.schedules.options", "OverlapOptions", None),
 ])
 def test_the_group_built_without_torch_is_megatrons_factorys(module, cls, flag_prefix):
-    """A --help that imports no torch lists the same actions as megatron's ArgumentGroupFactory builds,
-    for every options class."""
+    """A --help that imports no torch (scripts/plan.py's) lists the same actions as megatron's
+    ArgumentGroupFactory builds, for every options class."""
     import importlib
 
     options_cls = getattr(importlib.import_module(module), cls)
