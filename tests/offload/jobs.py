@@ -113,6 +113,7 @@ def observed_not_offloaded(modules):
         finally:
             mgr.detach()
         return dict(equal=all(torch.equal(base[k], got[k]) for k in base), seen=seen, stats=dict(mgr.stats),
-                    module_stats=mgr.module_stats, kept_by_module=mgr.kept_by_module, pool_slots_taken=mgr.pool.high_water)
+                    module_stats=mgr.module_stats, kept_by_module=mgr.kept_by_module,
+                    pool_slots_taken=mgr.pool.high_water)
     finally:
         parallel.destroy()
