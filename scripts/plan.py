@@ -19,17 +19,17 @@ import sys
 
 
 def usage_parser() -> argparse.ArgumentParser:
-    """--help: the planner's options (megatron_ext.planner.OPTIONS, spelled --NAME here) and where the
-    run's flags go. The options are parsed with the run's flags by train.py's argument table."""
-    from megatron_ext.planner.options import OPTIONS
+    """--help: the planner's options (megatron_ext.planner.PlanOptions, spelled --NAME here) and where
+    the run's flags go. The options are parsed with the run's flags by train.py's argument table."""
+    from megatron_ext.config.typed import add_group_without_torch
+    from megatron_ext.planner.options import DESCRIPTION, TITLE, PlanOptions
 
     p = argparse.ArgumentParser(
         prog="scripts/plan.py", description=__doc__.split("\n\n")[0],
         epilog="Every other flag is train.py's (its recipe, megatron's flags, --assume-no-te for the local "
         "spec); `train.py --help` lists them. Refusals are one line naming the flag. Docs: docs/planner.md.")
     p.add_argument("--recipe", metavar="YAML", help="the run's recipe (recipes/cluster/*.yaml)")
-    for name, kw in OPTIONS.items():
-        p.add_argument("--" + name, **kw)
+    add_group_without_torch(p, PlanOptions, TITLE, DESCRIPTION, flag_prefix="--")
     return p
 
 

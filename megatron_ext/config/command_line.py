@@ -100,8 +100,8 @@ def order_help(parser) -> None:
     """--help order: this project's groups, the common Megatron flags, then megatron's groups. Only
     the listing moves: which group an action is shown in does not change how it parses."""
     for action in parser._actions:  # a few megatron help strings carry a bare '%', which breaks --help
-        if action.help:
-            action.help = re.sub(r"%(?!\()", "%%", action.help)
+        if action.help:  # (one already escaped, '%%', stays: help is a %-format)
+            action.help = re.sub(r"(?<!%)%(?![(%])", "%%", action.help)
     common = parser.add_argument_group("Megatron: common flags")
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
     for dest in COMMON_FLAGS:

@@ -116,7 +116,7 @@ FAMILIES = (
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms_preprocessing fine_grained_offloading_max_inflight_offloads
         retriever_report_topk_accuracies straggler_minmax_count inprocess_max_iterations
-        moe_routing_trace_max_training_iters hysteresis warmup plan_top plan_gpus_per_node
+        moe_routing_trace_max_training_iters hysteresis warmup
     """),
     _family("interval", Domain(int, 1), "every N iterations (or minutes)", """
         log_interval save_interval save_params_interval save_activations_interval
@@ -193,7 +193,6 @@ FAMILIES = (
         inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout
         inprocess_hard_timeout inprocess_heartbeat_timeout inprocess_barrier_timeout
         inprocess_completion_timeout fault_injector_fault_delay fault_injector_mtti_seconds
-        plan_memory_gb plan_host_link_gbps
     """),
     _family("non-negative", Domain(float, 0), "a rate, coefficient or amount where 0 means none", """
         lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init weight_decay start_weight_decay

@@ -202,6 +202,9 @@ class Hooks:
         group = self._group
         if group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
             return t
+        if self.observer is not None:  # seen, not offloaded
+            self.observer(t, self._saving[-1][0] if self._saving else None)
+            return t
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):

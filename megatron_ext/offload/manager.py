@@ -92,10 +92,15 @@ class OffloadManager(Hooks):
     """The engine: a host pool, a D2H and an H2D stream, the groups in flight. Its hooks (``hooks.py``)
     tell it when a group is saved, when a layer or pass ends and when backward reaches a group."""
 
-    def __init__(self, options: OffloadOptions, deferred_copies: bool | None = None):
+    def __init__(self, options: OffloadOptions, deferred_copies: bool | None = None, *, observer=None):
         """``deferred_copies``: the CPU copy streams run only when waited on (the latest a device
-        could); None: as ``options.debug``."""
+        could); None: as ``options.debug``. ``observer``: ``observer(tensor, module)`` is called for
+        every tensor a listed module saves for backward inside a layer (not parameters, strided
+        tensors only; ``module``: the listed module's name, e.g. "core_attention", or None), which
+        then stays as it is: the manager records nothing and offloads nothing (the planner's trace
+        sees through it what offload would see)."""
         self.options = options
+        self.observer = observer
         self.debug = options.debug
         self.pool = HostPool(options.pool_bytes, options.chunk_bytes, debug=options.debug)
         deferred = options.debug if deferred_copies is None else deferred_copies

@@ -5,8 +5,9 @@ budget at the least step time, with the command that runs it (launch.py). See do
     scripts/plan.py --recipe R [flags] --gpu h100 [--memory-gb N] [--host-link-gbps N] [--json]
     train.py --recipe R [flags] --plan [--plan-gpu h100] [--plan-memory-gb N] ...
 
-Its options are declared once, in options.py (``OPTIONS``): train.py and recipes spell them ``--plan-NAME`` /
-``plan_NAME:``, scripts/plan.py ``--NAME``; both go through megatron_ext's argument table.
+Its options are declared once, in options.py (``PlanOptions``, a typed dataclass): train.py and recipes
+spell them ``--plan-NAME`` / ``plan_NAME:``, scripts/plan.py ``--NAME``; both go through megatron_ext's
+argument table.
 Entry points: ``add_arguments(parser)``, ``predict_memory(args)`` (per-stage bytes for parsed
 arguments), ``plan(...)`` (the search) and ``main(argv, prefix, parse)`` (the command line of both).
 
@@ -16,9 +17,9 @@ hands its ``parse`` in) nor the benchmarks' helpers (scripts/bench/).
 """
 from __future__ import annotations
 
-__all__ = ["OPTIONS", "add_arguments", "predict_memory", "plan", "main"]
+__all__ = ["PlanOptions", "add_arguments", "predict_memory", "plan", "main"]
 
-from megatron_ext.planner.options import OPTIONS, add_arguments  # noqa: F401 (the package's API)
+from megatron_ext.planner.options import PlanOptions, add_arguments  # noqa: F401 (the package's API)
 
 
 def predict_memory(args, recompute=None, offload=None, trace=None, backend: str = "nccl") -> list:

@@ -17,13 +17,13 @@ COMPONENTS = ("parameters", "gradients", "optimizer", "buffers", "activations", 
 
 def train_flags(argv: list) -> list:
     """scripts/plan.py's spellings (--gpu, --memory-gb=N, ...) as train.py's (--plan-gpu, ...): one
-    table (``megatron_ext.planner.options.OPTIONS``) for both and for recipe keys (plan_gpu: ...)."""
-    from megatron_ext.planner.options import OPTIONS
+    declaration (``megatron_ext.planner.options.PlanOptions``) for both and for recipe keys (plan_gpu: ...)."""
+    from megatron_ext.planner.options import NAMES
 
     out = []
     for a in argv:
         name, eq, value = a.partition("=")
-        if name.startswith("--") and name[2:] in OPTIONS:
+        if name.startswith("--") and name[2:] in NAMES:
             a = f"--plan-{name[2:]}{eq}{value}"
         out.append(a)
     return out
@@ -40,24 +40,22 @@ def target_flags(argv: list) -> list:
 
 
 def parse(argv: list, prefix: str, parse_run):
-    """(planner options as a dict, the run's parsed arguments validated for the GPU cluster). Both
-    come from one parse of the argument table (``parse_run``: ``arguments.parse``), so a recipe's
-    ``plan_gpu:`` is read as --plan-gpu is."""
+    """(the planner's options, ``PlanOptions``; the run's parsed arguments validated for the GPU
+    cluster). Both come from one parse of the argument table (``parse_run``: ``arguments.parse``,
+    whose domain check refuses an option out of range by its flag), so a recipe's ``plan_gpu:`` is
+    read as --plan-gpu is."""
     from megatron_ext.errors import ConfigError
-    from megatron_ext.planner.options import OPTIONS
     from megatron_ext.planner.hardware import GPUS
+    from megatron_ext.planner.options import PlanOptions
 
     run_argv = list(argv) if prefix == "--plan-" else train_flags(argv)
     run_argv += target_flags(run_argv)
     args = _parse_run(parse_run, run_argv)
-    opts = {name.replace("-", "_"): getattr(args, "plan_" + name.replace("-", "_")) for name in OPTIONS}
-    if opts["gpu"] not in GPUS:
-        raise ConfigError(f"{prefix}gpu={opts['gpu']}: unknown GPU; known: {', '.join(sorted(GPUS))}")
-    for name in ("memory_gb", "host_link_gbps", "gpus_per_node"):
-        if opts[name] is not None and not opts[name] > 0:
-            raise ConfigError(f"{prefix}{name.replace('_', '-')}={opts[name]}: must be > 0")
+    opts = PlanOptions.from_args(args)
+    if opts.gpu not in GPUS:
+        raise ConfigError(f"{prefix}gpu={opts.gpu}: unknown GPU; known: {', '.join(sorted(GPUS))}")
     if args.platform == "cuda" and args.target_gpu is None:
-        run_argv += ["--target-gpu", opts["gpu"]]
+        run_argv += ["--target-gpu", opts.gpu]
         args = _parse_run(parse_run, run_argv)
     args.plan_argv = run_argv  # a layout of the search is these flags and its own, validated again
     return opts, args
@@ -187,16 +185,16 @@ def _run(argv: list, prefix: str, parse_run, refuse: bool, tracer) -> tuple:
     log.setLevel(logging.ERROR)  # building the tiny copies warns; stdout stays the plan's
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            result = plan(args, gpu=opts["gpu"], memory_gb=opts["memory_gb"], host_link_gbps=opts["host_link_gbps"],
-                          search_parallelism=opts["search_parallelism"], top=opts["top"], flag_prefix=prefix,
-                          reparse=reparse(parse_run), refuse=False, tracer=tracer, gpus_per_node=opts["gpus_per_node"])
+            result = plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, host_link_gbps=opts.host_link_gbps,
+                          search_parallelism=opts.search_parallelism, top=opts.top, flag_prefix=prefix,
+                          reparse=reparse(parse_run), refuse=False, tracer=tracer, gpus_per_node=opts.gpus_per_node)
     finally:
         log.setLevel(level)
     if refuse and result["refusal"]:
         raise ConfigError(result["refusal"])
 
     def launch_of(c):  # parsed back as train.py will parse it (launch.build's check)
-        return launch.build(args, result["given_settings"], c.settings, opts["gpu"], opts["gpus_per_node"],
+        return launch.build(args, result["given_settings"], c.settings, opts.gpu, opts.gpus_per_node,
                             check=reparse(parse_run))
 
     best = result["candidates"][0]
@@ -223,11 +221,11 @@ def main(argv: list | None, prefix: str, parse_run) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, result, report = run(argv, prefix, parse_run, refuse=False)
-    if opts["png"]:
+    if opts.png:
         from megatron_ext.planner.picture import draw
 
-        draw(result, opts["png"])
-    if opts["json"]:
+        draw(result, opts.png)
+    if opts.json:
         print(json.dumps(report, indent=1))
     else:
         _print_plan(opts, result)
@@ -237,10 +235,10 @@ def main(argv: list | None, prefix: str, parse_run) -> dict:
     return report
 
 
-def _print_plan(opts: dict, result: dict) -> None:
+def _print_plan(opts, result: dict) -> None:
     from megatron_ext.planner import launch
 
-    print(f"{result['layout']} on {opts['gpu']}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
+    print(f"{result['layout']} on {opts.gpu}: budget {result['budget_bytes'] / GIB:.1f} GiB per GPU, host link "
           f"{result['host_link_bytes_per_s'] / 1e9:.0f} GB/s; {result['kernels']} (predicted; the run itself "
           "not measured on GPU)")
     g = result["as_given"]
@@ -261,12 +259,12 @@ def _print_plan(opts: dict, result: dict) -> None:
     else:
         print(f"\nNo configuration fits {result['budget_bytes'] / GIB:.1f} GiB per GPU. The nearest ways to fit, "
               "by the predicted peak of the fullest stage:")
-        print(nearest_table(result["nearest"], result["budget_bytes"], opts["gpus_per_node"]))
+        print(nearest_table(result["nearest"], result["budget_bytes"], opts.gpus_per_node))
         more = next((c for c in result["nearest"] if c.launch), None)
         if more:
             print("Launch with more GPUs: " + launch.text(more.launch))
         elif not any(c.kind == "more GPUs" for c in result["nearest"]):
             print("More GPUs: no split of up to 16 times the GPUs that the search could evaluate without a new trace "
-                  "fits" + ("" if opts["search_parallelism"] else " (--search-parallelism also tries larger TP)"))
-    if opts["png"]:
-        print(f"Picture: {opts['png']}")
+                  "fits" + ("" if opts.search_parallelism else " (--search-parallelism also tries larger TP)"))
+    if opts.png:
+        print(f"Picture: {opts.png}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 
 from megatron_ext.planner import settings as st
-from megatron_ext.planner.options import OPTIONS
+from megatron_ext.planner.options import NAMES
 
 SBATCH = "scripts/slurm/train.sbatch"
 RDZV_PORT = 29500
@@ -22,7 +22,7 @@ HEAD_NODE = "$HEAD_NODE"  # the first node's address: the user's shell (or slurm
 # not the run's flags: the target a --dry-run validates for, the planner's own (the plan's command
 # line spells them as train.py does: --plan, --plan-NAME) and --dry-run's
 TARGET_FLAGS = ("--platform", "--assume-te", "--assume-no-te", "--assume-apex", "--target-gpu")
-NOT_THE_RUNS = (*TARGET_FLAGS, "--plan", *("--plan-" + name for name in OPTIONS), "--dry-run", "--all", "--recipe")
+NOT_THE_RUNS = (*TARGET_FLAGS, "--plan", *("--plan-" + name for name in NAMES), "--dry-run", "--all", "--recipe")
 
 
 def groups(argv: list) -> list:
@@ -110,7 +110,7 @@ _HEAD = {**{f: st.RECOMPUTE[0] for f in st.RECOMPUTE[1:]}, **{f: st.OFFLOAD[0] f
 def _check(out: dict, parsed, chosen: dict) -> None:
     """What the command line, parsed back, does not reproduce: the recipe keys to remove
     (``recipe_changes``) and anything else (``unexplained``: a bug of this module if ever seen)."""
-    sources = getattr(parsed, "config_sources", {})
+    sources = parsed.config_sources
     wrong = st.changed(chosen, st.of_args(parsed))
     from_recipe = [f for f in wrong if sources.get(st.dest(f)) == "recipe"]
     out["recipe_changes"] = [st.dest(f) for f in from_recipe]

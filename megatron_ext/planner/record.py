@@ -60,10 +60,13 @@ class _Tagger:
     def pack(self, t):
         if isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
             return t
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        self.record(ptr, None)
+        self.observe(t, None)
         return t
+
+    def observe(self, t, module) -> None:
+        """A tensor saved for backward (the offload manager's observer: ``module`` is the offload
+        module whose hooks saw it; None outside them)."""
+        self.record(t.untyped_storage().data_ptr(), module)
 
     def record(self, ptr, module) -> None:
         """A storage saved for backward (keyed by the tracker's index: a freed address may be reused)."""
@@ -96,25 +99,6 @@ def _is_layer_gemm(name: str, module) -> bool:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in f".{name}"
-
-
-def _trace_manager_class():
-    from megatron_ext.offload.manager import OffloadManager
-
-    class _SeeingManager(OffloadManager):
-        """The offload manager's hook placement, recording instead of offloading."""
-
-        tagger: _Tagger = None
-
-        def _pack(self, t):
-            if self._group is None or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
-                return t
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            self.tagger.record(ptr, self._saving[-1][0] if self._saving else None)
-            return t
-
-    return _SeeingManager
 
 
 def _component_of(param_name: str) -> str:
@@ -195,6 +179,7 @@ def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> di
     from megatron_ext import moe
     from megatron_ext.measure.memtrack import model_state_ptrs
     from megatron_ext.offload import MODULES, OffloadOptions
+    from megatron_ext.offload.manager import OffloadManager
     from megatron_ext.seams import unwrapped
     from megatron_ext.seams.planner import buffer_requests
 
@@ -219,8 +204,8 @@ def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> di
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     tagger = _Tagger(root, exclude)
-    manager = _trace_manager_class()(OffloadOptions(modules=list(MODULES), min_tensor_kb=0.0))
-    manager.tagger = tagger
+    # the offload manager's hook placement, recording what each module saves instead of offloading it
+    manager = OffloadManager(OffloadOptions(modules=list(MODULES), min_tensor_kb=0.0), observer=tagger.observe)
     manager.attach(chunks)
     tracker = _AllocTracker(exclude, dev.type)
     tagger.tracker = tracker
@@ -245,7 +230,7 @@ def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> di
             end = tracker.ops
     finally:
         manager.detach()
-        manager.tagger = None
+        manager.observer = None
         tagger.remove()
     comps = ["embedding"] + [f"layer{i}" for i in range(len(kinds))] + ["head"]
     # alloc index -> (component, offload module or None, GEMM input: None / "only" / "shared")

@@ -87,7 +87,7 @@ def buildable_here(args):
     local_unfused(a)
     a.fp8 = None  # FP8 needs transformer-engine to build; the layer layout does not depend on it
     a.fp8_param_gather = False
-    if getattr(a, "recompute_modules", None):
+    if a.recompute_modules:
         a.recompute_modules = [m for m in a.recompute_modules if m not in MODELED_RECOMPUTE] or ["core_attn"]
     return a
 

@@ -323,8 +323,7 @@ def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
     layers, the experts, the heads) or whose TP has no trace (``traced``: args -> bool) are not parsed."""
     tp, pp, ep = base.tensor_model_parallel_size, base.pipeline_model_parallel_size, base.expert_model_parallel_size
     layout = memory.Layout.from_args(base)
-    uneven = bool(getattr(base, "decoder_first_pipeline_num_layers", None)
-                  or getattr(base, "decoder_last_pipeline_num_layers", None))
+    uneven = bool(base.decoder_first_pipeline_num_layers or base.decoder_last_pipeline_num_layers)
     variants = []
     if base.global_batch_size % (layout.mbs * layout.dp * k) == 0:
         variants.append(([], False))

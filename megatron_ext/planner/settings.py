@@ -25,7 +25,7 @@ def dest(flag: str) -> str:
 
 
 def layout_of(args) -> dict:
-    out = {flag: getattr(args, dest(flag), None) for flag in LAYOUT}
+    out = {flag: getattr(args, dest(flag)) for flag in LAYOUT}
     tp = args.tensor_model_parallel_size
     out["--sequence-parallel"] = bool(out["--sequence-parallel"]) and tp > 1  # megatron turns it off at TP1
     if args.num_experts:

@@ -31,7 +31,7 @@ def width_divisor(args) -> int:
     etp = args.expert_tensor_parallel_size or tp
     values = []
     for f in _WIDTH_FIELDS:
-        v = getattr(args, f, None)
+        v = getattr(args, f)
         if not v:
             continue
         if f in _TP_SHARDED:
@@ -92,13 +92,13 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         rows_per_token = rows / (args.seq_length * args.micro_batch_size
                                  // args.tensor_model_parallel_size) if rows else None
     for f in _WIDTH_FIELDS:
-        v = getattr(a, f, None)
+        v = getattr(a, f)
         if v:
             setattr(a, f, v // divisor)
     a.pipeline_model_parallel_size = a.expert_model_parallel_size = 1
     # without expert parallelism: megatron's all-to-all dispatcher (the flex one needs EP; the exchange's
     # buffers are counted from the dispatcher's rules, memory.py) and no EP communication to overlap
-    if getattr(a, "moe_token_dispatcher_type", None) == "flex":
+    if a.moe_token_dispatcher_type == "flex":
         a.moe_token_dispatcher_type = "alltoall"
     a.overlap_moe_expert_parallel_comm = a.delay_wgrad_compute = False
     a.context_parallel_size = 1
@@ -112,7 +112,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         a.moe_layer_freq = [1 if k == "moe" else 0 for k in kinds]
         a.moe_layer_freq = a.moe_layer_freq if len(set(kinds)) > 1 else 1
     for name in _PER_LAYER:
-        if isinstance(getattr(args, name, None), list):
+        if isinstance(getattr(args, name), list):
             setattr(a, name, per_layer(args, getattr(args, name), kinds))
     a.mtp_num_layers = None
     a.padded_vocab_size = a.vocab_size = vocab

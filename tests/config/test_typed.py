@@ -6,7 +6,7 @@ import pytest
 
 from megatron_ext.config import domains
 from megatron_ext.config.domains import Domain
-from megatron_ext.config.typed import Options, add_group, option
+from megatron_ext.config.typed import Options, add_group, add_group_without_torch, option
 from megatron_ext.config.command_line import flag_actions
 from megatron_ext.errors import ConfigError
 
@@ -64,6 +64,8 @@ def test_a_value_out_of_range_is_refused_by_one_check_naming_the_flag():
     (["--lora-rank", "0"], "megatron_ext.lora", "LoRAOptions", dict(rank=0)),
     (["--lora-dropout", "1"], "megatron_ext.lora", "LoRAOptions", dict(dropout=1.0)),
     (["--save-keep-last", "-1"], "megatron_ext.checkpoint", "CheckpointOptions", dict(save_keep_last=-1)),
+    (["--plan-top", "0"], "megatron_ext.planner", "PlanOptions", dict(top=0)),
+    (["--plan-memory-gb", "0"], "megatron_ext.planner", "PlanOptions", dict(memory_gb=0.0)),
 ])
 def test_a_capabilitys_options_built_in_code_are_refused_as_its_flag_is(argv, module, cls, values):
     """The capabilities' options: the parse's domain check and a construction in code refuse the same
@@ -78,3 +80,39 @@ def test_a_capabilitys_options_built_in_code_are_refused_as_its_flag_is(argv, mo
     with pytest.raises(ConfigError) as built_in_code:
         getattr(importlib.import_module(module), cls)(**values)
     assert str(built_in_code.value) == next(iter(refused.values()))
+
+
+def test_a_flag_prefix_respells_the_flags_not_the_dests():
+    """scripts/plan.py's --top is train.py's --plan-top: another spelling, the same dest and domain."""
+    parser = argparse.ArgumentParser()
+    add_group(parser, ExampleOptions, "megatron_ext: example", flag_prefix="--")
+    actions = flag_actions(parser)
+    assert actions["example_pool_mb"].option_strings == ["--pool-mb"]
+    args = parser.parse_args(["--pool-mb", "8", "--modules", "a", "--debug"])
+    assert ExampleOptions.from_args(args) == ExampleOptions(pool_mb=8.0, modules=["a"], debug=True)
+    refused = domains.check_domains(parser.parse_args(["--pool-mb", "0"]), actions)
+    assert refused == {"example_pool_mb": "--pool-mb=0.0: must be a number > 0 (a size in MiB)"}
+
+
+def _described(group) -> list:
+    keys = ("option_strings", "dest", "default", "type", "nargs", "const", "choices", "help", "metavar", "required")
+    return [(type(a).__name__, *(getattr(a, k) for k in keys), getattr(a, "domain", None), getattr(a, "meaning", None))
+            for a in group._group_actions]
+
+
+@pytest.mark.parametrize("module,cls,flag_prefix", [
+    ("tests.config.test_typed", "ExampleOptions", None), ("tests.config.test_typed", "ExampleOptions", "--"),
+    ("megatron_ext.planner", "PlanOptions", None), ("megatron_ext.planner", "PlanOptions", "--"),
+    ("megatron_ext.offload", "OffloadOptions", None),
+    ("megatron_ext.moe", "MoEOptions", None), ("megatron_ext.lora", "LoRAOptions", None),
+    ("megatron_ext.checkpoint", "CheckpointOptions", None), ("megatron_ext.schedules.options", "OverlapOptions", None),
+])
+def test_the_group_built_without_torch_is_megatrons_factorys(module, cls, flag_prefix):
+    """A --help that imports no torch (scripts/plan.py's) lists the same actions as megatron's
+    ArgumentGroupFactory builds, for every options class."""
+    import importlib
+
+    options_cls = getattr(importlib.import_module(module), cls)
+    built = [f(argparse.ArgumentParser(), options_cls, "t", flag_prefix=flag_prefix)
+             for f in (add_group, add_group_without_torch)]
+    assert _described(built[0]) == _described(built[1]) and built[0].description == built[1].description

@@ -90,3 +90,30 @@ def train_explaining(argv: list[str]) -> dict:
     manager = offload.current()
     return {"stdout": out.getvalue(), "moved": manager.offloaded_by_module(), "kept": manager.kept_by_module,
             "kept_total": sum(v for k, v in manager.stats.items() if k.startswith("kept_"))}
+
+
+def observed_not_offloaded(modules):
+    """One step of a 2-layer dense model under an offload manager with an observer: what the observer
+    was shown (per module: tensors and bytes), the manager's counters, and whether the gradients equal
+    those of the step without a manager, bit for bit."""
+    from megatron_ext.offload.manager import OffloadManager
+
+    chunks, config, c = build(layers=2, microbatches=1)
+    try:
+        base = _manual_step(chunks, c)
+        seen: dict = {}
+
+        def observer(t, module):  # keeps no reference: an offload would be free to take the storage
+            n, nbytes = seen.get(module, (0, 0))
+            seen[module] = (n + 1, nbytes + t.untyped_storage().nbytes())
+
+        mgr = OffloadManager(offload_options(modules), observer=observer).attach(chunks)
+        try:
+            got = _manual_step(chunks, c)
+        finally:
+            mgr.detach()
+        return dict(equal=all(torch.equal(base[k], got[k]) for k in base), seen=seen, stats=dict(mgr.stats),
+                    module_stats=mgr.module_stats, kept_by_module=mgr.kept_by_module,
+                    pool_slots_taken=mgr.pool.high_water)
+    finally:
+        parallel.destroy()

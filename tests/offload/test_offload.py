@@ -307,6 +307,19 @@ def test_reload_while_d2h_in_flight_is_served_from_device():
     assert not bad["equal"] and bad["nan"]
 
 
+def test_an_observer_sees_what_the_listed_modules_save_and_nothing_is_offloaded():
+    """OffloadManager(observer=...) (the planner's trace): the manager's hooks in place, every tensor a
+    listed module saves shown to the observer with that module's name, none of them recorded, copied
+    or released (no pool slot taken, no counter moved), and the step's gradients bit for bit those of
+    the step without a manager."""
+    (r,) = run_distributed(1, "tests.offload.jobs:observed_not_offloaded", modules=DENSE)
+    assert sorted(r["seen"]) == sorted(DENSE), r["seen"]
+    assert all(n > 0 and nbytes > 0 for n, nbytes in r["seen"].values()), r["seen"]
+    assert r["equal"]
+    assert set(r["stats"].values()) == {0} and r["module_stats"] == {} and r["kept_by_module"] == {}, r
+    assert r["pool_slots_taken"] == 0
+
+
 # ----------------------------------------------------------------------------- slow and fast host link
 # The CPU copy engine (CUDA-faithful mode) runs each copy on a worker at the link's bandwidth, set per
 # run as (one layer's copy time) / (that layer's measured forward time): slow 2, fast 0.1. Copies

@@ -115,10 +115,16 @@ def _plan_script(argv: list) -> dict:
     return run_distributed(1, "tests.jobs_docs:run_entry", cwd=root, script="scripts/plan.py", argv=argv)[0]
 
 
+TOP_0 = "error: --plan-top=0: must be an integer >= 1 (batch size)\n"
+
+
 def test_refusals_name_the_flag():
     done = _plan_script([*DENSE, "--gpu", "x100"])  # scripts/plan.py: one line, exit 1
     assert done["rc"] == 1 and done["stderr"].startswith("error: --gpu=x100: unknown GPU; known: a100"), done
     assert done["stderr"].count("\n") == 1 and done["stdout"] == "", done
+    # out of PlanOptions' range: the parse's domain check, before any compute (--top is --plan-top)
+    done = _plan_script([*DENSE, "--top", "0"])
+    assert (done["rc"], done["stdout"]) == (1, "") and done["stderr"] == TOP_0, done
     r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[*DENSE, "--memory-gb", "0.001"])[0]
     assert r["error"].startswith("--memory-gb=0.001: no configuration fits")
     assert "closest: " in r["error"] and "\n" not in r["error"]
