@@ -134,7 +134,7 @@ def build_datasets(args, sizes: list | None = None, read: tuple = (True, True, T
     config, sizes = dataset_config(args), list(sizes or num_samples(args))
     own = features.datasets(args)
     if own is not None:
-        return own.build(config, sizes)
+        return [d if r else None for d, r in zip(own.build(config, sizes), read)]
     _leave_out_unread(config, read)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
