@@ -31,8 +31,9 @@ SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2T
 SAMPLE = (
     "", " ", "   ", "Hello, world.", " one leading space", "   three leading, two  inner and trailing  ",
     "tabs\tand\nnew\n\nlines\n", "line one\r\nline two", " \n \n ", "x  y", "digits 0123456789 3.14159 1,000,000",
-    "naïve café Ünïcödé ﬁ ① ｆｕｌｌ ideographic\u3000space a\u00a0nbsp", "日本語のテキスト 中文 한국어", "emoji 🙂👍🏽",
-    "▁a metaspace", "def f(x):\n    return {'k': [1, 2]}  # done\n",
+    "naïve café Ünïcödé ﬁ ① ｆｕｌｌ ideographic\u3000space a\u00a0nbsp", "日本語のテキスト 中文 한국어",
+    "emoji 🙂👍🏽",
+    "▁a metaspace", "trailing metaspaces▁▁", " ▁", "def f(x):\n    return {'k': [1, 2]}  # done\n",
 )
 DOCUMENTS, DOCUMENT_TOKENS = 4, 2048  # the run's documents checked too, where its data is reachable
 _NO_FILES = {
@@ -157,7 +158,8 @@ def describe(proto) -> str:
     options = [name for name, on in (("byte fallback", proto.trainer_spec.byte_fallback),
                                      ("extra whitespace kept", not spec.remove_extra_whitespaces),
                                      ("no dummy prefix", not spec.add_dummy_prefix)) if on]
-    return f"sentencepiece {kind} model, {spec.name or 'user-defined'} normalization" + "".join(f", {o}" for o in options)
+    return f"sentencepiece {kind} model, {spec.name or 'user-defined'} normalization" + "".join(
+        f", {o}" for o in options)
 
 
 def _documents(args, ours) -> list[str]:

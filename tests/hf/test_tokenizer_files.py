@@ -117,6 +117,6 @@ def test_what_is_not_exact_is_refused_in_one_line_with_no_tokenizer_files(models
         refused.format(repr("line one\r\nline two"), "bpe model, nmt_nfkc normalization, extra whitespace kept, "
                                                      "no dummy prefix"),
         refused.format("' '", "bpe model, identity normalization"),
-        "--tokenizer-special-tokens=<tool>,<call>: the SentencePieceTokenizer is not exported (megatron's SentencePiece "
-        "wrapper splits these out of the text itself, and drops a lone metaspace after them); the weights and "
-        "config.json are"], lines
+        "--tokenizer-special-tokens=<tool>,<call>: the SentencePieceTokenizer is not exported (megatron's "
+        "SentencePiece wrapper splits these out of the text itself, and drops a lone metaspace after them); the "
+        "weights and config.json are"], lines
