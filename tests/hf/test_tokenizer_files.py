@@ -5,7 +5,7 @@ function, and AutoTokenizer on the directory gives megatron's ids (its SentenceP
 control pieces spelled out, scripts the models lack. A model the export finds inexact (a word model;
 nmt_nfkc keeping extra whitespace without a dummy prefix), extra whitespace megatron keeps that the
 model's normalizer drops, and special tokens megatron splits out itself are refused in one line each,
-no tokenizer file left behind."""
+no tokenizer file left behind; the run's first documents, where its data is here, are checked too."""
 from __future__ import annotations
 
 import glob
@@ -93,6 +93,29 @@ def test_every_model_the_export_accepts_gives_megatrons_ids(models, tmp_path):
         assert exported.eos_token_id == megatron_tokenizer.eod, name
         assert len(exported(held_out[0])["input_ids"]) > 50, name
         assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"], name
+
+
+
+def test_the_runs_documents_are_checked_where_its_data_is_here(models, tmp_path):
+    """--data-path's prefixes on this machine (a blend weight and a missing prefix passed over): the
+    text of their first documents, as megatron detokenizes their ids, is among the texts checked."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    from megatron_ext.hf import tokenizer_files
+
+    args, megatron_tokenizer = _run_tokenizer(models[1]["bpe identity"])
+    documents = ["first  document", "the second", "third"] + ["more"] * 3
+    prefix = str(tmp_path / "data")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
+    for text in documents:
+        ids = list(megatron_tokenizer.tokenize(text)) + [megatron_tokenizer.eod]
+        builder.add_document(np.asarray(ids, dtype=np.uint16), [len(ids)])
+    builder.finalize(get_idx_path(prefix))
+    args.data_path = ["0.5", prefix, "0.5", str(tmp_path / "elsewhere")]
+    checked = tokenizer_files._documents(args, megatron_tokenizer)
+    assert checked == [megatron_tokenizer.detokenize(megatron_tokenizer.tokenize(t)) for t in documents[:4]], checked
+    assert checked[:2] == ["first document", "the second"]  # (the model's normalizer removes extra spaces)
 
 
 def test_what_is_not_exact_is_refused_in_one_line_with_no_tokenizer_files(models, tmp_path):
