@@ -32,8 +32,7 @@ SAMPLE = (
     "", " ", "   ", "Hello, world.", " one leading space", "   three leading, two  inner and trailing  ",
     "tabs\tand\nnew\n\nlines\n", "line one\r\nline two", " \n \n ", "x  y", "digits 0123456789 3.14159 1,000,000",
     "naïve café Ünïcödé ﬁ ① ｆｕｌｌ ideographic\u3000space a\u00a0nbsp", "日本語のテキスト 中文 한국어",
-    "emoji 🙂👍🏽",
-    "▁a metaspace", "trailing metaspaces▁▁", " ▁", "def f(x):\n    return {'k': [1, 2]}  # done\n",
+    "emoji 🙂👍🏽", "▁a metaspace", "trailing metaspaces▁▁", " ▁", "def f(x):\n    return {'k': [1, 2]}  # done\n",
 )
 DOCUMENTS, DOCUMENT_TOKENS = 4, 2048  # the run's documents checked too, where its data is reachable
 _NO_FILES = {
@@ -90,21 +89,27 @@ def _sentencepiece(args, target: str) -> str | None:
     ours = run_tokenizer.build(args)
     proto = _proto(args.tokenizer_model)
     before = set(os.listdir(target))
+
+    def refused(why: str) -> str:  # and the files written here removed
+        for name in set(os.listdir(target)) - before:
+            os.remove(os.path.join(target, name))
+        return f"--tokenizer-type={kind}: the tokenizer is not exported ({why}); the weights and config.json are"
+
     shutil.copy2(args.tokenizer_model, os.path.join(target, "tokenizer.model"))
     with open(os.path.join(target, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "TokenizersBackend", "add_bos_token": False, "add_eos_token": False,
-                   "split_special_tokens": True}, f)
-    AutoTokenizer.from_pretrained(target).save_pretrained(target)  # tokenizer.json: loads without sentencepiece
-    _as_sentencepiece(proto, os.path.join(target, "tokenizer.json"))
-    theirs = AutoTokenizer.from_pretrained(target)
+                   "legacy": True, "split_special_tokens": True}, f)
+    try:
+        AutoTokenizer.from_pretrained(target).save_pretrained(target)  # tokenizer.json: loads without sentencepiece
+        _as_sentencepiece(proto, os.path.join(target, "tokenizer.json"))
+        theirs = AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # a model transformers cannot convert
+        return refused(f"transformers cannot convert this {describe(proto)}: {str(e).splitlines()[0]}")
     unmatched = [p.piece for p in proto.pieces if p.type in _UNMATCHED][:8]
     for text in (*SAMPLE, " ".join(unmatched), "".join(unmatched), *_documents(args, ours)):
         if theirs(text)["input_ids"] != list(ours.tokenize(text)):
-            for name in set(os.listdir(target)) - before:
-                os.remove(os.path.join(target, name))
             shown = repr(text if len(text) <= 40 else text[:40] + "...")
-            return (f"--tokenizer-type={kind}: the tokenizer is not exported (AutoTokenizer gives other ids than "
-                    f"megatron's for {shown}: a {describe(proto)}); the weights and config.json are")
+            return refused(f"AutoTokenizer gives other ids than megatron's for {shown}: a {describe(proto)}")
     return None
 
 

@@ -93,6 +93,14 @@ def test_every_model_the_export_accepts_gives_megatrons_ids(models, tmp_path):
         assert exported.eos_token_id == megatron_tokenizer.eod, name
         assert len(exported(held_out[0])["input_ids"]) > 50, name
         assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"], name
+    # megatron-core encodes with GPTSentencePieceTokenizer and Llama2Tokenizer as with SentencePieceTokenizer:
+    # the same files
+    for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        args.tokenizer_type = kind
+        (tmp_path / kind).mkdir()
+        assert tokenizer_files.write(args, str(tmp_path / kind)) is None, kind
+        for name in os.listdir(out):
+            assert (tmp_path / kind / name).read_bytes() == (out / name).read_bytes(), (kind, name)
 
 
 
