@@ -38,7 +38,8 @@ _KEY_FIELDS = (
     "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "special_tokens",
     "metadata_path", "null_tokenizer_eod_id", "null_tokenizer_pad_id", "tiktoken_pattern",
     "tiktoken_num_special_tokens", "tokenizer_hf_no_use_fast", "tokenizer_hf_no_include_special_tokens",
-    "trust_remote_code", "tokenizer_sentencepiece_legacy", "chat_template", "sft_tokenizer_prompt_format",
+    "trust_remote_code", "tokenizer_sentencepiece_legacy", "tokenizer_sentencepiece_ignore_extra_whitespaces",
+    "chat_template", "sft_tokenizer_prompt_format",
 )
 _CACHE: dict = {}
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import arguments
 
 
-def train_export_logits(argv: list, save: str, out: str, ids: list, layout: list) -> dict:
+def train_export_logits(argv: list, save: str, out: str, ids: list, layout: list, again: dict | None = None) -> dict:
     """train.py's main() on ``argv`` (its validation losses recorded as megatron's evaluate returns
     them), then scripts/convert.py export --load ``save`` --hf ``out`` on this world and our logits of
-    ``ids`` under ``layout``; what rank 0 printed (stdout and stderr)."""
+    ``ids`` under ``layout``; what rank 0 printed (stdout and stderr). ``again``: {"recipe", "out"}, a
+    second export of the run under that recipe."""
     import contextlib
     import io
 
@@ -33,7 +34,11 @@ def train_export_logits(argv: list, save: str, out: str, ids: list, layout: list
         megatron_training.evaluate = original
     with contextlib.redirect_stderr(errors):
         names, iteration = hf.export_hf(save, out, parse=arguments.parse)
+    again_errors = io.StringIO()
+    if again:
+        with contextlib.redirect_stderr(again_errors):
+            hf.export_hf(save, again["out"], recipe=again["recipe"], parse=arguments.parse)
     ours = hf.logits(save, ids, extra=layout, parse=arguments.parse)
     return {"losses": [h["lm loss"] for h in history], "validation": losses, "printed": printed.getvalue(),
-            "export stderr": errors.getvalue(), "shards": names, "iteration": iteration,
-            "logits": None if ours is None else ours.numpy()}
+            "export stderr": errors.getvalue(), "again stderr": again_errors.getvalue(), "shards": names,
+            "iteration": iteration, "logits": None if ours is None else ours.numpy()}

@@ -3,7 +3,8 @@ a dense and a MoE recipe trained under TP2 x PP2 (4 gloo processes) export as th
 them (Llama, Mixtral), and transformers' fp32 forward on the export is ours; the dense run's tokenizer,
 trained by scripts/prepare_data.py --train-tokenizer, goes with it (the same ids), and its validation
 loss is transformers' loss on the same tokens; an architecture no family represents, a NullTokenizer,
-a disagreeing --vocab-size, a too-small or empty --train-tokenizer: one line each."""
+a SentencePiece model the export finds inexact (the dense run exported again: the same weights, no
+tokenizer), a disagreeing --vocab-size, a too-small or empty --train-tokenizer: one line each."""
 from __future__ import annotations
 
 import json
@@ -89,10 +90,29 @@ def dense(tmp_path_factory):
     save, out = str(root / "run"), str(root / "hf")
     argv = ["--recipe", recipe, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", prepared["tokenizer"],
             "--save", save, *RUN]
+    again = {"recipe": _sentencepiece_recipe(root, recipe, str(corpus)), "out": str(root / "hf_sentencepiece")}
     result = run_distributed(4, "tests.hf.jobs_trained:train_export_logits", argv=argv, save=save, out=out, ids=IDS,
-                             layout=TP2_PP2)
+                             layout=TP2_PP2, again=again)
     return {"root": root, "tokenizer": prepared["tokenizer"], "period": period, "save": save, "out": out,
-            "ranks": result}
+            "again": again["out"], "ranks": result}
+
+
+def _sentencepiece_recipe(root, recipe: str, corpus: str) -> str:
+    """The dense recipe with a SentencePiece word model of 300 pieces trained on the corpus (a model
+    the export finds inexact; its 320 padded rows are the run's): the run exported again under it."""
+    import sentencepiece
+
+    lines = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter("".join(lines).splitlines()),
+                                             model_prefix=str(root / "word"), model_type="word", vocab_size=300,
+                                             minloglevel=2)
+    with open(recipe) as f:
+        changed = yaml.safe_load(f)
+    changed.update(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(root / "word.model"))
+    path = str(root / "sentencepiece.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(changed, f)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +178,25 @@ def test_a_dense_recipe_trained_under_tp2_pp2_exports_as_llama_with_its_tokenize
     text = "".join(_text(1))[:2000]
     exported, trained = AutoTokenizer.from_pretrained(dense["out"]), AutoTokenizer.from_pretrained(dense["tokenizer"])
     assert exported(text)["input_ids"] == trained(text)["input_ids"] and len(trained(text)["input_ids"]) > 300
+
+
+def test_a_sentencepiece_model_the_export_finds_inexact_is_refused_in_one_line_and_the_weights_written(dense):
+    """The dense run exported again under its recipe with a SentencePiece word model: one line naming the
+    first text whose ids differ and the model; the weights and config.json written, no tokenizer file."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert _ours(dense["ranks"][0]["again stderr"]) == [
+        "warning: --tokenizer-type=SentencePieceTokenizer: the tokenizer is not exported (AutoTokenizer gives other "
+        "ids than megatron's for ' one leading space': a sentencepiece word model, nmt_nfkc normalization); the "
+        "weights and config.json are"], dense["ranks"][0]["again stderr"]
+    weights = sorted(f for f in os.listdir(dense["out"]) if "token" not in f)  # the first export's, but its tokenizer
+    assert sorted(os.listdir(dense["again"])) == weights and "config.json" in weights, os.listdir(dense["again"])
+    shards = [f for f in weights if f.endswith(".safetensors")]
+    assert shards
+    for shard in shards:
+        ours, theirs = (load_file(os.path.join(d, shard)) for d in (dense["again"], dense["out"]))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), shard
 
 
 def test_validation_loss_equals_transformers_loss_on_the_same_tokens(dense):
