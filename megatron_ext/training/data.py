@@ -138,7 +138,28 @@ def build_datasets(args, sizes: list | None = None, read: tuple = (True, True, T
     _leave_out_unread(config, read)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
-    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+    if not config.mock:
+        return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+    key = (dataset_cls, tuple(sizes), _described(config))
+    if key not in _MOCK_BUILT:
+        _MOCK_BUILT.clear()
+        _MOCK_BUILT[key] = BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+    return _MOCK_BUILT[key]
+
+
+# The mock datasets last built in this process, by everything that decides their samples. They read no
+# file, so the same description always gives the same samples; a process that starts runs again (a test
+# worker, the planner's candidates) builds their million-sample indices once, not once per run.
+_MOCK_BUILT: dict = {}
+
+
+def _described(config: GPTDatasetConfig) -> str:
+    from dataclasses import fields
+
+    tok = config.tokenizer
+    own = [(f.name, getattr(config, f.name, None)) for f in fields(config) if f.name != "tokenizer"]
+    kind = [type(tok).__qualname__] + [repr(getattr(tok, a, None)) for a in ("unique_identifiers", "vocab_size", "eod")]
+    return repr((own, kind))
 
 
 def _leave_out_unread(config: GPTDatasetConfig, read: tuple) -> None:
