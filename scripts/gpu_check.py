@@ -125,6 +125,7 @@ SIZES = {
                     "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
                     "--micro-batch-size", "1", "--global-batch-size", "4", "--bf16"],
         throughput="gpu",
+        plan_cases=("dense", "dense offload", "moe", "moe offload"),
     ),
     "smoke": dict(
         multihot_tokens=(64, 512), multihot_experts=(8,), multihot_reps=2,
@@ -138,6 +139,8 @@ SIZES = {
         train_extra=[],
         plan_extra=[],
         throughput="smoke",
+        # the rehearsal runs the planner section's code on the dense cases; tests/planner measures MoE
+        plan_cases=("dense", "dense offload"),
     ),
 }
 

@@ -15,3 +15,8 @@ import arguments  # noqa: E402,F401
 import train  # noqa: E402,F401
 import megatron_ext.training.data  # noqa: E402,F401  (megatron's tokenizer package imports transformers when installed)
 import gpu_check_sections  # noqa: E402,F401
+import megatron.core.tokenizers.text.libraries.huggingface_tokenizer as _hf  # noqa: E402  (imports transformers)
+import megatron_ext.checkpoint.checkpointer  # noqa: E402,F401
+import megatron_ext.planner.trace  # noqa: E402,F401
+
+_hf.AutoTokenizer  # noqa: B018  (transformers resolves its tokenizer classes on first use)
