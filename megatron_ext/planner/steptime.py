@@ -222,8 +222,7 @@ def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, w
     (backward: reads them and the gradient, writes two); unfused, the separate ops about twice that.
     ``weighted``: the routing probabilities applied too."""
     glu = _glu(args)
-    fused = (args.bias_swiglu_fusion if args.swiglu
-             else getattr(args, "bias_activation_fusion", False) or args.bias_gelu_fusion)
+    fused = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion  # megatron's flags (no bias_activation_fusion flag)
     fwd, bwd = (3, 5) if glu else (2, 3)
     if not fused:
         fwd, bwd = 2 * fwd, 2 * bwd
