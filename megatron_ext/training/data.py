@@ -132,10 +132,10 @@ def build_datasets(args, sizes: list | None = None, read: tuple = (True, True, T
     """(train, valid, test) of `sizes` samples (default: the run's, num_samples); a split no iterator
     reads (`read` False) is None."""
     config, sizes = dataset_config(args), list(sizes or num_samples(args))
-    own = features.datasets(args)
-    if own is not None:
-        return [d if r else None for d, r in zip(own.build(config, sizes), read)]
     _leave_out_unread(config, read)
+    own = features.datasets(args)
+    if own is not None:  # built by megatron's builder too; a split it builds all the same is not read
+        return [d if r else None for d, r in zip(own.build(config, sizes), read)]
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     _check_splits(config, sizes)
     if not config.mock:
