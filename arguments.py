@@ -14,6 +14,7 @@ receives (CONTRIBUTING.md, Flags).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 
@@ -67,14 +68,14 @@ def _run_flags(parser) -> None:
     target.add_arguments(group)  # --platform, --assume-te / --assume-no-te: a --dry-run for another machine
 
 
-_BUILT: list = []  # the parser as first built in this process; build_parser hands out copies
+_BUILT: list = []  # the parser as first built in this process
+_LENT: list = []  # it, while a parse has set the recipe's values as its defaults
 
 
-def build_parser():
-    """A parser of its own for the caller (parse sets the recipe's values as its defaults). Built
-    once per process and copied after: megatron's add_megatron_arguments reads its config classes'
-    source for their help texts, ~0.07 s a time, and a process that parses many times (the test
-    workers, a refusal's explanation) paid it each time; a copy costs ~6 ms."""
+def _built():
+    """Built once per process: megatron's add_megatron_arguments reads its config classes' source for
+    their help texts, ~0.07 s a time, and a process that parses many times (the test workers, a
+    refusal's explanation) paid it each time."""
     if not _BUILT:
         parser = command_line.Parser(
             prog="train.py", usage=USAGE, allow_abbrev=False,
@@ -88,7 +89,33 @@ def build_parser():
         add_arguments(parser)  # yours
         command_line.order_help(parser)
         _BUILT.append(parser)
-    return copy.deepcopy(_BUILT[0])
+    return _BUILT[0]
+
+
+def build_parser():
+    """A parser of its own for the caller, to change as it likes (a copy of the one built)."""
+    return copy.deepcopy(_built())
+
+
+@contextlib.contextmanager
+def _lent_parser():
+    """The built parser itself for one parse, which sets the recipe's values as its defaults: they are
+    back to the built ones when the block ends (a copy costs more than the parse). A parse within a
+    parse gets a copy."""
+    parser = _built()
+    if _LENT:
+        yield copy.deepcopy(parser)
+        return
+    defaults, parser_defaults = {a: a.default for a in parser._actions}, dict(parser._defaults)
+    _LENT.append(parser)
+    try:
+        yield parser
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+        parser._defaults.clear()
+        parser._defaults.update(parser_defaults)
+        _LENT.clear()
 
 
 def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_read=None):
@@ -97,13 +124,20 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_
     ``first_read``: what a stage that read --load before the parse found (a conversion's; the run
     reads none of it again: megatron_ext/checkpoint/dirs.py FirstRead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    with _lent_parser() as parser:
+        return _parse(parser, argv, exit_on_dry_run, first_read)
+
+
+def _parse(parser, argv: list[str], exit_on_dry_run: bool, first_read):
     known = parser.parse_known_args(argv)[0]
     # --recipe, else the recipe the --load checkpoint records (megatron_ext/checkpoint/recipe.py)
     recipe, recorded = command_line.recipe_values(known, parser, first_read)
     cli = command_line.explicit_cli_dests(parser, argv)
     parser.set_defaults(**recipe)  # the recipe's values become the defaults the command line overrides
     args = parser.parse_args(argv)
+    for dest, value in vars(args).items():  # a default list is the parser's own object: the run gets a copy
+        if isinstance(value, (list, dict, set)):
+            setattr(args, dest, copy.copy(value))
     args.config_sources = {
         dest: "cli" if dest in cli else "recipe" if dest in recipe else "default" for dest in vars(args)
     }
@@ -122,4 +156,5 @@ def parse(argv: list[str] | None = None, *, exit_on_dry_run: bool = True, first_
 def explain(exc: BaseException) -> str | None:
     """The one-line refusal for an exception megatron raised from a flag after parsing, or None
     (errors.run's explain at the entry points)."""
-    return command_line.explain(exc, build_parser())
+    with _lent_parser() as parser:
+        return command_line.explain(exc, parser)

@@ -76,10 +76,11 @@ def _groups() -> dict:
     }
 
 
-def snapshot() -> tuple[dict, dict]:
+def snapshot(collect: bool = True) -> tuple[dict, dict]:
     import gc
 
-    gc.collect()  # a process group or thread object only held by a reference cycle is not a leak
+    if collect:  # a process group or thread object only held by a reference cycle is not a leak
+        gc.collect()
     return _threads(), _groups()
 
 
@@ -88,14 +89,18 @@ def check_leaks(job: str, baseline: tuple[dict, dict], slack: int = THREAD_SLACK
     group it left behind, or more than `slack` native threads."""
     base_threads, base_groups = baseline
     deadline = time.monotonic() + settle_s
+    collect = False  # a full collection costs more than most jobs: only once something seems left behind
     while True:
-        threads, groups = snapshot()
+        threads, groups = snapshot(collect)
         extra_groups = {k: v for k, v in groups.items() if k not in base_groups}
         new = sorted(name for tid, name in threads.items() if tid not in base_threads)
         python = [n for n in new if n.endswith("(python)")]
         surplus = len(threads) - len(base_threads)
         if not extra_groups and not python and surplus <= slack:
             return
+        if not collect:
+            collect = True
+            continue
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)

@@ -31,6 +31,19 @@ def test_precedence_and_sources():
     assert args.adam_beta1 == 0.9 and args.config_sources["adam_beta1"] == "default"
 
 
+def test_a_parse_leaves_no_default_behind(tmp_path):
+    """Every parse lends the process's one built parser its recipe's values as defaults: the next parse,
+    and a refused one's, sees megatron's defaults again; a run's default list is its own object."""
+    built = {a.dest: a.default for a in arguments.build_parser()._actions}
+    first = parse("--hidden-size", "128", "--num-attention-heads", "8")
+    with pytest.raises(ConfigError):
+        arguments.parse(["--recipe", recipe(tmp_path, "num_layers: 3\nhidden_size: x\n")])
+    assert {a.dest: a.default for a in arguments.build_parser()._actions} == built
+    assert first.num_layers == 4 and arguments.build_parser().parse_args([]).num_layers is None
+    first.cp_comm_type.append("a2a")
+    assert parse().cp_comm_type == ["p2p"]
+
+
 def test_a_flag_added_in_arguments_py_reaches_a_capability(tmp_path, monkeypatch):
     """How a flag of one's own is added: declared in arguments.py's add_arguments (Megatron-LM's
     extra_args_provider), it is a recipe key too and listed with this project's flags in --help; a

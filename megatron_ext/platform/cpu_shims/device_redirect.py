@@ -26,6 +26,10 @@ class _CpuRedirectMode(TorchFunctionMode):
     rules: set = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # every torch call of the process passes here: the common one (no rule of it applies) costs a
+        # set lookup and returns
+        if func not in _RULED and (not kwargs or ("device" not in kwargs and "pin_memory" not in kwargs)):
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         rules = self.rules
         if "device" in rules:
@@ -52,6 +56,11 @@ class _CpuRedirectMode(TorchFunctionMode):
             with self:
                 return _run_backward(func, *args, **kwargs)
         return func(*args, **kwargs)
+
+
+# the functions a rule of the mode rewrites whatever their keyword arguments
+_RULED = frozenset({torch.Tensor.cuda, torch.device, torch.Tensor.to, torch.Tensor.record_stream, torch.Tensor.pin_memory,
+                    torch.Tensor.type, torch.autograd.backward, torch.Tensor.backward})
 
 
 def _run_backward(func, *args, **kwargs):
