@@ -81,8 +81,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
         self.current += storage.nbytes()
 
+    def _run(self, func, args, kwargs):
+        return func(*args, **(kwargs or {}))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = self._run(func, args, kwargs)
         self._sweep()
         for t in tree_flatten(out)[0]:
             self._see(t)

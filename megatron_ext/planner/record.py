@@ -5,8 +5,11 @@ See megatron_ext/planner/trace.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 class _Tagger:
     """Which component runs, forward and backward; every storage saved outside the offload
@@ -135,6 +138,9 @@ class _AllocTracker:
                 self.func = func.__name__
                 return super().__torch_dispatch__(func, types, args, kwargs)
 
+            def _run(self, func, args, kwargs):
+                return _without_gemm_values(func, args, kwargs)
+
             def _see(self, t):
                 before = len(self.live)
                 super()._see(t)
@@ -144,6 +150,31 @@ class _AllocTracker:
                     self.allocs.append([self.ops, None, self.live[ptr][1], self.func])
 
         return Tracker()
+
+
+def _without_gemm_values(func, args, kwargs):
+    """``func`` run, except that a matrix product's output is zeros of the shape, dtype, strides and
+    device it would have: the trace reads sizes and lives, never values (the routing is balanced
+    whatever the logits), and the GEMMs were most of its time on CPU (bfloat16 experts)."""
+    kwargs = kwargs or {}
+    if func not in _gemms():
+        return func(*args, **kwargs)
+    device = args[0].device
+    meta = func(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device).zero_()
+
+
+@functools.cache
+def _gemms() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+
+
+class _GemmShapesOnly(TorchDispatchMode):
+    """The untracked first step's GEMMs, as the tracked step runs them (``_without_gemm_values``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _without_gemm_values(func, args, kwargs)
 
 
 def global_buffer_bytes() -> int:
@@ -212,7 +243,8 @@ def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> di
     # a first step untracked, as a run's measured step follows others: what persists across
     # steps (megatron's global buffer for sequence-parallel gathers, cached rotary tables) exists
     # before it and is counted once, as buffers
-    model(inputs, pos, mask, labels=labels).float().mean().backward()
+    with _GemmShapesOnly():
+        model(inputs, pos, mask, labels=labels).float().mean().backward()
     for p in model.parameters():
         p.grad.zero_()
     tagger.marks.clear()
