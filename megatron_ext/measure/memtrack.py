@@ -2,8 +2,9 @@
 
 It does not read the offload code's counters. On CPU (where "device" and "host" are one memory) a
 ``TorchDispatchMode`` sees the outputs of every aten op the process runs, forward and backward, and
-keeps a weak reference to each distinct storage it sees; after every op it drops the storages that
-died and sums the live ones. Storages named in ``exclude`` (parameters, gradient buffers, the host
+keeps a weak reference to each distinct storage it sees; after an op that allocates or grows a
+storage it drops the storages that died and sums the live ones (between two such ops the sum can only
+fall, so the peak is the same as with a sweep after every op, which a recorded timeline still has). Storages named in ``exclude`` (parameters, gradient buffers, the host
 pool) and storages already alive when tracking starts (found through the garbage collector: the
 step's input batches, for instance: ``live_tensors``) are not counted, so what is left is the
 activations and temporaries the step itself allocates. On CUDA :class:`CudaPeak` measures the same
@@ -52,10 +53,31 @@ class LiveBytesTracker(TorchDispatchMode):
                 continue
         return super().__enter__()
 
+    sweep_every_op = False  # a subclass that records when each storage died sets it
+
     def _sweep(self) -> None:
-        dead = [ptr for ptr, (ref, _n) in self.live.items() if ref.expired()]
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired, without its two Python calls
+        dead = [ptr for ptr, (ref, _n) in self.live.items() if expired(ref.cdata)]
         for ptr in dead:
             self.current -= self.live.pop(ptr)[1]
+
+    def _counts(self, t) -> bool:
+        """Whether ``_see(t)`` would count bytes: a storage not alive in ``live`` (new, or at the address
+        of one that died since the last sweep) or resized."""
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or t.layout != torch.strided:
+            return False
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return False
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.exclude:
+            return False
+        base = self.baseline.get(ptr)
+        if base is not None:
+            return base.expired()
+        known = self.live.get(ptr)
+        return known is None or known[1] != storage.nbytes() or known[0].expired()
 
     def _see(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or t.layout != torch.strided:
@@ -86,9 +108,11 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = self._run(func, args, kwargs)
-        self._sweep()
-        for t in tree_flatten(out)[0]:
-            self._see(t)
+        outputs = tree_flatten(out)[0]
+        if self.sweep_every_op or self.timeline is not None or any(self._counts(t) for t in outputs):
+            self._sweep()
+            for t in outputs:
+                self._see(t)
         self.ops += 1
         if self.current > self.peak:
             self.peak = self.current

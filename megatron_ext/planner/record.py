@@ -126,9 +126,12 @@ class _AllocTracker:
                 self.allocs: list = []
                 self.ids: dict = {}  # ptr -> index in allocs, while alive
 
+            sweep_every_op = True  # the op at which each storage died is part of the trace
+
             def _sweep(self):
+                expired = torch.UntypedStorage._expired
                 for ptr, (ref, _n) in list(self.live.items()):
-                    if ref.expired():
+                    if expired(ref.cdata):
                         self.current -= self.live.pop(ptr)[1]
                         k = self.ids.pop(ptr, None)
                         if k is not None:

@@ -7,6 +7,7 @@ import ast
 import os
 import weakref
 
+import pytest
 import torch
 
 from megatron_ext.measure.memtrack import LiveBytesTracker, live_tensors
@@ -28,6 +29,61 @@ def test_tracker_walks_past_a_dead_weak_proxy():
         y = kept * 2  # a new storage: counted; `kept` was alive at the start: not counted
     assert tracker.peak == y.untyped_storage().nbytes()
     del proxy
+
+
+def _steps():
+    """Allocations, frees, views and addresses reused by new storages: the live bytes after each step,
+    counted by hand."""
+    n = 4 * 256
+    a = torch.ones(256)  # +n
+    b = a * 2  # +n
+    yield 2 * n
+    v = b.view(16, 16).t()  # a view: no new storage
+    del a
+    c = v + 1  # +n, possibly at a's address
+    yield 2 * n
+    del b, v
+    d = c.sum(0, keepdim=True)  # b's storage died: only found at this allocating op
+    yield n + 64
+    del c, d
+    e = [torch.ones(64) for _ in range(8)]  # the freed addresses reused
+    yield 8 * 256
+    del e
+
+
+def test_the_peak_is_the_same_when_only_allocating_ops_sweep():
+    """Between two ops that allocate or grow a storage the live bytes can only fall: sweeping the dead
+    storages at those ops alone finds the peak a sweep after every op finds."""
+    peaks = []
+    for every in (True, False):
+        tracker = LiveBytesTracker()
+        tracker.sweep_every_op = every
+        with tracker:
+            highest = max(_steps())
+            tracker.sample()
+        peaks.append(tracker.peak)
+        assert tracker.current == 0
+    assert peaks == [highest, highest], peaks
+
+
+def test_a_new_storage_at_a_dead_ones_address_is_counted():
+    """The allocator hands a freed address to the next storage of its size: the tracker must not take
+    the new storage for the dead one it has not swept yet."""
+    with LiveBytesTracker() as tracker:
+        for _ in range(10):
+            x = torch.ones(16384)
+            address = x.data_ptr()
+            del x
+            y = torch.ones(16384)
+            if y.data_ptr() == address:
+                break
+            del y
+        else:
+            pytest.fail("the freed address was never handed out again: nothing checked")
+        z = torch.ones(512)
+        assert tracker.sample() == 4 * 16384 + 4 * 512
+    assert tracker.peak == 4 * 16384 + 4 * 512
+    del y, z
 
 
 def test_planner_and_its_measurement_run_beside_a_dead_weak_proxy():
