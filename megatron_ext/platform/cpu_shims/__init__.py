@@ -30,6 +30,13 @@ SHIMS: Dict[str, Shim] = {
             "unguarded `import triton` reached by importing GPTModel and the schedules",
             kernels.install_triton_free_paged_stash,
         ),
+        # before any record that imports megatron-core: its jit_fuser takes torch.compile as it is then
+        Shim(
+            "eager_jit_fuser",
+            ["megatron/core/jit.py:21"],
+            "jit_fuser = torch.compile costs ~18 s of compilation per process on CPU",
+            kernels.install_eager_jit_fuser,
+        ),
         Shim(
             "cpu_rng",
             [
@@ -109,12 +116,6 @@ SHIMS: Dict[str, Shim] = {
             ["megatron/core/transformer/torch_norm.py:50"],
             "torch LayerNorm refused under sequence parallel without apex/TE (blocks TP+MoE)",
             kernels.install_torch_norm_sequence_parallel,
-        ),
-        Shim(
-            "eager_jit_fuser",
-            ["megatron/core/jit.py:21"],
-            "jit_fuser = torch.compile costs ~18 s of compilation per process on CPU",
-            kernels.install_eager_jit_fuser,
         ),
         Shim(
             "no_device_arch",

@@ -3,6 +3,7 @@ kernels its MoE code imports unguarded, torch.compile behind its jit_fuser, and 
 norms under sequence parallelism. Each install returns its own undo (cpu_shims/__init__.py: the records)."""
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -59,21 +60,53 @@ def install_torch_norm_sequence_parallel():
 # --------------------------------------------------------------------------------------------
 # megatron/core/jit.py:21 makes `jit_fuser = torch.compile` (bias_swiglu, bias_gelu, rotary, MoE
 # permute helpers, ...). On CPU each process then spends ~18 s compiling for a tiny model. Run
-# those functions eagerly instead: the same math, without the compile. dynamo's `disable` is a
-# per-thread override (a context variable), unset on the autograd device thread where a
-# recomputed router or activation runs in the backward; the force_eager stance covers every thread.
+# those functions eagerly instead: the same math, without the compile. torch.compile hands back a
+# function that runs the one it was given (and compiles it, on its first call, only once the shim is
+# removed): nothing of dynamo or inductor is imported for it, ~3 s of every process's start on CPU.
+# A function compiled before the shim (dynamo already imported) runs eagerly through dynamo's
+# `disable` and the force_eager stance, which, unlike a per-thread override, covers the autograd
+# device thread where a recomputed router or activation runs in the backward.
 # --------------------------------------------------------------------------------------------
-def install_eager_jit_fuser():
-    import torch._dynamo
-    from torch._dynamo import eval_frame
+_EAGER = [False]  # the shim is on: what torch.compile handed out runs eagerly
 
-    undo = _patch(torch._dynamo.config, "disable", True)
-    before = eval_frame._stance
-    torch.compiler.set_stance("force_eager")
+
+def _eager_compile(real_compile):
+    def compile(model=None, **options):  # noqa: A001 - torch.compile's own name and signature
+        if model is None:  # @torch.compile(mode=...) and the like
+            return lambda fn: compile(fn, **options)
+        if isinstance(model, torch.nn.Module):
+            return model  # run as it is: the module itself, eager
+        compiled = []
+
+        @functools.wraps(model)
+        def run(*args, **kwargs):
+            if _EAGER[0]:
+                return model(*args, **kwargs)
+            if not compiled:
+                compiled.append(real_compile(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return run
+
+    return compile
+
+
+def install_eager_jit_fuser():
+    real_compile = torch.compile
+    undo = [_patch(torch, "compile", _eager_compile(real_compile))]
+    _EAGER[0] = True
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo import eval_frame
+
+        undo.append(_patch(sys.modules["torch._dynamo"].config, "disable", True))
+        before = eval_frame._stance
+        torch.compiler.set_stance("force_eager")
+        undo.append(lambda: torch.compiler.set_stance(
+            before.stance, skip_guard_eval_unsafe=before.skip_guard_eval_unsafe, force_backend=before.backend))
 
     def remove():
-        torch.compiler.set_stance(before.stance, skip_guard_eval_unsafe=before.skip_guard_eval_unsafe,
-                                  force_backend=before.backend)
-        undo()
+        _EAGER[0] = False
+        for u in reversed(undo):
+            u()
 
     return remove
