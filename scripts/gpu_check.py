@@ -135,7 +135,7 @@ SIZES = {
                                 microbatches=2, attention="unfused"),
                      moe=dict(model="moe", layers=2, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
                               experts=4, topk=2, moe_ffn=64, shared=64, microbatches=2, attention="unfused")),
-        offload_depths=(2,), offload_reps=1, copy_bytes=1 << 20,
+        offload_depths=(2,), offload_reps=1, copy_bytes=1 << 20, offload_all_at_once=True,
         train_extra=[],
         plan_extra=[],
         throughput="smoke",

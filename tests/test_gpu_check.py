@@ -14,6 +14,7 @@ import pytest
 from megatron_ext.offload import MODULES
 from scripts import gpu_check
 from gpu_check_sections import moe_graphs, throughput
+from gpu_check_sections import offload as offload_section
 
 NO_CUDA = "skipped: no CUDA"
 
@@ -154,6 +155,9 @@ def test_sections_cover_what_the_gpu_run_promises(smoke):
     s = doc["sections"]
     # every offload module in some set, on its model; every dispatcher x mode on the layer
     assert {m for row in s["offload"]["cases"] for m in row["modules"]} == set(MODULES)
+    # the rehearsal offloads them together; the GPU run measures each one alone too
+    gpu_sets = [modules for _, _, sets in offload_section._cases(gpu_check.SIZES["gpu"]) for modules in sets]
+    assert all([m] in gpu_sets for m in MODULES) and not gpu_check.SIZES["gpu"].get("offload_all_at_once")
     combos = {(r["dispatcher"], r["mode"]) for r in s["moe_layer"]["rows"]}
     assert combos == {(f"{who}-{d}", m) for who in ("megatron", "multihot") for d in ("alltoall", "allgather")
                       for m in ("dropless", "capacity", "capacity-nopad", "dropless-syncfree")}
@@ -163,7 +167,7 @@ def test_sections_cover_what_the_gpu_run_promises(smoke):
     assert s["train"]["dense_offload"]["offloaded_bytes"] > 0 and s["train"]["moe_sync_free"]["dispatchers_replaced"] > 0
     # the graphs' eager run through the GPU run's code (train.py's main), at the recipe's own sizes
     eager = s["moe_graphs"]["eager"]["cpu_smoke"]
-    assert len(eager["losses"]) == moe_graphs.ITERATIONS and eager["dispatchers_replaced"] > 0, eager
+    assert len(eager["losses"]) == moe_graphs.CPU_ITERATIONS and eager["dispatchers_replaced"] > 0, eager
     gpu = gpu_check.SIZES["gpu"]  # the sizes the GPU run measures at
     assert max(gpu["multihot_tokens"]) == 131072 and max(gpu["multihot_experts"]) == 256
     for shape in gpu["offload"].values():

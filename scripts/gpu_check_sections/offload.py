@@ -40,11 +40,15 @@ def host_link(size) -> dict:
 
 def _cases(size) -> list:
     """(model, layers, module sets): the dense model at its depth with every set, at the other depths
-    with DEPTH_SETS; the MoE with every set."""
+    with DEPTH_SETS; the MoE with every set. A size with ``offload_all_at_once`` (the CPU rehearsal)
+    runs each model with its every module in one set: the same code, each module offloaded."""
     dense = size["offload"]["dense"]
-    out = [("dense", dense["layers"], DENSE_SETS)]
-    out += [("dense", n, DEPTH_SETS) for n in size["offload_depths"]]
-    out.append(("moe", size["offload"]["moe"]["layers"], MOE_SETS))
+    sets = dict(dense=DENSE_SETS, depth=DEPTH_SETS, moe=MOE_SETS)
+    if size.get("offload_all_at_once"):
+        sets = dict(dense=[DENSE], depth=[DENSE], moe=MOE_SETS[-1:])
+    out = [("dense", dense["layers"], sets["dense"])]
+    out += [("dense", n, sets["depth"]) for n in size["offload_depths"]]
+    out.append(("moe", size["offload"]["moe"]["layers"], sets["moe"]))
     return sorted(out, key=lambda x: (x[0] != "dense", x[1]))
 
 
