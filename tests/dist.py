@@ -25,6 +25,7 @@ import traceback
 DEFAULT_TIMEOUT_S = 120  # per job; no test may need more (a slow job needs a smaller workload)
 THREAD_SLACK = 2  # native threads a job may leave above the baseline (lazily started process-wide pools)
 SETTLE_S = 2.0  # how long a surplus may take to go away (a thread finishing after its last join)
+FAILURE_GRACE_S = 2.0  # after a rank's failure, how long the others may take to report theirs
 
 _POOLS: dict = {}
 
@@ -241,7 +242,9 @@ class WorkerPool:
                 out[rank] = payload
             else:
                 failures.append((rank, payload))
-                deadline = min(deadline, time.monotonic() + 10)  # others may be blocked with the failed rank
+                # the others report their own failures at once, or are blocked with the failed rank (the
+                # pool is then restarted): a short grace picks the lowest failing rank's traceback
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if failures:
             rank, tb = min(failures)
             raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{tb}")

@@ -23,3 +23,30 @@ def planner_beside_a_dead_weak_proxy(argv):
         return dict(proxy_seen=seen, measured=sum(r["measured"].values()), predicted=r["predicted"]["peak_bytes"])
     finally:
         del proxy
+
+
+def storage_at_a_dead_ones_address():
+    """A storage freed and one of its size allocated next, until one lands at the freed address (glibc
+    hands a freed block back); then another storage. The tracker's live bytes and peak, and the truth."""
+    import torch
+
+    from megatron_ext.measure.memtrack import LiveBytesTracker
+
+    for numel in (16384, 4096, 256, 65536):
+        with LiveBytesTracker() as tracker:
+            for _ in range(10):
+                x = torch.ones(numel)
+                address = x.data_ptr()
+                del x
+                y = torch.ones(numel)
+                if y.data_ptr() == address:
+                    z = torch.ones(512)
+                    expected = 4 * numel + 4 * 512
+                    live = tracker.sample()
+                    break
+                del y
+            else:
+                continue
+        del y, z
+        return dict(reused=True, live=live, peak=tracker.peak, expected=expected)
+    return dict(reused=False)

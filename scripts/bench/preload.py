@@ -1,0 +1,25 @@
+"""What a process forked to run jobs starts with, imported once by its fork server: the platform set up
+and torch, megatron-core, the entry points and their heavy dependencies (about 7 s of CPU that each
+forked process would otherwise pay). The suite's worker pools (tests/_preload.py) and gpu_check's
+sections without CUDA (gpu_check_sections/preload.py) call :func:`imports`. Never with CUDA, which
+cannot be initialised in a forked child of a process that touched it."""
+
+
+def imports() -> None:
+    from megatron_ext import platform
+
+    platform.setup()
+
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tokenizers.text.libraries.huggingface_tokenizer as hf  # imports transformers
+    import megatron.training.training  # noqa: F401
+
+    import arguments  # noqa: F401  (every job parses with it)
+    import megatron_ext.checkpoint.checkpointer  # noqa: F401
+    import megatron_ext.planner.trace  # noqa: F401
+    import megatron_ext.training.data  # noqa: F401  (megatron's tokenizer package imports transformers when installed)
+    import train  # noqa: F401
+
+    hf.AutoTokenizer  # noqa: B018  (transformers resolves its tokenizer classes on first use)
