@@ -29,6 +29,7 @@ $(STAMP): requirements.txt $(PINS) Makefile pyproject.toml
 	$(PY) -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) scripts/pins.py --check $(PINS)
+	$(PY) -c "from megatron_ext import platform; platform.setup(); from megatron_ext.seams import extensions; extensions.build()"
 	touch $(STAMP)
 
 # Refresh the pins: a fresh environment with the newest versions requirements.txt allows (torch and
