@@ -4,12 +4,12 @@ It does not read the offload code's counters. On CPU (where "device" and "host" 
 ``TorchDispatchMode`` sees the outputs of every aten op the process runs, forward and backward, and
 keeps a weak reference to each distinct storage it sees; after an op that allocates or grows a
 storage it drops the storages that died and sums the live ones (between two such ops the sum can only
-fall, so the peak is the same as with a sweep after every op, which a recorded timeline still has). Storages named in ``exclude`` (parameters, gradient buffers, the host
-pool) and storages already alive when tracking starts (found through the garbage collector: the
-step's input batches, for instance: ``live_tensors``) are not counted, so what is left is the
-activations and temporaries the step itself allocates. On CUDA :class:`CudaPeak` measures the same
-thing with the caching allocator's own counters (``torch.cuda.max_memory_allocated``, reset per
-measured step).
+fall, so the peak is the same as with a sweep after every op, which a recorded timeline still has).
+Storages named in ``exclude`` (parameters, gradient buffers, the host pool) and storages already alive
+when tracking starts (found through the garbage collector: the step's input batches, for instance:
+``live_tensors``) are not counted, so what is left is the activations and temporaries the step itself
+allocates. On CUDA :class:`CudaPeak` measures the same thing with the caching allocator's own counters
+(``torch.cuda.max_memory_allocated``, reset per measured step).
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ overhead from the compute measured there (scripts/gpu_check_sections/offload.py)
 """
 from __future__ import annotations
 
-from megatron_ext.planner.work import attention_kind, component_work, recompute_s, shapes  # noqa: F401 (attention_kind: ours too)
+# attention_kind: read as steptime.attention_kind too
+from megatron_ext.planner.work import attention_kind, component_work, recompute_s, shapes  # noqa: F401
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, bus_factor
 
 GPUS_PER_NODE = 8

@@ -59,8 +59,8 @@ class _CpuRedirectMode(TorchFunctionMode):
 
 
 # the functions a rule of the mode rewrites whatever their keyword arguments
-_RULED = frozenset({torch.Tensor.cuda, torch.device, torch.Tensor.to, torch.Tensor.record_stream, torch.Tensor.pin_memory,
-                    torch.Tensor.type, torch.autograd.backward, torch.Tensor.backward})
+_RULED = frozenset({torch.Tensor.cuda, torch.device, torch.Tensor.to, torch.Tensor.record_stream,
+                    torch.Tensor.pin_memory, torch.Tensor.type, torch.autograd.backward, torch.Tensor.backward})
 
 
 def _run_backward(func, *args, **kwargs):
