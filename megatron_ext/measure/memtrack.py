@@ -61,18 +61,25 @@ class LiveBytesTracker(TorchDispatchMode):
         for ptr in dead:
             self.current -= self.live.pop(ptr)[1]
 
-    def _counts(self, t) -> bool:
-        """Whether ``_see(t)`` would count bytes: a storage not alive in ``live`` (new, or at the address
-        of one that died since the last sweep) or resized."""
+    def _storage(self, t) -> tuple | None:
+        """(``t``'s storage, its address), or None for what is never counted: not a strided tensor of
+        this device, no storage, or an excluded one."""
         if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or t.layout != torch.strided:
-            return False
+            return None
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return False
+            return None
         ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.exclude:
+        return None if ptr == 0 or ptr in self.exclude else (storage, ptr)
+
+    def _counts(self, t) -> bool:
+        """Whether ``_see(t)`` would count bytes: a storage not alive in ``live`` (new, or at the address
+        of one that died since the last sweep) or resized."""
+        found = self._storage(t)
+        if found is None:
             return False
+        storage, ptr = found
         base = self.baseline.get(ptr)
         if base is not None:
             return base.expired()
@@ -80,15 +87,10 @@ class LiveBytesTracker(TorchDispatchMode):
         return known is None or known[1] != storage.nbytes() or known[0].expired()
 
     def _see(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or t.layout != torch.strided:
+        found = self._storage(t)
+        if found is None:
             return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.exclude:
-            return
+        storage, ptr = found
         base = self.baseline.get(ptr)
         if base is not None:
             if not base.expired():

@@ -13,7 +13,7 @@ backward:
 - ``grouped_gemm``: the experts as grouped products, experts / EP groups of (tokens per rank x top-k
   / local experts) rows each (balanced routing), each expert's weights read once per pass: at a few
   hundred rows per expert the weight gradient's main-gradient traffic binds;
-- ``attention``: the core attention the run will use (``attention_kind``): transformer-engine's fused
+- ``attention``: the core attention the run will use (``work.attention_kind``): transformer-engine's fused
   or torch SDPA (flash-class: FLOPs of the causal or windowed pairs), or megatron's unfused attention
   (memory-bound on its s x s scores whatever the window);
 - ``memory``: element-wise work at the HBM rate, bytes counted per op (norms, residual adds, RoPE,
@@ -38,8 +38,7 @@ overhead from the compute measured there (scripts/gpu_check_sections/offload.py)
 """
 from __future__ import annotations
 
-# attention_kind: read as steptime.attention_kind too
-from megatron_ext.planner.work import attention_kind, component_work, recompute_s, shapes  # noqa: F401
+from megatron_ext.planner.work import component_work, recompute_s, shapes
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, bus_factor
 
 GPUS_PER_NODE = 8
@@ -184,7 +183,7 @@ def step_time(args, layout, stage_preds: list, offload_bytes_per_layer: list, de
     bytes size the data-parallel collectives); ``offload_bytes_per_layer``: per stage, the bytes one
     layer's offloaded group copies (per micro-batch); ``recompute``: "none" / "full" / "selective"
     (core attention), or (granularity, modules); ``attention``: a core attention kind in place of the
-    run's (``attention_kind``)."""
+    run's (``work.attention_kind``)."""
     sh = shapes(args, layout, attention)
     stages = stage_times(args, layout, dev, recompute, sh.attention)
     m = layout.microbatches

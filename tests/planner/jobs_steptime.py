@@ -23,7 +23,7 @@ def attention_kinds(seqs=(4096, 8192)):
     """Per sequence length, the step time's terms with each core attention kind on the same run, and
     the kind the run's own flags resolve to (transformer-engine target; local spec with megatron's
     unfused attention)."""
-    from megatron_ext.planner import memory, profiles, steptime
+    from megatron_ext.planner import memory, profiles, steptime, work
 
     dev = profiles.device("h100", None)
     out = {}
@@ -38,10 +38,10 @@ def attention_kinds(seqs=(4096, 8192)):
              "--assume-no-te"]
     return dict(times={s: {k: {n: v for n, v in t.items() if n.endswith("_s")} for k, t in kinds.items()}
                        for s, kinds in out.items()},
-                resolved=dict(transformer_engine=steptime.attention_kind(te),
-                              local_unfused=steptime.attention_kind(_parse([*local, "--attention-backend", "unfused"])),
-                              local_auto=steptime.attention_kind(_parse(local)),
-                              local_flash=steptime.attention_kind(_parse([*local, "--attention-backend", "flash"]))))
+                resolved=dict(transformer_engine=work.attention_kind(te),
+                              local_unfused=work.attention_kind(_parse([*local, "--attention-backend", "unfused"])),
+                              local_auto=work.attention_kind(_parse(local)),
+                              local_flash=work.attention_kind(_parse([*local, "--attention-backend", "flash"]))))
 
 
 def profile_changes_the_prediction():
