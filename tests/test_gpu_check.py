@@ -17,6 +17,10 @@ from gpu_check_sections import moe_graphs, throughput
 from gpu_check_sections import offload as offload_section
 
 NO_CUDA = "skipped: no CUDA"
+# the first test's setup runs the whole --cpu-smoke (ten sections, a process each): 40 s alone here, up
+# to about 2 min beside another test's 4-process job on 2 cores, past the default 120 s bound once (the
+# suite's other long case, the restart under torchrun, has the same bound)
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
