@@ -360,25 +360,12 @@ def _pythonpath() -> str:
 
 
 def fork_server():
-    """The forkserver context, its server started with the checkout on its path so that it preloads
-    gpu_check_sections/preload.py (the server takes its path from the environment, not from this
-    process's sys.path). A server already running in this process (the test suite's) is used as it is:
-    each child then imports what that server did not."""
-    import multiprocessing as mp
-    from multiprocessing import forkserver
+    """The forkserver context whose server preloads gpu_check_sections/preload.py (bench/preload.py).
+    A server already running in this process (the test suite's) is used as it is: each child then
+    imports what that server did not."""
+    from bench import preload
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gpu_check_sections.preload"])
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = _pythonpath()
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return preload.fork_server("gpu_check_sections.preload")
 
 
 def run_in_process(name: str, smoke: bool, size: dict, limit_s: float, fresh: bool) -> tuple:

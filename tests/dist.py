@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -185,12 +184,9 @@ def start_server():
     (tests/_preload.py): a fresh worker is ready in well under a second instead of the ~10 s of CPU
     those imports cost each spawned process. Returns immediately; the server imports in the
     background."""
-    from multiprocessing import forkserver
+    from bench import preload
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests._preload"])
-    forkserver.ensure_running()
-    return ctx
+    return preload.fork_server("tests._preload")
 
 
 class WorkerDied(RuntimeError):

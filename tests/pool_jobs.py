@@ -40,3 +40,10 @@ def worker_pid() -> int:
 
 def die(code: int) -> None:
     os._exit(code)
+
+
+def preloaded() -> list:
+    """What of the fork server's preload this worker started with (nothing before the job imports it)."""
+    import sys
+
+    return sorted(m for m in ("tests._preload", "train", "arguments", "megatron.training.training") if m in sys.modules)

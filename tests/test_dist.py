@@ -7,6 +7,12 @@ import pytest
 from tests.dist import run_distributed
 
 
+def test_workers_start_with_the_fork_servers_imports():
+    # the server skips a preload it cannot import without a word: every worker would pay the imports
+    assert run_distributed(1, "tests.pool_jobs:preloaded") == [
+        ["arguments", "megatron.training.training", "tests._preload", "train"]]
+
+
 def test_a_job_that_leaks_a_thread_fails_by_name_and_the_pool_recovers():
     before = run_distributed(1, "tests.pool_jobs:worker_pid")  # one rank: the check is per process
     assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]  # joined threads are fine

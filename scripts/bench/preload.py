@@ -3,6 +3,32 @@ and torch, megatron-core, the entry points and their heavy dependencies (about 7
 forked process would otherwise pay). The suite's worker pools (tests/_preload.py) and gpu_check's
 sections without CUDA (gpu_check_sections/preload.py) call :func:`imports`. Never with CUDA, which
 cannot be initialised in a forked child of a process that touched it."""
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fork_server(module: str):
+    """The forkserver context, its server started (in the background) to import ``module`` first.
+    Python 3.11's server takes its import path from the environment, not from this process's
+    sys.path, and skips a preload that raises ImportError without a word (every child would then
+    import torch and megatron-core itself): the server starts with the checkout and its scripts/ on
+    PYTHONPATH, as pytest.ini puts them. A server already running in this process is used as it is."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([module])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts"), *([saved] if saved else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
 
 
 def imports() -> None:
