@@ -31,7 +31,8 @@ except RuntimeError as e:
 
 
 def test_a_segfaulting_worker_prints_every_threads_stack_prefixed_with_its_rank():
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # the suite's path (pytest.ini): the pool's fork server is started by scripts/bench/preload.py
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")]), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", POOL], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)
     assert "pool: tests.test_crash_stacks:segfault: worker process died: rank 1 (exit code -11)" in done.stdout, \

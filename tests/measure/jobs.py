@@ -32,9 +32,10 @@ def storage_at_a_dead_ones_address():
 
     from megatron_ext.measure.memtrack import LiveBytesTracker
 
-    for numel in (16384, 4096, 256, 65536):
+    # which size glibc hands back at once depends on the heap a worker's earlier jobs left: try many
+    for numel in (16384, 4096, 256, 65536, 1024, 8192, 512, 2048, 32768, 128, 262144, 24576):
         with LiveBytesTracker() as tracker:
-            for _ in range(10):
+            for _ in range(50):
                 x = torch.ones(numel)
                 address = x.data_ptr()
                 del x
