@@ -42,7 +42,6 @@ _PUBLIC = {
     "relocate_recipe": ("recipe", "relocate"),
     "optimizer_has_state": ("state", "optimizer_has_state"),
     "CheckpointOptions": ("options", "CheckpointOptions"),
-    "options_from_args": ("options", "options_from_args"),
     "sharding_metadata": ("state", "sharding_metadata"),
     "sharded_tensors": ("state", "sharded_tensors"),
 }

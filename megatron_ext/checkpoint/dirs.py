@@ -23,7 +23,7 @@ import shutil
 
 from megatron_ext.checkpoint import integrity as ckpt_integrity
 from megatron_ext.checkpoint.integrity import CONFIG
-from megatron_ext.checkpoint.options import options_from_args as ckpt_options
+from megatron_ext.checkpoint.options import CheckpointOptions
 from megatron_ext.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -177,7 +177,7 @@ def _refuse_without_checkpoint(args) -> None:
     if not root:
         return
     first_run = bool(args.save) and os.path.abspath(root) == os.path.abspath(args.save) and not args.finetune
-    allowed = ckpt_options(args).allow_missing_checkpoint
+    allowed = CheckpointOptions.from_args(args).allow_missing_checkpoint
     if args.exit_on_missing_checkpoint:
         if allowed:
             raise ConfigError("--exit-on-missing-checkpoint, --allow-missing-checkpoint: choose one")

@@ -34,11 +34,6 @@ def add_arguments(parser):
     return parser
 
 
-def options_from_args(args) -> CheckpointOptions:
-    """The package's slice of the parsed arguments."""
-    return CheckpointOptions.from_args(args)
-
-
 def before_validate(args) -> None:
     """What was asked for, before megatron's validate_args changes it."""
     args.async_save_requested = bool(args.async_save)
@@ -47,7 +42,7 @@ def before_validate(args) -> None:
 
 
 def validate(args) -> None:
-    keep_last = options_from_args(args).save_keep_last
+    keep_last = CheckpointOptions.from_args(args).save_keep_last
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"--save-keep-last={keep_last}: keep at least 1 checkpoint")
     if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):

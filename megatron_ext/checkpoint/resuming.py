@@ -29,7 +29,7 @@ from megatron_ext.checkpoint.model_state import (
     sharded_state_dict,
     unwrap,
 )
-from megatron_ext.checkpoint.options import options_from_args as ckpt_options
+from megatron_ext.checkpoint.options import CheckpointOptions
 from megatron_ext.errors import ConfigError
 
 
@@ -94,7 +94,7 @@ class Resuming:
                 self._print(loaded)
                 return 0 if args.finetune else iteration  # --finetune: megatron's iteration 0
             line = f"damaged checkpoint {path}: {damage}"
-            if ckpt_options(args).no_ckpt_fallback or args.ckpt_step is not None:
+            if CheckpointOptions.from_args(args).no_ckpt_fallback or args.ckpt_step is not None:
                 why = "--no-ckpt-fallback" if args.no_ckpt_fallback else f"--ckpt-step={args.ckpt_step}"
                 raise DamagedCheckpoint(f"{line} ({why}: not loading an older one)")
             self._print(line)

@@ -23,7 +23,7 @@ from megatron_ext.checkpoint import lora as ckpt_lora
 from megatron_ext.checkpoint import recipe as ckpt_recipe
 from megatron_ext.checkpoint import state as ckpt_state
 from megatron_ext.checkpoint.model_state import gather_params, sharded_state_dict
-from megatron_ext.checkpoint.options import options_from_args as ckpt_options
+from megatron_ext.checkpoint.options import CheckpointOptions
 from megatron_ext.errors import ConfigError
 
 
@@ -133,7 +133,8 @@ class Saving:
     def _apply_retention(self, newest: int) -> None:
         args = self.args
         iterations = ckpt_dirs.committed_iterations(args.save)
-        keep = ckpt_dirs.retained(iterations, ckpt_options(args).save_keep_last, args.save_retain_interval)
+        keep_last = CheckpointOptions.from_args(args).save_keep_last
+        keep = ckpt_dirs.retained(iterations, keep_last, args.save_retain_interval)
         for it in iterations:
             if it not in keep and it != newest:
                 ckpt_dirs.remove_dir(ckpt_dirs.checkpoint_dir(args.save, it))

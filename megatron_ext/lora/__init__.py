@@ -27,7 +27,7 @@ from megatron_ext.lora.options import LoRAOptions
 
 FLAG = "--lora-rank"
 
-__all__ = ["LoRAOptions", "options_from_args", "add_arguments", "validate", "before_wrap", "merge", "teardown", "enabled", "FLAG"]
+__all__ = ["LoRAOptions", "add_arguments", "validate", "before_wrap", "merge", "teardown", "enabled", "FLAG"]
 
 
 def add_arguments(parser):
@@ -35,17 +35,12 @@ def add_arguments(parser):
     return parser
 
 
-def options_from_args(args) -> LoRAOptions:
-    """The package's slice of the parsed arguments."""
-    return LoRAOptions.from_args(args)
-
-
 def enabled(args) -> bool:
-    return options_from_args(args).enabled
+    return LoRAOptions.from_args(args).enabled
 
 
 def scale(args) -> float:
-    return options_from_args(args).scale
+    return LoRAOptions.from_args(args).scale
 
 
 def default_targets(args) -> list:
@@ -99,7 +94,7 @@ def _outs(args, path: str, parts: list) -> list:
 
 
 def validate(args) -> None:
-    opts = options_from_args(args)  # the rank >= 1, alpha > 0 and dropout in [0, 1) are their domains (options.py)
+    opts = LoRAOptions.from_args(args)  # the rank >= 1, alpha > 0 and dropout in [0, 1) are their domains (options.py)
     if not opts.enabled:
         off = LoRAOptions()
         for name in ("alpha", "dropout", "target_modules", "rslora", "fused_adapters"):

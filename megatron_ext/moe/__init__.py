@@ -29,18 +29,13 @@ ZERO_SYNC = "--moe-zero-sync-dropless"
 BUDGET = "--moe-dropless-budget-factor"
 OVERFLOW_FLAG = "--moe-dropless-overflow"
 
-__all__ = ["indices_to_multihot", "MoEOptions", "options_from_args", "add_arguments", "before_validate", "validate", "before_model", "after_model",
-           "install", "size_buffers", "at_log_line", "log_counters", "teardown", "FLAG"]
+__all__ = ["indices_to_multihot", "MoEOptions", "add_arguments", "before_validate", "validate", "before_model",
+           "after_model", "install", "size_buffers", "at_log_line", "log_counters", "teardown", "FLAG"]
 
 
 def add_arguments(parser):
     add_group(parser, MoEOptions, "megatron_ext: MoE token dispatch", "sync-free MoE token dispatch (docs/moe.md)")
     return parser
-
-
-def options_from_args(args) -> MoEOptions:
-    """The package's slice of the parsed arguments."""
-    return MoEOptions.from_args(args)
 
 
 def before_validate(args) -> None:
@@ -50,7 +45,7 @@ def before_validate(args) -> None:
 
 
 def validate(args) -> None:
-    opts = options_from_args(args)
+    opts = MoEOptions.from_args(args)
     _validate_zero_sync(args, opts)
     if not opts.sync_free_dispatcher:
         return
@@ -204,7 +199,7 @@ def before_model(args, config) -> None:
 def after_model(args, model_chunks) -> None:
     from megatron_ext.moe import graphs
 
-    opts = options_from_args(args)
+    opts = MoEOptions.from_args(args)
     if opts.sync_free_dispatcher:
         install(model_chunks, zero_sync=opts.zero_sync_dropless, budget_factor=opts.dropless_budget_factor,
                 cuda_graphs=graphs.capturing(args))
@@ -216,7 +211,7 @@ _last_line = {}  # this process's overflow figures of the last log line (zero-sy
 def at_log_line(args) -> None:
     """Every rank, at each log line: the one host read of the overflow counters, summed (pairs
     dropped) and maxed (load) over the ranks, so every rank decides the same."""
-    opts = options_from_args(args)
+    opts = MoEOptions.from_args(args)
     if not opts.zero_sync_dropless:
         return
     import math

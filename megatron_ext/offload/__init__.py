@@ -13,7 +13,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.offload.manager import attach, current, detach
 from megatron_ext.offload.vocabulary import ALIASES, MODULES, OffloadOptions, canonical_modules
 
-__all__ = ["add_arguments", "validate", "after_model", "teardown", "options_from_args", "attach", "detach", "current",
+__all__ = ["add_arguments", "validate", "after_model", "teardown", "attach", "detach", "current",
            "MODULES", "ALIASES", "OffloadOptions", "canonical_modules"]
 
 # megatron-core recompute module names (--recompute-modules) -> ours they make pointless to offload
@@ -47,7 +47,7 @@ def validate(args) -> None:
             f"{', '.join(MODULES)} (aliases {', '.join(ALIASES)})"
         )
     modules = canonical_modules(names)
-    args.activation_offload_modules = list(modules)  # canonical from here on: options_from_args reads it
+    args.activation_offload_modules = list(modules)  # canonical from here on: OffloadOptions.from_args reads it
     options = OffloadOptions.from_args(args)  # each value inside its field's domain, or refused naming its flag
     if options.chunk_mb > options.pool_mb:
         raise ConfigError(f"--activation-offload-chunk-mb={options.chunk_mb}: larger than "
@@ -100,14 +100,9 @@ def validate(args) -> None:
             )
 
 
-def options_from_args(args) -> OffloadOptions:
-    """Offload's slice of a validated run's arguments (``validate`` left the module names canonical)."""
-    return OffloadOptions.from_args(args)
-
-
 def after_model(args, model) -> None:
     if args.activation_offload_modules:
-        manager = attach(model, options_from_args(args))
+        manager = attach(model, OffloadOptions.from_args(args))
         if manager.pool.slots and manager.pool.slots[0].device.type == "cpu" and _rank() == 0:
             print("[offload] on CPU the host pool and the device are the same memory: offload moves the saved "
                   "bytes but cannot lower the process's RSS (on CUDA it lowers device memory)", flush=True)

@@ -41,9 +41,10 @@ def target_flags(argv: list) -> list:
 
 def parse(argv: list, prefix: str, parse_run):
     """(the planner's options, ``PlanOptions``; the run's parsed arguments validated for the GPU
-    cluster). Both come from one parse of the argument table (``parse_run``: ``arguments.parse``,
-    whose domain check refuses an option out of range by its flag), so a recipe's ``plan_gpu:`` is
-    read as --plan-gpu is."""
+    cluster; the run's command line they were parsed from, target flags included: a layout of the
+    search is these flags and its own, validated again). The options and the arguments come from one
+    parse of the argument table (``parse_run``: ``arguments.parse``, whose domain check refuses an
+    option out of range by its flag), so a recipe's ``plan_gpu:`` is read as --plan-gpu is."""
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner.hardware import GPUS
     from megatron_ext.planner.options import PlanOptions
@@ -57,8 +58,7 @@ def parse(argv: list, prefix: str, parse_run):
     if args.platform == "cuda" and args.target_gpu is None:
         run_argv += ["--target-gpu", opts.gpu]
         args = _parse_run(parse_run, run_argv)
-    args.plan_argv = run_argv  # a layout of the search is these flags and its own, validated again
-    return opts, args
+    return opts, args, run_argv
 
 
 def _parse_run(parse_run, argv: list):
@@ -67,9 +67,10 @@ def _parse_run(parse_run, argv: list):
         return parse_run([*argv, "--dry-run"], exit_on_dry_run=False)
 
 
-def reparse(parse_run):
-    """For the search: the run's flags with a layout's, validated again."""
-    return lambda argv: _parse_run(parse_run, argv)
+def reparse(parse_run, run_argv: list = ()):
+    """flags -> the run's arguments with them (``run_argv``'s flags, then these), validated again:
+    the search's layouts, and (with no ``run_argv``) a launch's whole command line."""
+    return lambda flags: _parse_run(parse_run, [*run_argv, *flags])
 
 
 def stage_table(stages: list) -> str:
@@ -178,7 +179,7 @@ def _run(argv: list, prefix: str, parse_run, refuse: bool, tracer) -> tuple:
     from megatron_ext.planner import launch
     from megatron_ext.planner.search import plan
 
-    opts, args = parse(argv, prefix, parse_run)
+    opts, args, run_argv = parse(argv, prefix, parse_run)
     platform.init_distributed()  # the trace runs a tiny copy of the model on this process
     log = logging.getLogger("megatron")
     level = log.level
@@ -187,14 +188,15 @@ def _run(argv: list, prefix: str, parse_run, refuse: bool, tracer) -> tuple:
         with contextlib.redirect_stdout(sys.stderr):
             result = plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, host_link_gbps=opts.host_link_gbps,
                           search_parallelism=opts.search_parallelism, top=opts.top, flag_prefix=prefix,
-                          reparse=reparse(parse_run), refuse=False, tracer=tracer, gpus_per_node=opts.gpus_per_node)
+                          reparse=reparse(parse_run, run_argv), refuse=False, tracer=tracer,
+                          gpus_per_node=opts.gpus_per_node)
     finally:
         log.setLevel(level)
     if refuse and result["refusal"]:
         raise ConfigError(result["refusal"])
 
     def launch_of(c):  # parsed back as train.py will parse it (launch.build's check)
-        return launch.build(args, result["given_settings"], c.settings, opts.gpu, opts.gpus_per_node,
+        return launch.build(args, run_argv, result["given_settings"], c.settings, opts.gpu, opts.gpus_per_node,
                             check=reparse(parse_run))
 
     best = result["candidates"][0]

@@ -40,10 +40,10 @@ def _name(group: list) -> str:
     return group[0].partition("=")[0]
 
 
-def split_argv(plan_argv: list) -> tuple:
+def split_argv(run_argv: list) -> tuple:
     """(recipe or None, the run's flags, the --dry-run target flags) of the planner's command line."""
     recipe, run, target = None, [], []
-    for g in groups(plan_argv):
+    for g in groups(run_argv):
         name = _name(g)
         if name == "--recipe":
             recipe = g[0].partition("=")[2] or (g[1] if len(g) > 1 else None)
@@ -67,12 +67,13 @@ def _shell(words: list) -> str:
     return " ".join(w if HEAD_NODE in w else shlex.quote(w) for w in words)
 
 
-def build(args, given: dict, chosen: dict, gpu: str, gpus_per_node: int, check=None) -> dict:
-    """The launch of the configuration ``chosen`` (settings) of the run ``args`` (as given:
-    ``given``), on ``gpu`` nodes of ``gpus_per_node``."""
+def build(args, run_argv: list, given: dict, chosen: dict, gpu: str, gpus_per_node: int, check=None) -> dict:
+    """The launch of the configuration ``chosen`` (settings) of the run ``args`` (parsed from
+    ``run_argv``, the planner's ``cli.parse``; as given: ``given``), on ``gpu`` nodes of
+    ``gpus_per_node``."""
     from megatron_ext.platform import target
 
-    recipe, run, target_flags = split_argv(getattr(args, "plan_argv", None) or [])
+    recipe, run, target_flags = split_argv(run_argv)
     changed = st.changed(given, chosen)
     kept = [w for g in groups(run) if _name(g) not in changed for w in g]
     flags = [*kept, *st.render(chosen, changed)]

@@ -50,9 +50,9 @@ class Offload:
         """The run's offload, as the offload package reads its validated options."""
         if not args.activation_offload_modules:
             return cls()
-        from megatron_ext.offload import options_from_args
+        from megatron_ext.offload import OffloadOptions
 
-        o = options_from_args(args)
+        o = OffloadOptions.from_args(args)
         return cls(tuple(o.modules), o.prefetch_depth, o.min_tensor_bytes, float(o.pool_bytes))
 
 

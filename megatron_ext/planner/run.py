@@ -138,7 +138,7 @@ def fixed_budget_rows(args, ep: int, tp: int):
     rows included). None for other dispatchers."""
     from megatron_ext import moe
 
-    dispatch = moe.options_from_args(args)
+    dispatch = moe.MoEOptions.from_args(args)
     if not (dispatch.zero_sync and args.moe_token_dispatcher_type == "alltoall" and args.num_experts):
         return None
     from megatron_ext.moe.fixed_dispatch import budget_rows

@@ -116,19 +116,16 @@ def _notes(args, recompute: str, modules: tuple) -> list:
 
 
 def _reparse(args, flags: list, drop_uneven: bool, parse_run):
-    """The run's flags with a layout's, validated again by ``parse_run`` (megatron derives values
-    from the sizes); None when refused (the reason on stderr)."""
-    argv = list(getattr(args, "plan_argv", None) or [])
+    """The run's arguments with a layout's ``flags``, validated again by ``parse_run`` (the search's
+    ``reparse``: megatron derives values from the sizes); None when refused (the reason on stderr)."""
     if drop_uneven:  # first/last stage layer counts belong to the recipe's pipeline size
         flags = [*flags, "--decoder-first-pipeline-num-layers", "0", "--decoder-last-pipeline-num-layers", "0"] \
             if args.decoder_first_pipeline_num_layers else flags
     try:
-        a = parse_run([*argv, *flags])
+        return parse_run(flags)
     except (ConfigError, ValueError, AssertionError) as e:
         print(f"planner: {' '.join(flags)} refused: {str(e).splitlines()[-1][:200]}", file=sys.stderr)
         return None
-    a.plan_argv = argv
-    return a
 
 
 def layouts(args, parse_run) -> list:
@@ -228,8 +225,8 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
     """{"stages": the run as given, per stage, "candidates": best first, "budget_bytes", ...,
     "given_settings", "nearest": the nearest ways to fit when nothing fits, "refusal": that one-line
     message or None}. Raises ConfigError naming the flag for an unknown GPU, and with ``refuse`` for a
-    budget nothing meets. ``reparse`` (argv -> parsed arguments) validates the layouts of
-    ``search_parallelism`` and of more GPUs (without it, no more-GPUs hint). Step times use the GPU's
+    budget nothing meets. ``reparse`` (a layout's flags -> the run's arguments with them) validates
+    the layouts of ``search_parallelism`` and of more GPUs (without it, no more-GPUs hint). Step times use the GPU's
     stored hardware profile where there is one (``profile``: "stored", a profile dict, or None for
     the datasheet model only; ``profiles.device``); "kernels" says which."""
     if gpu not in GPUS:

@@ -33,14 +33,9 @@ def add_arguments(parser):
     return parser
 
 
-def options_from_args(args) -> OverlapOptions:
-    """The package's slice of the parsed arguments."""
-    return OverlapOptions.from_args(args)
-
-
 def validate(args) -> None:
     """Refuse, naming flag and value, every setting under which the overlap cannot apply."""
-    if not options_from_args(args).overlap_tp_comm_1f1b:
+    if not OverlapOptions.from_args(args).overlap_tp_comm_1f1b:
         return
     on = f"{FLAG}=True"
     sizes = model_parallel_sizes(args)
@@ -114,7 +109,7 @@ def get_forward_backward_func(args=None):
     same keyword arguments as megatron's forward_backward_* functions."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    if args is not None and options_from_args(args).overlap_tp_comm_1f1b:
+    if args is not None and OverlapOptions.from_args(args).overlap_tp_comm_1f1b:
         from megatron_ext.schedules.overlap_1f1b import forward_backward_overlap
 
         return forward_backward_overlap

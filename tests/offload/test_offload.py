@@ -135,7 +135,7 @@ def test_validate_accepts_aliases_and_allowed_recompute():
     # the op fuser only bypasses the expert linears: attention and shared-expert offload still work
     offload.validate(_args(activation_offload_modules=["core_attention", "shared_experts"],
                            use_transformer_engine_op_fuser=True))
-    opts = offload.options_from_args(a)
+    opts = offload.OffloadOptions.from_args(a)
     assert opts.chunk_bytes == 1 << 20 and opts.pool_bytes == 64 << 20 and opts.min_tensor_bytes == 64 << 10
 
 

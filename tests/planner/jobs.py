@@ -75,7 +75,7 @@ def plan_as_given(argv):
 
     from megatron_ext.planner import cli, search
 
-    opts, args = cli.parse(argv, "--", arguments.parse)
+    opts, args, _ = cli.parse(argv, "--", arguments.parse)
     result = search.plan(args, gpu=opts.gpu, memory_gb=opts.memory_gb, recomputes=())
     return dict(as_given=cli.as_given_json(result["as_given"]), first=result["candidates"][0].as_given,
                 chunks=[ch["activations_per_microbatch"] for ch in result["stages"][0]["chunks"]])
@@ -89,7 +89,7 @@ def published_plan(name):
     from megatron_ext.planner import cli, published, search
 
     c = published.CASES[name]
-    opts, args = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
+    opts, args, _ = cli.parse([*c["argv"], "--gpu", c["gpu"]], "--", arguments.parse)
     result = search.plan(args, gpu=opts.gpu, recomputes=("none",))
     report = dict(as_given=cli.as_given_json(result["as_given"]),
                   candidates=[dict(flags=x.flags, as_given=x.as_given, fits=x.fits) for x in result["candidates"]])

@@ -71,7 +71,8 @@ def plans():
     parsed = _parse([*lch["train"][1:], "--platform", "cuda", "--assume-te"])
     # the model with its four heads on TP2 and the winner's recompute / offload (a launch needs no
     # trace): the environment TP asks for, per GPU generation
-    _, args = cli.parse([a for a in TWO_NODES if a not in ("--num-attention-heads", "1")], "--", arguments.parse)
+    _, args, run_argv = cli.parse([a for a in TWO_NODES if a not in ("--num-attention-heads", "1")], "--",
+                                  arguments.parse)
     four_heads = settings.of_args(args)
     tp2 = dict(four_heads, **{f: winner.settings[f] for f in (*settings.RECOMPUTE, *settings.OFFLOAD)},
                **{"--tensor-model-parallel-size": 2, "--sequence-parallel": True})
@@ -79,8 +80,8 @@ def plans():
     out["launch"] = dict(
         given=given, winner_flags=winner.flags, winner_fits=winner.fits, winner_as_given=winner.as_given,
         winner_settings=winner.settings, launch=lch, json=report["launch"], parsed=settings.of_args(parsed),
-        tp2_h100=launch.build(args, four_heads, tp2, "h100", 8, check=check),
-        tp2_b200=launch.build(args, four_heads, tp2, "b200", 8),
+        tp2_h100=launch.build(args, run_argv, four_heads, tp2, "h100", 8, check=check),
+        tp2_b200=launch.build(args, run_argv, four_heads, tp2, "b200", 8),
         odd_world=launch.nodes_for(12, 8), small_world=launch.nodes_for(4, 8))
 
     # recompute switched off where the run asks for it: on the command line (dropped from it) or in
@@ -89,10 +90,10 @@ def plans():
     for where in ("cli", "recipe"):
         with _recipe(recompute_granularity="selective") if where == "recipe" else contextlib.nullcontext(RECIPE) as r:
             argv = ["--recipe", r, *TWO_NODES[2:], *(["--recompute-granularity", "selective"] if where == "cli" else [])]
-            _, a = cli.parse(argv, "--", arguments.parse)
+            _, a, a_argv = cli.parse(argv, "--", arguments.parse)
             own = settings.of_args(a)
             off = dict(own, **settings.recompute_choice("none"))
-            out["switch_off"][where] = dict(given=own, launch=launch.build(a, own, off, "h100", 8, check=check))
+            out["switch_off"][where] = dict(given=own, launch=launch.build(a, a_argv, own, off, "h100", 8, check=check))
 
     # nothing fits: the budget just below the lowest peak of every candidate at this world size
     lowest = min(c.peak for c in free["candidates"])
@@ -111,11 +112,11 @@ def plans():
     # duplicates: the split search at world size 2 reaches the run's own split (TP1 PP1 DP2 mbs2)
     result, _ = _plan([*MODEL, "--world-size", "2", "--search-parallelism", "--memory-gb", "1", "--top", "1000"], tracer)
     rows = result["candidates"]
-    _, args = cli.parse([*MODEL, "--world-size", "2"], "--", arguments.parse)
+    _, _, run_argv = cli.parse([*MODEL, "--world-size", "2"], "--", arguments.parse)
     twins = _twins(rows)
     out["duplicates"] = dict(
         rows=[(r.as_given, r.layout, r.flags) for r in rows],
         as_given_rows=sum(r.as_given for r in rows),
         # what each twin's command line (the run's, then the row's flags) parses to
-        twins=[(r.layout, r.flags, settings.key(settings.of_args(_parse([*args.plan_argv, *r.flags])))) for r in twins])
+        twins=[(r.layout, r.flags, settings.key(settings.of_args(_parse([*run_argv, *r.flags])))) for r in twins])
     return out
