@@ -153,7 +153,7 @@ def planner_traces(runs: list) -> list:
 
     out = []
     for recipe, *flags in runs:
-        _, args = cli.parse(["--recipe", recipe, "--gpu", "h100", "--num-workers", "0", "--mock-data", *flags],
+        _, args, _ = cli.parse(["--recipe", recipe, "--gpu", "h100", "--num-workers", "0", "--mock-data", *flags],
                             "--", arguments.parse)
         experts = tiny.traced_experts(args)
         base = tiny.base_shape(args, experts)
