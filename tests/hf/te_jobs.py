@@ -154,7 +154,7 @@ def planner_traces(runs: list) -> list:
     out = []
     for recipe, *flags in runs:
         _, args, _ = cli.parse(["--recipe", recipe, "--gpu", "h100", "--num-workers", "0", "--mock-data", *flags],
-                            "--", arguments.parse)
+                               "--", arguments.parse)
         experts = tiny.traced_experts(args)
         base = tiny.base_shape(args, experts)
         kinds = [k for k in dict.fromkeys(run.layer_kinds(args)) for _ in range(2)]
