@@ -5,3 +5,5 @@ from bench import preload
 preload.imports()
 
 import megatron_ext.schedules.overlap_1f1b  # noqa: E402,F401
+
+preload.freeze()

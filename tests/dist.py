@@ -4,12 +4,13 @@ Starting a process group and importing megatron-core costs seconds per process; 
 pool costs well under one. `run_distributed(world_size, "pkg.module:function", **kwargs)` runs the
 function on every rank and returns the list of per-rank results (index = rank). A job that raises on
 any rank fails the test with that rank's traceback; the pool is then restarted, since the other ranks
-may be stuck in a collective. Workers are forked from a server that has done the imports once.
+may be stuck in a collective, unless every rank reported and left nothing behind (a restart costs
+every worker its start). Workers are forked from a server that has done the imports once.
 
-Leak check: each worker records its threads and process groups once the default group is up; after
-every job (and megatron's teardown) they must be back to that baseline (no new Python thread or
-process group, at most THREAD_SLACK new native threads), or the job fails naming what it left
-behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns threads) or a
+Leak check: each worker records its threads, process groups and seams in place once the default
+group is up; after every job (and megatron's teardown) they must be back to that baseline (no new
+Python thread, process group or seam, at most THREAD_SLACK new native threads), or the job fails
+naming what it left behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns threads) or a
 helper thread behind would pile up thousands.
 """
 from __future__ import annotations
@@ -76,27 +77,35 @@ def _groups() -> dict:
     }
 
 
-def snapshot(collect: bool = True) -> tuple[dict, dict]:
+def _seams() -> set:
+    """The seams in place now (megatron_ext/seams/registry.py): a run removes its own at teardown."""
+    from megatron_ext.seams import registry
+
+    return {name for name, seam in registry.SEAMS.items() if seam.active}
+
+
+def snapshot(collect: bool = True) -> tuple[dict, dict, set]:
     import gc
 
     if collect:  # a process group or thread object only held by a reference cycle is not a leak
         gc.collect()
-    return _threads(), _groups()
+    return _threads(), _groups(), _seams()
 
 
-def check_leaks(job: str, baseline: tuple[dict, dict], slack: int = THREAD_SLACK, settle_s: float = SETTLE_S) -> None:
-    """Raise LeakError naming the surplus of `job` against `baseline`: any Python thread or process
-    group it left behind, or more than `slack` native threads."""
-    base_threads, base_groups = baseline
+def check_leaks(job: str, baseline: tuple[dict, dict, set], slack: int = THREAD_SLACK, settle_s: float = SETTLE_S) -> None:
+    """Raise LeakError naming the surplus of `job` against `baseline`: any Python thread, process
+    group or seam it left behind, or more than `slack` native threads."""
+    base_threads, base_groups, base_seams = baseline
     deadline = time.monotonic() + settle_s
     collect = False  # a full collection costs more than most jobs: only once something seems left behind
     while True:
-        threads, groups = snapshot(collect)
+        threads, groups, seams = snapshot(collect)
         extra_groups = {k: v for k, v in groups.items() if k not in base_groups}
+        extra_seams = sorted(seams - base_seams)
         new = sorted(name for tid, name in threads.items() if tid not in base_threads)
         python = [n for n in new if n.endswith("(python)")]
         surplus = len(threads) - len(base_threads)
-        if not extra_groups and not python and surplus <= slack:
+        if not extra_groups and not extra_seams and not python and surplus <= slack:
             return
         if not collect:
             collect = True
@@ -112,6 +121,8 @@ def check_leaks(job: str, baseline: tuple[dict, dict], slack: int = THREAD_SLACK
         )
     if extra_groups:
         lines.append(f"  {len(extra_groups)} process groups: " + "; ".join(sorted(extra_groups.values())))
+    if extra_seams:
+        lines.append(f"  {len(extra_seams)} seams in place: " + ", ".join(extra_seams))
     raise LeakError("\n".join(lines))
 
 
@@ -150,7 +161,7 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     platform.init_distributed(timeout_s=DEFAULT_TIMEOUT_S)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         pass  # the profiler starts its process-wide threads once: part of the baseline, not a job's leak
-    results.put((rank, "ready", None))  # also starts the queue's feeder thread before the baseline
+    results.put((rank, "ready", None, True))  # also starts the queue's feeder thread before the baseline
     baseline = snapshot()
     import gc
 
@@ -166,13 +177,15 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
             payload = getattr(importlib.import_module(module), name)(**kwargs)
         except BaseException:  # noqa: BLE001 - report everything to the test
             ok, payload = False, traceback.format_exc()
+        clean = True  # nothing of the job is left: the worker can take the next one
         try:
             _teardown()
-            if ok:
-                check_leaks(target, baseline)
+            check_leaks(target, baseline, settle_s=SETTLE_S if ok else 0.0)
         except BaseException:  # noqa: BLE001
-            ok, payload = False, traceback.format_exc()
-        results.put((rank, ok, payload))
+            clean = False
+            if ok:
+                ok, payload = False, traceback.format_exc()
+        results.put((rank, ok, payload, clean))
     torch.distributed.destroy_process_group()
     results.close()
     results.join_thread()
@@ -187,6 +200,10 @@ def start_server():
     from bench import preload
 
     return preload.fork_server("tests._preload")
+
+
+class JobFailed(RuntimeError):
+    """A job raised on some rank, and every rank reported, tore down and left nothing behind."""
 
 
 class WorkerDied(RuntimeError):
@@ -211,6 +228,8 @@ class WorkerPool:
     def run(self, target: str, timeout: float, kwargs: dict) -> list:
         try:
             return self._run(target, timeout, kwargs)
+        except JobFailed:  # every rank reported, tore down and left nothing behind: the pool stays
+            raise
         except BaseException:
             # a failed rank, a timeout, or the test interrupted (pytest-timeout): ranks may be stuck
             self.close(force=True)
@@ -219,11 +238,11 @@ class WorkerPool:
     def _run(self, target: str, timeout: float, kwargs: dict) -> list:
         for q in self.jobs:
             q.put((target, kwargs))
-        out, failures = {}, []
+        out, failures, clean_ranks = {}, [], 0
         deadline = time.monotonic() + timeout
         while len(out) + len(failures) < self.world_size:
             try:
-                rank, ok, payload = self.results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                rank, ok, payload, clean = self.results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
@@ -234,6 +253,7 @@ class WorkerPool:
                 continue
             if ok == "ready":
                 continue
+            clean_ranks += clean
             if ok:
                 out[rank] = payload
             else:
@@ -243,7 +263,8 @@ class WorkerPool:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if failures:
             rank, tb = min(failures)
-            raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{tb}")
+            failed = JobFailed if clean_ranks == self.world_size else RuntimeError
+            raise failed(f"{target} failed on rank {rank} of {self.world_size}:\n{tb}")
         if len(out) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(out))
             raise TimeoutError(f"{target}: ranks {missing} gave no result within {timeout}s")

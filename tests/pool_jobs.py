@@ -47,3 +47,22 @@ def preloaded() -> list:
     import sys
 
     return sorted(m for m in ("tests._preload", "train", "arguments", "megatron.training.training") if m in sys.modules)
+
+
+def raise_on(rank: int, leak: bool = False) -> int:
+    """Raise on ``rank`` (after leaving a thread behind, with ``leak``); the other ranks return."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        if leak:
+            leak_thread()
+        raise ValueError("deliberately failed")
+    return 1
+
+
+def leave_a_seam() -> int:
+    """Put a recorded seam in place and return without removing it."""
+    from megatron_ext.seams import registry
+
+    registry.apply_for_run(next(seam for seam in registry.SEAMS.values() if not seam.active))
+    return 1

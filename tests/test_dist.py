@@ -26,12 +26,34 @@ def test_a_job_that_leaks_a_thread_fails_by_name_and_the_pool_recovers():
     assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
 
 
+def test_a_failed_job_keeps_the_pool_only_when_it_left_nothing_behind():
+    # a pool restart costs every worker its start (the profiler's threads, the process groups)
+    before = run_distributed(2, "tests.pool_jobs:worker_pid")
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(2, "tests.pool_jobs:raise_on", rank=1)
+    assert "tests.pool_jobs:raise_on failed on rank 1 of 2" in str(failed.value)
+    assert "ValueError: deliberately failed" in str(failed.value)
+    assert run_distributed(2, "tests.pool_jobs:worker_pid") == before  # the same workers
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(2, "tests.pool_jobs:raise_on", rank=0, leak=True)
+    assert "ValueError: deliberately failed" in str(failed.value)
+    after = run_distributed(2, "tests.pool_jobs:worker_pid")  # the leaky rank's pool was replaced
+    assert set(after).isdisjoint(before)
+
+
 def test_a_job_that_keeps_a_process_group_fails_by_name():
     with pytest.raises(RuntimeError) as failed:
         run_distributed(1, "tests.pool_jobs:leak_process_group")
     message = str(failed.value)
     assert "tests.pool_jobs:leak_process_group leaked" in message
     assert "1 process groups" in message and "ranks [0]" in message
+    assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
+
+
+def test_a_job_that_leaves_a_seam_in_place_fails_by_name():
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(1, "tests.pool_jobs:leave_a_seam")
+    assert "tests.pool_jobs:leave_a_seam leaked" in str(failed.value) and "1 seams in place: " in str(failed.value)
     assert run_distributed(1, "tests.pool_jobs:join_thread") == [1]
 
 

@@ -49,3 +49,12 @@ def imports() -> None:
     import train  # noqa: F401
 
     hf.AutoTokenizer  # noqa: B018  (transformers resolves its tokenizer classes on first use)
+
+
+def freeze() -> None:
+    """After the imports: their objects live as long as the server and every child, so no child's
+    collection scans them (or writes to their pages, which fork shares until written)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

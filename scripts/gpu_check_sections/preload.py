@@ -6,3 +6,5 @@ from bench import preload
 preload.imports()
 
 import gpu_check_sections  # noqa: E402,F401
+
+preload.freeze()
