@@ -42,13 +42,14 @@ def imports() -> None:
     import megatron.core.tokenizers.text.libraries.huggingface_tokenizer as hf  # imports transformers
     import megatron.training.training  # noqa: F401
 
-    import arguments  # noqa: F401  (every job parses with it)
+    import arguments  # every job parses with it
     import megatron_ext.checkpoint.checkpointer  # noqa: F401
     import megatron_ext.planner.trace  # noqa: F401
     import megatron_ext.training.data  # noqa: F401  (megatron's tokenizer package imports transformers when installed)
     import train  # noqa: F401
 
     hf.AutoTokenizer  # noqa: B018  (transformers resolves its tokenizer classes on first use)
+    arguments.build_parser()  # built once per process (megatron reads its config classes' source for the help)
 
 
 def freeze() -> None:
