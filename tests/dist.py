@@ -10,8 +10,8 @@ every worker its start). Workers are forked from a server that has done the impo
 Leak check: each worker records its threads, process groups and seams in place once the default
 group is up; after every job (and megatron's teardown) they must be back to that baseline (no new
 Python thread, process group or seam, at most THREAD_SLACK new native threads), or the job fails
-naming what it left behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns threads) or a
-helper thread behind would pile up thousands.
+naming what it left behind. A worker runs hundreds of jobs: a job that leaves a gloo group (each owns
+threads) or a helper thread behind would pile up thousands.
 """
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def snapshot(collect: bool = True) -> tuple[dict, dict, set]:
     return _threads(), _groups(), _seams()
 
 
-def check_leaks(job: str, baseline: tuple[dict, dict, set], slack: int = THREAD_SLACK, settle_s: float = SETTLE_S) -> None:
+def check_leaks(job: str, baseline: tuple[dict, dict, set], slack: int = THREAD_SLACK,
+                settle_s: float = SETTLE_S) -> None:
     """Raise LeakError naming the surplus of `job` against `baseline`: any Python thread, process
     group or seam it left behind, or more than `slack` native threads."""
     base_threads, base_groups, base_seams = baseline
