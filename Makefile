@@ -21,7 +21,9 @@ PINS_VENV   ?= .venv-pins
 install: $(STAMP)
 
 # Every package at the version constraints.txt pins (the versions the suite passed with); the check
-# at the end stops the install naming any package that differs.
+# at the end stops the install naming any package that differs. Then megatron-core's C++ extension is
+# built, and the checkout's modules compiled once (where PYTHONDONTWRITEBYTECODE is set, every fresh
+# interpreter would compile them again).
 $(STAMP): requirements.txt $(PINS) Makefile pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(PINS) "$(TORCH_SPEC)"
@@ -30,6 +32,7 @@ $(STAMP): requirements.txt $(PINS) Makefile pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) scripts/pins.py --check $(PINS)
 	$(PY) -c "from megatron_ext import platform; platform.setup(); from megatron_ext.seams import extensions; extensions.build()"
+	$(PY) -m compileall -q megatron_ext scripts train.py arguments.py
 	touch $(STAMP)
 
 # Refresh the pins: a fresh environment with the newest versions requirements.txt allows (torch and

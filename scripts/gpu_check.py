@@ -83,6 +83,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench import preload  # noqa: E402
 from gpu_check_sections import RUNNERS, SECTIONS, child  # noqa: E402
 from gpu_check_sections.common import cuda, package_version  # noqa: E402
 # the planner section's cases, read by tests
@@ -354,17 +355,10 @@ class _Follow(threading.Thread):
                     time.sleep(0.1)
 
 
-def _pythonpath() -> str:
-    """The checkout and its scripts/ first: what a section's process imports (the same as pytest.ini's)."""
-    return os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-
-
 def fork_server():
     """The forkserver context whose server preloads gpu_check_sections/preload.py (bench/preload.py).
     A server already running in this process (the test suite's) is used as it is: each child then
     imports what that server did not."""
-    from bench import preload
-
     return preload.fork_server("gpu_check_sections.preload")
 
 
@@ -377,7 +371,7 @@ def run_in_process(name: str, smoke: bool, size: dict, limit_s: float, fresh: bo
         follow.start()
         size = dict(size, time_limit_s=limit_s)
         if fresh:
-            env = dict(os.environ, PYTHONPATH=_pythonpath())
+            env = dict(os.environ, PYTHONPATH=preload.pythonpath())
             with open(log_file, "ab") as log:
                 proc = subprocess.Popen(section_command(name, smoke, result_file, limit_s), stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)

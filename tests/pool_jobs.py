@@ -46,7 +46,8 @@ def preloaded() -> list:
     """What of the fork server's preload this worker started with (nothing before the job imports it)."""
     import sys
 
-    return sorted(m for m in ("tests._preload", "train", "arguments", "megatron.training.training") if m in sys.modules)
+    modules = ("tests._preload", "train", "arguments", "megatron.training.training")
+    return sorted(m for m in modules if m in sys.modules)
 
 
 def raise_on(rank: int, leak: bool = False) -> int:

@@ -188,7 +188,7 @@ def validate_choice(recipe: str = "recipes/cluster/mixtral_8x7b.yaml", gpu: str 
 
     # the local spec (--assume-no-te): what the scaled-down run measures on this machine
     _, full, _ = cli.parse(["--recipe", recipe, "--gpu", gpu, "--num-workers", "0", "--transformer-impl", "local",
-                         "--assume-no-te"], "--", arguments.parse)
+                            "--assume-no-te"], "--", arguments.parse)
     given, tracer = (recompute_of(full),), search.Tracer()
     everything = planner.plan(full, gpu=gpu, memory_gb=1e6, top=10**6, recomputes=given, tracer=tracer)["candidates"]
     plain = next(c for c in everything if not any(f.startswith("--activation-offload") for f in c.flags))

@@ -8,6 +8,12 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def pythonpath() -> str:
+    """The checkout and its scripts/ first (as pytest.ini has them), then this process's PYTHONPATH:
+    what a process started for the checkout imports from."""
+    return os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+
+
 def fork_server(module: str):
     """The forkserver context, its server started (in the background) to import ``module`` first.
     Python 3.11's server takes its import path from the environment, not from this process's
@@ -20,7 +26,7 @@ def fork_server(module: str):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([module])
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts"), *([saved] if saved else [])])
+    os.environ["PYTHONPATH"] = pythonpath()
     try:
         forkserver.ensure_running()
     finally:
