@@ -1,14 +1,12 @@
 """The C++ extension megatron-core compiles on first use (torch.utils.cpp_extension.load_inline), built
 ahead of any run: ``make install`` calls :func:`build`, so that no run, test or rank waits for the
 compiler (about 45 s of CPU here; the rank beside it waits on the build's lock). torch keeps the
-build under ~/.cache/torch_extensions, keyed by the flags, which name this environment's paths."""
+build under ~/.cache/torch_extensions, keyed by the flags, which name this environment's paths. The
+platform is set up by the caller, before this package (which imports megatron-core) is imported."""
 from __future__ import annotations
 
 
 def build() -> list[str]:
-    from megatron_ext import platform
-
-    platform.setup()  # before megatron-core is imported
     # megatron/core/tensor_parallel/random.py:69: share_storage, which hands an output recomputed in
     # the backward (CheckpointWithoutOutput: --recompute-modules' output-discarding modules) to the
     # tensors that kept its storage
@@ -16,4 +14,3 @@ def build() -> list[str]:
 
     random._get_share_storage()
     return ["share_storage_ext"]
-
