@@ -14,8 +14,12 @@ from megatron_ext.checkpoint.dirs import TRACKER, complete_iterations, retained
 from tests.dist import run_distributed
 
 TOTAL, SPLIT = 4, 2  # uninterrupted: iterations 1..4; interrupted: 1..2, save, resume, 3..4
-DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--num-layers", "2", "--train-iters", str(TOTAL), "--log-interval", "100"]
-MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", str(TOTAL), "--log-interval", "100"]
+# global batch 4: one micro-batch a step per data-parallel rank (two on one rank without DP). What a
+# resume must restore (weights, optimizer, schedule, RNG, data position) is per step, not per micro-batch
+BATCH = ["--global-batch-size", "4"]
+DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--num-layers", "2", "--train-iters", str(TOTAL), "--log-interval", "100",
+         *BATCH]
+MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", str(TOTAL), "--log-interval", "100", *BATCH]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 _UNINTERRUPTED: dict = {}
@@ -321,7 +325,7 @@ def test_intact_checkpoint_with_bad_weights_is_caught_after_resume(tmp_path, val
     and (no older one here) stops. Zeroed weights (and optimizer moments): a warning that the grad
     norm stayed exactly 0 over the first log interval."""
     save = str(tmp_path)
-    argv = DENSE[:-1] + ["2"]  # --log-interval 2
+    argv = DENSE + ["--log-interval", "2"]
     run_distributed(2, "tests.training.jobs_ckpt:train_saving_filled_params", value=value,
                     argv=argv + ["--save", save, "--save-interval", str(SPLIT), "--exit-interval", str(SPLIT)])
     out = run_distributed(2, "tests.training.jobs_ckpt:train_capturing", argv=argv + ["--load", save])

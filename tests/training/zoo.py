@@ -11,7 +11,7 @@ from __future__ import annotations
 
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
     "--train-iters", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "0",
     "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234", "--init-method-std", "0.02", "--bf16",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--transformer-impl", "local",
@@ -210,4 +210,4 @@ def pp_argv(case: str, features: bool) -> list[str]:
     if "--moe-layer-freq" in argv and "--moe-layer-freq" in extra:
         k = argv.index("--moe-layer-freq")
         argv = argv[:k] + argv[k + 2:]
-    return argv + PP_VPP + extra + ["--train-iters", "1"]
+    return argv + PP_VPP + extra + ["--train-iters", "1", "--global-batch-size", "4"]
