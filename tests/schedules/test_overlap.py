@@ -259,16 +259,18 @@ def test_bitwise_equal_with_activation_offload(layout):
 def test_train_py_trains_a_recipe_with_it_on(recipe, world, layout):
     """train.py with --overlap-tp-comm-1f1b: the overlapped schedule runs every iteration and the
     per-iteration losses and grad norms (optimizer updates included) equal the plain run's."""
-    argv = ["--recipe", recipe, "--train-iters", "3", "--global-batch-size", "8", *layout]
+    # two iterations at the full learning rate (the recipes warm up for two at a lower one): the second
+    # step's losses follow the first's update, whose moments the second update reads
+    argv = ["--recipe", recipe, "--train-iters", "2", "--lr-warmup-iters", "0", "--global-batch-size", "8", *layout]
     off = run_distributed(world, "tests.schedules.jobs:train_losses", argv=argv)
     on = run_distributed(world, "tests.schedules.jobs:train_losses",
                          argv=argv + ["--overlap-tp-comm-1f1b"])
     for r_off, r_on in zip(off, on):
-        assert r_off["calls"] == 0 and r_on["calls"] == 3 and r_on["pairs"] > 0
+        assert r_off["calls"] == 0 and r_on["calls"] == 2 and r_on["pairs"] > 0
         assert list(map(repr, r_on["losses"])) == list(map(repr, r_off["losses"]))  # NaN off the last stage
         assert r_on["grad_norms"] == r_off["grad_norms"]
     last_stage = on[-1]["losses"]
-    assert len(last_stage) == 3 and all(x == x for x in last_stage)  # real numbers on the last stage
+    assert len(last_stage) == 2 and all(x == x for x in last_stage)  # real numbers on the last stage
 
 
 def test_lane_from_the_thread_loses_the_backward_hand_offs_under_cuda_faithful_backward():

@@ -79,11 +79,11 @@ def test_train_py_runs_bitwise_with_the_seams(extra):
     with full recompute the units' hooks run inside the recomputed forward and its backward; with
     EP2 the expert gradients are not sharded (expert data-parallel size 1) and are accumulated in
     place."""
-    argv = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--train-iters", "3", "--lr-warmup-iters", "1",
+    argv = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "0",
             "--log-interval", "100", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
             "--data-parallel-sharding-strategy", "optim_grads_params", "--world-size", "2"] + extra
     for r in run_distributed(2, "tests.seams.jobs_fsdp:train_with_and_without", argv=argv):
-        assert len(r["stock"]) == 3 and r["stock"][2][0] < r["stock"][0][0]
+        assert len(r["stock"]) == 2 and r["stock"][-1][0] < r["stock"][0][0]
         assert r["unit_hooks"] == [True]
         assert r["ours"] == r["stock"]
 

@@ -1,7 +1,7 @@
 """Parallel layouts that must agree numerically do.
 
 Every layout starts from the same weights (--layout-invariant-init) and sees the same global batch.
-Tolerance: relative 1e-5 on the loss of each of the first 3 iterations. The layouts compute the
+Tolerance: relative 1e-5 on the loss of each of 2 iterations (the second after a full-rate update). The layouts compute the
 same math in fp32, but TP splits matmul reductions, DP averages gradients in another order, and
 the distributed optimizer reduce-scatters instead of all-reducing, so results agree only up to fp32
 summation order (observed differences ~1e-7 relative), not bitwise.
@@ -14,9 +14,9 @@ import pytest
 
 from tests.dist import run_distributed
 
-DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "3", "--lr-warmup-iters", "1",
+DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--train-iters", "2", "--lr-warmup-iters", "0",
          "--layout-invariant-init", "--log-interval", "100"]
-MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "3", "--lr-warmup-iters", "1",
+MOE = ["--recipe", "recipes/tiny_moe.yaml", "--train-iters", "2", "--lr-warmup-iters", "0",
        "--layout-invariant-init", "--log-interval", "100", "--moe-router-dtype", "fp32"]
 RTOL = 1e-5
 # two layers, a layer per pipeline stage; four where two virtual stages per rank need one layer each
@@ -31,7 +31,7 @@ def losses(world_size: int, argv: list[str]) -> list[float]:
 
 
 def assert_close(a: list[float], b: list[float]) -> None:
-    assert len(a) == len(b) == 3
+    assert len(a) == len(b) == 2
     for x, y in zip(a, b):
         assert math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL), (a, b)
 
@@ -44,7 +44,7 @@ def reference(argv: list[str]) -> list[float]:
     key = tuple(argv)
     if key not in _REFERENCES:
         _REFERENCES[key] = losses(1, argv)
-        assert _REFERENCES[key][2] < _REFERENCES[key][0]  # it learns
+        assert _REFERENCES[key][-1] < _REFERENCES[key][0]  # it learns
     return _REFERENCES[key]
 
 
@@ -94,4 +94,4 @@ def test_moe_layouts_match_single_process(world_size, layout):
 def test_different_weights_are_detected():
     """The comparison can fail: another seed gives other losses."""
     other = losses(2, DENSE + TWO + ["--seed", "7"])
-    assert not math.isclose(other[2], reference(DENSE + TWO)[2], rel_tol=RTOL)
+    assert not math.isclose(other[-1], reference(DENSE + TWO)[-1], rel_tol=RTOL)
