@@ -21,10 +21,11 @@ import torch
 
 from tests.dist import run_distributed
 
-# two iterations of SGD, the base drawn from its keys, rank-8 adapters
-TRAINING = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5", "--lr-warmup-iters", "0",
-            "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1", "--lora-rank", "8",
-            "--lora-alpha", "16"]
+# two iterations of SGD, the base drawn from its keys, rank-8 adapters; global batch 4 (micro-batch 2):
+# two micro-batches a step on one data-parallel rank, whose adapter gradients accumulate, one on each of two
+TRAINING = ["--train-iters", "2", "--global-batch-size", "4", "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.5",
+            "--lr-warmup-iters", "0", "--clip-grad", "0", "--layout-invariant-init", "--log-interval", "1",
+            "--lora-rank", "8", "--lora-alpha", "16"]
 MOE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--moe-layer-freq", "[0,1]",
        "--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32", *TRAINING]
 BASE = [*MOE, "--group-query-attention", "--num-query-groups", "2",  # 2 query heads per group in linear_qkv
