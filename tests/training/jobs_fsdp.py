@@ -47,9 +47,12 @@ def gathers_in_flight_at_teardown(argv: list[str]) -> dict:
     return {"pipelines": len(pipelines), "in flight": in_flight}
 
 
+RESUME_ITERS = 4  # saved at 2 and 3: a resume from 3 trains one step, the fallback to 2 one more
+
+
 def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: bool = True,
            finetune: bool = False) -> dict:
-    """6 iterations straight; 3 (saved at 2 and 3, with `save_flags`), then resumed to 6 in a fresh
+    """4 iterations straight; 3 (saved at 2 and 3, with `save_flags`), then resumed to 4 in a fresh
     model; then the newest checkpoint damaged in the middle of a tensor and the run resumed again,
     once with --no-ckpt-fallback (refused, naming the file) and, if `fallback`, once falling back to
     iteration 2. With ``finetune``, also 2 iterations --finetune from it, and with --no-load-optim
@@ -62,11 +65,11 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     from megatron_ext.checkpoint.resuming import DamagedCheckpoint
     from tests.training.jobs_ckpt import _flip, _largest_tensor_item, _may_start_processes
 
-    straight = _losses(argv + ["--train-iters", "6"])
+    straight = _losses(argv + ["--train-iters", str(RESUME_ITERS)])
     with _may_start_processes():  # --async-save forks a writer per save
-        first = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", save_dir,
+        first = _losses(argv + ["--train-iters", str(RESUME_ITERS), "--exit-interval", "3", "--save", save_dir,
                                 "--save-interval", "2", *save_flags])
-    resumed = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--auto-detect-ckpt-format"])
+    resumed = _losses(argv + ["--train-iters", str(RESUME_ITERS), "--load", save_dir, "--auto-detect-ckpt-format"])
     # --finetune: the weights only, as megatron's (a fresh optimizer, no RNG): as if told so explicitly
     finetune = [_losses(argv + ["--train-iters", "2", "--load", save_dir, "--finetune", *no_state])
                 for no_state in ((), ("--no-load-optim", "--no-load-rng"))] if finetune else None
@@ -74,7 +77,7 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
     if "--use-megatron-fsdp" in argv:  # the same checkpoint into a DDP model: auto-detection reads fsdp_dtensor
         ddp = [a for a in argv if a not in FSDP and a not in ("--data-parallel-sharding-strategy", "optim_grads_params")]
         try:
-            _losses(ddp + ["--use-distributed-optimizer", "--train-iters", "6", "--load", save_dir,
+            _losses(ddp + ["--use-distributed-optimizer", "--train-iters", str(RESUME_ITERS), "--load", save_dir,
                            "--auto-detect-ckpt-format"])
         except ConfigError as e:
             cross = str(e)
@@ -85,12 +88,12 @@ def resume(argv: list[str], save_dir: str, save_flags: tuple = (), fallback: boo
         _flip(os.path.join(newest, "__1_0.distcp"), offset + length // 2)
     torch.distributed.barrier()
     try:
-        _losses(argv + ["--train-iters", "6", "--load", save_dir, "--no-ckpt-fallback"])
+        _losses(argv + ["--train-iters", str(RESUME_ITERS), "--load", save_dir, "--no-ckpt-fallback"])
         refused = None
     except DamagedCheckpoint as e:
         refused = str(e)
     if fallback:
-        fallback = _losses(argv + ["--train-iters", "6", "--exit-interval", "3", "--load", save_dir])
+        fallback = _losses(argv + ["--train-iters", str(RESUME_ITERS), "--exit-interval", "3", "--load", save_dir])
     return {"straight": straight, "first": first, "resumed": resumed, "files": files, "refused": refused,
             "fallback": fallback, "cross": cross, "finetune": finetune}
 

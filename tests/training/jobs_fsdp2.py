@@ -32,7 +32,7 @@ def resume(argv: list[str], save_dir: str) -> dict:
 
     import torch
 
-    from tests.training.jobs_fsdp import resume as resume_job
+    from tests.training.jobs_fsdp import RESUME_ITERS, resume as resume_job
 
     out = resume_job(argv + FSDP2, save_dir)
     ckpt = os.path.join(save_dir, "iter_0000002")
@@ -47,7 +47,8 @@ def resume(argv: list[str], save_dir: str) -> dict:
             per_file[item.relative_path] = per_file.get(item.relative_path, 0) + item.length
     out["written"] = written
     # the same format as a DDP run's (global keys and offsets): DDP resumes the FSDP2 checkpoint
-    out["ddp_resumed"] = _losses(argv + ["--train-iters", "6", "--load", save_dir, "--ckpt-step", "2"])
+    out["ddp_resumed"] = _losses(argv + ["--train-iters", str(RESUME_ITERS), "--load", save_dir,
+                                         "--ckpt-step", "2"])
     # bf16: megatron's mixed-precision optimizer (fp32 main params beside the optimizer state)
     bf16 = argv + FSDP2 + ["--bf16", "--train-iters", "4"]
     out["bf16_straight"] = _losses(bf16 + ["--save", save_dir + "_bf16", "--save-interval", "2"])
