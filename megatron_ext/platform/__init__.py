@@ -9,7 +9,9 @@ selects this rank's device. Importing any megatron_ext module changes nothing in
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import sys
 import typing
 import warnings
 from dataclasses import dataclass
@@ -56,11 +58,31 @@ def make_megatron_importable() -> None:
         cpu_shims.SHIMS["triton_free_paged_stash"].apply()
 
 
+def extensions_dir() -> str:
+    """Where torch builds this Python environment's C++ extensions (megatron-core compiles share_storage
+    on first use; ``make install`` builds it ahead, seams/extensions.py): torch's own cache folder, one
+    subfolder per environment. torch's default is one folder for every environment of a Python version
+    and device kind, and the build's flags name the environment's paths: a second checkout's build
+    replaced the first's, and the first then compiled it again inside a run (45 s of CPU)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # torch's default root
+    device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    environment = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    return os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_{device}_"
+                        f"{environment}")
+
+
+def use_extensions_dir() -> None:
+    """TORCH_EXTENSIONS_DIR for this process and the processes it starts: :func:`extensions_dir`, unless
+    the user named one."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+
+
 def setup() -> Platform:
     """Idempotent; called by entry points only. Before megatron-core models or schedules are used."""
     global _PLATFORM
     if _PLATFORM is None:
         make_megatron_importable()
+        use_extensions_dir()
         platform = current()
         if platform.is_cuda:
             torch.cuda.set_device(platform.device)

@@ -1,8 +1,9 @@
 """The C++ extension megatron-core compiles on first use (torch.utils.cpp_extension.load_inline), built
 ahead of any run: ``make install`` calls :func:`build`, so that no run, test or rank waits for the
 compiler (about 45 s of CPU here; the rank beside it waits on the build's lock). torch keeps the
-build under ~/.cache/torch_extensions, keyed by the flags, which name this environment's paths. The
-platform is set up by the caller, before this package (which imports megatron-core) is imported."""
+build in this Python environment's own folder (platform.extensions_dir, set by platform.setup), so a
+second checkout's build does not replace it. The platform is set up by the caller, before this package
+(which imports megatron-core) is imported."""
 from __future__ import annotations
 
 
