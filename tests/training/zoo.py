@@ -3,7 +3,8 @@ flags of its published configuration, scaled down to 2 layers, hidden 64, 4 head
 (published sizes in the comments). Everything else about the architecture (attention kind, norms,
 activation, routing, shared experts, layer patterns, MTP) is as published.
 
-Each case runs on 2 processes: TP2 with sequence parallelism; MoE cases also EP2 (expert-TP 1).
+Each case runs on 2 processes: TP2 with sequence parallelism; MoE cases also EP2 (expert-TP 1); two
+micro-batches a step (the overlapped 1F1B pairs them), two steps. The pipeline cases take four.
 `features` are every megatron_ext feature the architecture can use; tests/training/test_zoo.py
 trains each case plain and with them on and requires identical losses, grad norms and weights.
 """
