@@ -2,7 +2,8 @@
 
 :func:`current` answers which device and backend this process uses and changes nothing.
 :func:`setup` prepares the process once, from an entry point (``train.main``, a script's ``main``,
-the test conftest), before megatron-core's models or schedules are imported: without CUDA it
+the test conftest), before megatron-core's models or schedules are imported: it gives this Python
+environment's C++ extension builds a folder of their own (:func:`extensions_dir`); without CUDA it
 applies the CPU-only shims for megatron-core (``cpu_shims/``); with CUDA it applies none and
 selects this rank's device. Importing any megatron_ext module changes nothing in torch or megatron.
 """
