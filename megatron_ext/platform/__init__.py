@@ -65,10 +65,13 @@ def extensions_dir() -> str:
     subfolder per environment. torch's default is one folder for every environment of a Python version
     and device kind, and the build's flags name the environment's paths: a second checkout's build
     replaced the first's, and the first then compiled it again inside a run (45 s of CPU)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # torch's default root
+    # megatron-core's tensor_parallel/random.py imports cpp_extension at its top: no import of its own
+    from torch.utils.cpp_extension import get_default_build_root
+
+    # torch's own subfolder name (python version, device kind), then the environment
     device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
     environment = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
-    return os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_{device}_"
+    return os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{device}_"
                         f"{environment}")
 
 
