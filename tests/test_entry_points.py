@@ -3,11 +3,12 @@ and nothing of the test suite; nothing outside tests/ imports the tests."""
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import glob
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")))
@@ -35,18 +36,68 @@ def test_nothing_outside_the_tests_imports_them(tmp_path):
     assert imports_of_tests([str(bad)]) == [f"{os.path.relpath(str(bad), ROOT)}:2"]
 
 
-def _help(script: str) -> tuple[str, int, str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, os.path.relpath(script, ROOT), "--help"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=110)
-    return os.path.relpath(script, ROOT), p.returncode, p.stderr
+# One interpreter answers every script's --help, each as `python scripts/X.py --help` from the root would:
+# sys.path[0] the script's folder and no current directory on the path; between scripts the path is
+# restored and every module loaded from the checkout, but the package and the environment (scripts/bench/,
+# arguments.py, the scripts themselves), is forgotten, so each script must find its own. torch and
+# megatron-core stay imported: they come from the environment either way (one import of them, not 19).
+_HELP_ALL = r"""
+import io, json, os, runpy, sys, traceback
+root = os.getcwd()
+sys.path[:] = [p for p in sys.path if p not in ("", ".", root)]
+path, kept = list(sys.path), (os.path.join(root, "megatron_ext") + os.sep, sys.prefix + os.sep)
+for script in sys.argv[1:]:
+    sys.path[:] = [os.path.join(root, os.path.dirname(script))] + path
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None) or ""
+        if file.startswith(root + os.sep) and not file.startswith(kept):
+            del sys.modules[name]
+    sys.argv, err, rc = [script, "--help"], io.StringIO(), 0
+    out, sys.stdout, sys.stderr = (sys.stdout, sys.stderr), io.StringIO(), err
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout, sys.stderr = out
+    print(json.dumps([script, rc, err.getvalue()]), flush=True)
+"""
 
 
 def test_every_script_answers_help_from_the_repository_root_in_a_clean_environment():
     """`python scripts/X.py --help` from the root with an environment of PATH and HOME only: exit 0 and
     no traceback (a script that needs PYTHONPATH, or a module only the test suite has, fails here)."""
     assert len(SCRIPTS) >= 15
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(_help, SCRIPTS))
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
+    scripts = [os.path.relpath(script, ROOT) for script in SCRIPTS]
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *scripts], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=110)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert done.returncode == 0 and [name for name, _, _ in results] == scripts, done.stderr[-3000:]
     assert [(name, rc, err.strip().splitlines()[-1:]) for name, rc, err in results
             if rc != 0 or "Traceback" in err] == []
+
+
+def test_a_script_that_needs_the_checkout_on_its_path_fails_there():
+    """The negative control: a script importing the test suite with no path set-up of its own fails, though
+    the script before it put the root on its path and imported the suite (its path and modules are gone)."""
+    made = []
+    for body in (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport tests.scripts\n", "import tests.scripts\n"):
+        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=os.path.join(ROOT, "scripts"), prefix="_help_control_",
+                                         delete=False) as f:
+            f.write(body)
+        made.append(f.name)
+    try:
+        env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+        names = [os.path.relpath(name, ROOT) for name in made]
+        done = subprocess.run([sys.executable, "-c", _HELP_ALL, *names], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=110)
+    finally:
+        for name in made:
+            os.unlink(name)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [(name, rc) for name, rc, _ in results] == [(names[0], 0), (names[1], 1)], done.stderr[-3000:]
+    assert "ModuleNotFoundError: No module named 'tests'" in results[1][2]
