@@ -2,7 +2,7 @@
 
     make soak                                   # N=2
     scripts/soak.py --repeats N [--parallel P] [--burn B] [--cases a,b] [--json]
-    scripts/soak.py --smoke [--json]            # one case, its reference and one job killed mid-step
+    scripts/soak.py --smoke [--json]            # one case: one job killed mid-step, no reference job
 
 Each case is a torchrun job of train.py (through tests/training/restart_probe.py, which records
 every logged iteration as it happens and injects the faults) with --save/--load in one directory
@@ -18,7 +18,9 @@ the fault rotating over the cases and repeats:
 The Megatron-FSDP cases under `optim` and `optim_grads` run without checkpoints (their
 fsdp_dtensor save with SwiGLU is refused), so without faults: repeated for races and crashes only.
 A faulted job must finish, and every iteration logged by any of its attempts must carry the
-reference's loss and grad norm bit for bit. CPU load: P jobs run at once, plus B processes that
+reference's loss and grad norm bit for bit. --smoke runs one job, killed mid-step, and no reference:
+its restarted attempt must log the iterations its first attempt also logged (3 and 4: resumed from
+2) with the first attempt's loss and grad norm, bit for bit. CPU load: P jobs run at once, plus B processes that
 only spin. A native crash (a rank printing "Fatal Python error", or dying of a signal that was
 not injected) is counted, and its rank-prefixed stack is printed.
 
@@ -67,7 +69,7 @@ CASES = {  # name -> (world size, train.py arguments)
                                        "--overlap-tp-comm-1f1b"]),
     "async-save-distopt": (2, DENSE + ["--use-distributed-optimizer", "--async-save"]),
 }
-SMOKE = "async-save-distopt"  # --smoke: its reference and one job with the first fault (step), at once
+SMOKE = "async-save-distopt"  # --smoke: one job with the first fault (step), its first attempt the reference
 FAULTS = {"step": 5, "save": 4, "term": 3}  # fault -> iteration
 
 
@@ -148,6 +150,7 @@ def run_job(case: str, fault: str | None, work: str, faithful: bool) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     return {"case": case, "fault": fault, "finished": finished, "rc": done.returncode,
             "attempts": len(seen), "logged": logged, "seconds": round(time.perf_counter() - t0, 1),
+            "first": seen.get(min(seen)) if seen else [],  # the first attempt's rows: --smoke's reference
             "iterations": [[row[0] for row in seen[a]] for a in sorted(seen)],  # logged by the last rank, per attempt
             "sigkills": text.count("(exitcode: -9)"), "said": said, "checkpoints": checkpoints,
             "crashes": _crashes(text, injected=1 if fault in ("step", "save") else 0),
@@ -169,17 +172,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated, of: " + ", ".join(CASES) + f" (all but {SMOKE} by default)")
     parser.add_argument("--no-faithful", action="store_true", help="without the CUDA-faithful CPU mode")
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
-    parser.add_argument("--smoke", action="store_true", help=f"seconds: {SMOKE}'s reference and one job killed "
-                        "mid-step, at once, no spinning process (the suite's run)")
+    parser.add_argument("--smoke", action="store_true", help=f"seconds: one {SMOKE} job killed mid-step, its "
+                        "restarted attempt compared with its first, no spinning process (the suite's run)")
     opts = parser.parse_args(argv)
     if opts.smoke:
-        opts.cases, opts.repeats, opts.parallel, opts.burn = SMOKE, 1, 2, 0
+        opts.cases, opts.repeats, opts.parallel, opts.burn = SMOKE, 1, 1, 0
     cases = opts.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"--cases: unknown {unknown}")
     faults = list(FAULTS)
-    jobs = [(case, None) for case in cases]
+    jobs = [] if opts.smoke else [(case, None) for case in cases]
     jobs += [(case, faults[(i + r) % len(faults)]) for r in range(opts.repeats) for i, case in enumerate(cases)]
     # a -nockpt case's repeats run without a fault (run_job drops it)
     work = tempfile.mkdtemp(prefix="soak-")
@@ -203,7 +206,14 @@ def main(argv: list[str] | None = None) -> dict:
         mine = [r for r in results if r["case"] == case]
         reference = references.get(case)
         for r in mine:
-            r["exact"] = bool(reference) and r["finished"] and all(reference.get(row[0]) == row for row in r["logged"])
+            if opts.smoke:  # the restarted attempt against the first, on the iterations both logged
+                reference = {row[0]: row for row in r["first"]}
+                again = [row for row in r["logged"][len(r["first"]):] if row[0] in reference]
+                r["exact"] = r["finished"] and r["attempts"] > 1 and bool(again) and all(
+                    reference[row[0]] == row for row in r["logged"] if row[0] in reference)
+            else:
+                r["exact"] = bool(reference) and r["finished"] and all(
+                    reference.get(row[0]) == row for row in r["logged"])
         row = dict(runs=len(mine), faults=sum(r["fault"] is not None for r in mine),
                    restarts=sum(r["attempts"] - 1 for r in mine if r["exact"] and r["fault"]),
                    exact=sum(r["exact"] for r in mine), crashes=sum(len(r["crashes"]) for r in mine),
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append([case, *row.values()])
     summary = {"cases": cases, "repeats": opts.repeats, "parallel": opts.parallel, "burn": opts.burn,
                "faithful": not opts.no_faithful, "seconds": round(time.perf_counter() - t0, 1),
-               "totals": totals, "jobs": [{k: v for k, v in r.items() if k != "logged"} for r in results]}
+               "totals": totals, "jobs": [{k: v for k, v in r.items() if k not in ("logged", "first")} for r in results]}
     if opts.json:
         print(json.dumps(summary, indent=1))
         return summary
