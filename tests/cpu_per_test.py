@@ -1,10 +1,11 @@
 """A pytest plugin: the CPU seconds each test costs the machine, the pool workers and the processes it
 starts included (JUnit's `time` is wall time, which grows with what runs beside a test).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile tests -p tests.cpu_per_test \\
-        --cpu-per-test cpu.jsonl
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not matrix" \\
+        tests -p tests.cpu_per_test --cpu-per-test cpu.jsonl
 
-appends one JSON line per test, {"id", "cpu", "wall"}, to the file (every xdist worker appends its own
+appends one JSON line per test, {"id", "cpu", "wall", "end", "process"} (the time it ended, the test
+process that ran it: a run's timeline), to the file (every xdist worker appends its own
 lines). A test's CPU is the change, over its setup, call and teardown, of the CPU time of the test
 process's tree as /proc shows it: every live descendant's own time plus what each live process has
 collected from the children it reaped. A pool worker is a child of its fork server, which reaps it, so a
@@ -59,6 +60,7 @@ def pytest_runtest_protocol(item, nextitem):
         return
     cpu, wall = tree_cpu(), time.monotonic()
     yield
-    line = json.dumps({"id": item.nodeid, "cpu": round(tree_cpu() - cpu, 3), "wall": round(time.monotonic() - wall, 3)})
+    line = json.dumps({"id": item.nodeid, "cpu": round(tree_cpu() - cpu, 3), "wall": round(time.monotonic() - wall, 3),
+                       "end": round(time.time(), 3), "process": os.getpid()})
     with open(path, "a") as f:
         f.write(line + "\n")

@@ -37,3 +37,6 @@ def test_each_test_gets_its_line_only_when_asked(tmp_path):
     lines = {json.loads(line)["id"].split("::")[1]: json.loads(line) for line in out.read_text().splitlines()}
     assert sorted(lines) == ["test_burns", "test_idles"]
     assert lines["test_burns"]["cpu"] >= 0.35 and lines["test_idles"]["cpu"] < 0.2, lines
+    # the timeline: one test process, the second test ended after the first
+    assert lines["test_burns"]["process"] == lines["test_idles"]["process"] != os.getpid()
+    assert lines["test_burns"]["end"] <= lines["test_idles"]["end"], lines
