@@ -16,7 +16,7 @@ SOAK_ARGS   ?= --repeats 2
 PINS        := constraints.txt
 PINS_VENV   ?= .venv-pins
 
-.PHONY: install data train test soak constraints clean
+.PHONY: install data train test test-matrix soak constraints clean
 
 install: $(STAMP)
 
@@ -55,8 +55,16 @@ $(DATA): $(STAMP)
 train: $(STAMP) $(DATA)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc-per-node $(NPROC) train.py --recipe $(RECIPE) $(ARGS)
 
+# the modules in the order tests/tiers.py gives (heaviest first), not xdist's (most tests first)
+TEST_RUN    := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+
 test: $(STAMP) $(DATA)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(TEST_RUN) -m "not matrix"
+
+# not part of `test`: the properties `test` proves, again on more architectures, layouts and
+# compositions (tests/tiers.py MATRIX; docs/tests.md)
+test-matrix: $(STAMP) $(DATA)
+	$(TEST_RUN) -m matrix
 
 # not part of `test`: the race-prone distributed cases repeated under CPU load, with SIGKILL/SIGTERM
 # faults injected and the restarted runs' losses compared bit for bit (scripts/soak.py)

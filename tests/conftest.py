@@ -4,7 +4,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite proves CUDA behaviour on CPU: workers inherit this (megatron_ext/platform/faithful.py).
 os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
 
-from tests import dist  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import dist, tiers  # noqa: E402
 from megatron_ext import platform  # noqa: E402
 
 
@@ -14,3 +16,9 @@ def pytest_configure(config):
         return
     dist.start_server()  # the worker pools' fork server imports megatron-core while this process does
     platform.setup()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks this adds
+def pytest_collection_modifyitems(config, items):
+    whole = [os.path.abspath(str(a)) for a in config.args] == [os.path.join(str(config.rootpath), "tests")]
+    tiers.apply(items, whole_suite=whole)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests import test_docs
+from tests import test_docs, tiers
 from tests.scripts import ROOT, load_script, warm_worlds
 
 DOCS = "tests/test_docs.py::test_doc_commands_run"  # a documented command of the script, run (smoke form)
@@ -58,6 +58,8 @@ def test_every_script_says_where_it_runs_end_to_end():
             path, _, test = where.partition("::")
             source = open(os.path.join(ROOT, path)).read()
             assert script in source and (not test or f"def {test}(" in source), (script, where)
+            # run by `make test`, not only by `make test-matrix`
+            assert not [t for t in tiers.MATRIX if t == where or t.startswith(f"{where}[")], (script, where)
 
 
 def _main(script: str, argv: list, capsys):
