@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")))
@@ -81,23 +80,19 @@ def test_every_script_answers_help_from_the_repository_root_in_a_clean_environme
             if rc != 0 or "Traceback" in err] == []
 
 
-def test_a_script_that_needs_the_checkout_on_its_path_fails_there():
+def test_a_script_that_needs_the_checkout_on_its_path_fails_there(tmp_path):
     """The negative control: a script importing the test suite with no path set-up of its own fails, though
-    the script before it put the root on its path and imported the suite (its path and modules are gone)."""
+    the script before it put the root on its path and imported the suite (its path and modules are gone).
+    The two scripts live outside the checkout: a file in scripts/ would be seen by the tests that list it."""
     made = []
-    for body in (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport tests.scripts\n", "import tests.scripts\n"):
-        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=os.path.join(ROOT, "scripts"), prefix="_help_control_",
-                                         delete=False) as f:
-            f.write(body)
-        made.append(f.name)
-    try:
-        env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
-        names = [os.path.relpath(name, ROOT) for name in made]
-        done = subprocess.run([sys.executable, "-c", _HELP_ALL, *names], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=110)
-    finally:
-        for name in made:
-            os.unlink(name)
+    for i, body in enumerate((f"import sys\nsys.path.insert(0, {ROOT!r})\nimport tests.scripts\n",
+                              "import tests.scripts\n")):
+        (tmp_path / f"control_{i}.py").write_text(body)
+        made.append(str(tmp_path / f"control_{i}.py"))
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+    names = [os.path.relpath(name, ROOT) for name in made]
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *names], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=110)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert [(name, rc) for name, rc, _ in results] == [(names[0], 0), (names[1], 1)], done.stderr[-3000:]
     assert "ModuleNotFoundError: No module named 'tests'" in results[1][2]
