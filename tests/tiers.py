@@ -6,8 +6,9 @@ composition; they carry the `matrix` mark and run with `make test-matrix`. Each 
 proves its property in `make test`, or what only it proves.
 
 HEAVY_FIRST: the modules that cost the most CPU (measured with tests/cpu_per_test.py), handed to
-pytest-xdist's workers first. A module is one unit of work (`--dist loadfile`); given the heaviest
-last, one core idles while the other finishes it."""
+pytest-xdist's workers first, and among them the few that mostly wait. A module is one unit of work
+(`--dist loadfile`); given the heaviest last, one core idles while the other finishes it, and two
+waiting modules side by side idle both."""
 from __future__ import annotations
 
 _ZOO = "tests/training/test_zoo.py::"
@@ -168,6 +169,11 @@ MATRIX: dict[str, str] = {
 HEAVY_FIRST: list[str] = [
     "tests/training/test_restart.py",
     "tests/training/test_fsdp.py",
+    # three that mostly wait (a dead worker's report, leak checks' settling, a deadlock's detection): early,
+    # beside a heavy one, not last beside each other with both cores idle
+    "tests/test_crash_stacks.py",
+    "tests/test_dist.py",
+    "tests/platform/test_nccl_p2p.py",
     "tests/schedules/test_overlap.py",
     "tests/planner/test_planner.py",
     "tests/training/test_zoo.py",
