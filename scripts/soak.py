@@ -20,8 +20,8 @@ fsdp_dtensor save with SwiGLU is refused), so without faults: repeated for races
 A faulted job must finish, and every iteration logged by any of its attempts must carry the
 reference's loss and grad norm bit for bit. --smoke runs one job, killed mid-step, and no reference:
 its restarted attempt must log the iterations its first attempt also logged (3 and 4: resumed from
-2) with the first attempt's loss and grad norm, bit for bit. CPU load: P jobs run at once, plus B processes that
-only spin. A native crash (a rank printing "Fatal Python error", or dying of a signal that was
+2) with the first attempt's loss and grad norm, bit for bit. CPU load: P jobs run at once, plus B
+processes that only spin. A native crash (a rank printing "Fatal Python error", or dying of a signal that was
 not injected) is counted, and its rank-prefixed stack is printed.
 
 Table columns: runs (jobs, references included), faults injected, restarts survived (restarts
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append([case, *row.values()])
     summary = {"cases": cases, "repeats": opts.repeats, "parallel": opts.parallel, "burn": opts.burn,
                "faithful": not opts.no_faithful, "seconds": round(time.perf_counter() - t0, 1),
-               "totals": totals, "jobs": [{k: v for k, v in r.items() if k not in ("logged", "first")} for r in results]}
+               "totals": totals,
+               "jobs": [{k: v for k, v in r.items() if k not in ("logged", "first")} for r in results]}
     if opts.json:
         print(json.dumps(summary, indent=1))
         return summary

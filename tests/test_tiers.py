@@ -24,7 +24,8 @@ class _Item:
 def test_matrix_tests_are_marked_and_the_heavy_modules_go_first(monkeypatch):
     monkeypatch.setattr(tiers, "MATRIX", {"tests/b.py::t[x]": "tests/b.py::t[y]"})
     monkeypatch.setattr(tiers, "HEAVY_FIRST", ["tests/c.py", "tests/b.py"])
-    items = [_Item(i) for i in ("tests/a.py::t", "tests/b.py::t[x]", "tests/b.py::t[y]", "tests/c.py::t", "tests/d.py::t")]
+    ids = ("tests/a.py::t", "tests/b.py::t[x]", "tests/b.py::t[y]", "tests/c.py::t", "tests/d.py::t")
+    items = [_Item(i) for i in ids]
     tiers.apply(items, whole_suite=True)
     assert [i.nodeid for i in items] == ["tests/c.py::t", "tests/b.py::t[x]", "tests/b.py::t[y]", "tests/a.py::t",
                                          "tests/d.py::t"]

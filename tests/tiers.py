@@ -24,7 +24,8 @@ _TE_NAMES = ("only these convert a local checkpoint to transformer-engine's name
 _FSDP_MEMORY = ("only these check the bytes per rank against docs/fsdp.md's formula; every fetched byte released: "
                 "tests/test_scripts.py::test_bench_fsdp_smoke")
 _SAME_MLA_MOE = "the deepseek_v3 case: the same multi-latent attention and MoE layers"
-_ZERO_SYNC = "the deepseek_v3 case (the same zero-sync layer), and test_zero_sync_dropless_allgather_trains_bitwise_with_every_feature_on"
+_ZERO_SYNC = ("the deepseek_v3 case (the same zero-sync layer), and "
+              "test_zero_sync_dropless_allgather_trains_bitwise_with_every_feature_on")
 _HF_FAMILIES = ("the qwen3, deepseek_v3 and gpt_oss cases; every family's import, export and forward against "
                 "transformers: tests/hf/test_hf.py")
 
@@ -83,7 +84,8 @@ MATRIX: dict[str, str] = {
     "tests/training/test_interrupt.py::test_ctrl_c_under_torchrun_stops_every_rank_saves_and_resumes_exactly":
         "the stop at a step boundary on every rank, the save, the one line and the exact resume, a rank signalled "
         "on the warm workers: test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_saves_and_resumes_exactly; "
-        "a Ctrl-C while starting: test_the_resume_command_loads_what_was_saved_and_a_ctrl_c_while_starting_is_one_line; "
+        "a Ctrl-C while starting: "
+        "test_the_resume_command_loads_what_was_saved_and_a_ctrl_c_while_starting_is_one_line; "
         "only this sends Ctrl-C through torchrun's agent; a torchrun job killed and restarted: "
         "tests/training/test_restart.py",
     # the planner
@@ -213,7 +215,8 @@ def apply(items: list, whole_suite: bool) -> None:
 
 def matrix_table() -> str:
     """docs/tests.md's table of MATRIX (tests/test_tiers.py keeps the page equal to it)."""
-    rows = ["| test (`make test-matrix`) | what proves its property in `make test`, or what only it proves |", "|---|---|"]
+    rows = ["| test (`make test-matrix`) | what proves its property in `make test`, or what only it proves |",
+            "|---|---|"]
     for nodeid, why in MATRIX.items():
         rows.append(f"| `{nodeid.removeprefix('tests/')}` | {why.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
