@@ -207,10 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
         reference = references.get(case)
         for r in mine:
             if opts.smoke:  # the restarted attempt against the first, on the iterations both logged
-                reference = {row[0]: row for row in r["first"]}
-                again = [row for row in r["logged"][len(r["first"]):] if row[0] in reference]
+                first = {row[0]: row for row in r["first"]}
+                again = [row for row in r["logged"][len(r["first"]):] if row[0] in first]
                 r["exact"] = r["finished"] and r["attempts"] > 1 and bool(again) and all(
-                    reference[row[0]] == row for row in r["logged"] if row[0] in reference)
+                    first[row[0]] == row for row in again)
             else:
                 r["exact"] = bool(reference) and r["finished"] and all(
                     reference.get(row[0]) == row for row in r["logged"])

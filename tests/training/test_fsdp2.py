@@ -42,7 +42,7 @@ def assert_agree(runs: dict) -> None:
     assert len(ddp) == len(got) == ITERS and ddp[-1][0] < ddp[0][0]  # it learns
     a, b = [r[1] for r in ddp], [r[1] for r in got]
     assert all(math.isfinite(x) and math.isclose(x, y, rel_tol=RTOL) for x, y in zip(a, b)), (a, b)
-    assert [r[0] for r in got] == [r[0] for r in ddp]  # observed bitwise over these 3 steps
+    assert [r[0] for r in got] == [r[0] for r in ddp]  # observed bitwise over these steps
 
 
 def test_dense_dp2():
