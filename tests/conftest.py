@@ -7,14 +7,16 @@ os.environ.setdefault("MEGATRON_EXT_CUDA_FAITHFUL", "1")
 import pytest  # noqa: E402
 
 from tests import dist, tiers  # noqa: E402
-from megatron_ext import platform  # noqa: E402
 
 
 def pytest_configure(config):
-    # pytest-xdist's controller runs no test: only the processes that do start a fork server
+    # pytest-xdist's controller runs no test: only the processes that do start a fork server (and
+    # import torch: the controller's workers start seconds sooner without it)
     if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None):
         return
     dist.start_server()  # the worker pools' fork server imports megatron-core while this process does
+    from megatron_ext import platform
+
     platform.setup()
 
 

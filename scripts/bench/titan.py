@@ -1,6 +1,6 @@
 """torchtitan's Llama-3 training step at a given depth, timed on this GPU: the peer a user would pick for
 a PyTorch-native trainer, measured beside this project's loop by gpu_check's throughput section (which
-runs this file in a process of its own) or alone:
+runs this file in a process of its own where torchtitan is installed) or alone:
 
     python3 scripts/bench/titan.py --layers 8 [--seq 8192] [--batch 1] [--steps 5] [--compile] [--json FILE]
 
@@ -216,7 +216,7 @@ def _version():
         return None
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flavor", default="8B", help="torchtitan's Llama-3 flavor (8B; debugmodel for a tiny run)")
     ap.add_argument("--layers", type=int, required=True)
@@ -233,7 +233,11 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     run = measure(a)
     if run["status"] == "ok":
         run["shape_matches"] = _shape_matches(a)

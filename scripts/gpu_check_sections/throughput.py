@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -287,13 +288,19 @@ def run_row(case: str, m: dict, layers: int, backend: str, offload: tuple, steps
 
 
 def run_titan(m: dict, layers: int, steps: dict, timeout_s: float, flops_per_step: float | None, matmul: dict) -> list:
-    """torchtitan's Llama-3 training step at (b)'s shape, in a process of its own (scripts/bench/titan.py)."""
+    """torchtitan's Llama-3 training step at (b)'s shape, in a process of its own (scripts/bench/titan.py);
+    where torchtitan is not installed, that script's measure() reports it here, no process started."""
     with tempfile.TemporaryDirectory(prefix="titan_") as tmp:
         out = os.path.join(tmp, "titan.json")
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench", "titan.py"), "--layers", str(layers),
                "--hidden", str(m["hidden"]), "--ffn", str(m["ffn"]), "--heads", str(m["heads"]),
                "--kv-heads", str(m["groups"]), "--seq", str(m["seq"]), "--vocab", str(m["vocab"]), "--batch", "1",
                "--warmup", str(steps["warmup"]), "--steps", str(steps["measured"]), "--json", out]
+        if importlib.util.find_spec("torchtitan") is None:  # its import fails at once: its run says so here
+            from bench import titan
+
+            runs = [titan.measure(titan.parse_args(cmd[2:]))]
+            return _titan_rows(runs, m, layers, flops_per_step, matmul)
         try:
             proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL,
                                   timeout=timeout_s, cwd=ROOT)
@@ -306,6 +313,10 @@ def run_titan(m: dict, layers: int, steps: dict, timeout_s: float, flops_per_ste
                      "status": f"error: scripts/bench/titan.py exited with code {code} and no result"}]
         with open(out) as f:
             runs = json.load(f)["runs"]
+    return _titan_rows(runs, m, layers, flops_per_step, matmul)
+
+
+def _titan_rows(runs: list, m: dict, layers: int, flops_per_step: float | None, matmul: dict) -> list:
     rows = []
     for r in runs:
         row = {"case": "b", "variant": f"torchtitan {r['mode']}", "layers": layers, "seq": m["seq"], **r}

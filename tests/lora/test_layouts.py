@@ -1,7 +1,7 @@
 """LoRA is exact under every parallel layout: the same losses and the same adapter gradients (every
 factor, assembled from the ranks' shards by its global checkpoint key) on TP1, TP2 + sequence
-parallelism (expert-TP 2 with it, as megatron defaults), PP2, EP2, expert-TP2 without EP, TP2 + SP with
-megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP,
+parallelism (expert-TP 2 without EP with it: megatron defaults --expert-tensor-parallel-size to the TP
+size), PP2, EP2, TP2 + SP with megatron's shared-expert overlap, DP2, PP2 x VPP2 (a dense model), the fused form on TP2 + SP,
 multi-latent attention on TP2 + SP; and
 Megatron-FSDP's losses (DP2, everything sharded) equal DDP's, with the tolerance of tests/training/test_layouts.py. The
 adapters start the same everywhere: A is drawn from its global key (checked on the values), so the
@@ -34,7 +34,6 @@ LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "ep2": ["--expert-model-parallel-size", "2"],
-    "etp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"],
     # the shared expert's linears communicate explicitly (the dispatcher gathers and reduces around them)
     "tp2-sp-shared-overlap": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                               "--expert-tensor-parallel-size", "1", "--moe-shared-expert-overlap"],
