@@ -24,7 +24,7 @@ def model_parallel_sizes(args) -> dict:
     ep = (args.expert_model_parallel_size or 1) if moe else 1
     etp = args.expert_tensor_parallel_size
     etp = (etp if etp is not None else tp) if moe else 1
-    return {"tp": tp, "ep": ep, "etp": etp}
+    return {"tp": tp, "ep": ep, "etp": etp, "cp": args.context_parallel_size or 1}
 
 
 def add_arguments(parser):
@@ -43,9 +43,9 @@ def validate(args) -> None:
         ep = args.expert_model_parallel_size or 1
         raise ConfigError(
             f"{on} has nothing to hide: --tensor-model-parallel-size={sizes['tp']} "
-            f"--expert-model-parallel-size={ep}"
+            f"--expert-model-parallel-size={ep} --context-parallel-size={sizes['cp']}"
             + ("" if args.num_experts else " (dense model)")
-            + " issue no model-parallel collective (use TP >= 2, or EP >= 2 with MoE, or drop the flag)"
+            + " issue no model-parallel collective (use TP >= 2, CP >= 2, or EP >= 2 with MoE, or drop the flag)"
         )
     incompatible = {
         "delay_wgrad_compute": (
@@ -121,7 +121,7 @@ def teardown() -> None:
     from megatron_ext.schedules import exposed_comm, group_kinds, lane_state, lanes, overlap_1f1b
 
     overlap_1f1b._P2P_GROUPS.clear()
-    group_kinds.GROUPS.tp = group_kinds.GROUPS.ep = ()  # a reference kept here keeps a destroyed group's threads
+    group_kinds.GROUPS.tp = group_kinds.GROUPS.ep = group_kinds.GROUPS.cp = ()  # a reference kept here keeps a destroyed group's threads
     group_kinds.GROUPS.hidden = 0
     lane_state.set_stateful(())  # references to the run's dispatchers / shared experts
     lanes.reset_buffers()
@@ -134,7 +134,7 @@ _SINCE = SinceLastCall()
 
 
 def log_counters() -> dict:
-    """Time the compute waited for TP (and EP) collectives of paired passes since the last line
+    """Time the compute waited for TP (and EP, CP) collectives of paired passes since the last line
     (CUDA events on the compute stream on GPUs; host time on CPU)."""
     from megatron_ext.schedules import exposed_comm
 
@@ -145,5 +145,5 @@ def log_counters() -> dict:
 def summary(args) -> str:
     """The startup summary's line (training/features.py): which schedule runs the micro-batches."""
     if args.overlap_tp_comm_1f1b:
-        return f"overlap: on ({FLAG}: backward of one micro-batch hides the other's TP/EP communication)"
-    return f"overlap: off (megatron's schedule; {FLAG} hides TP/EP communication)"
+        return f"overlap: on ({FLAG}: backward of one micro-batch hides the other's TP/EP/CP communication)"
+    return f"overlap: off (megatron's schedule; {FLAG} hides TP/EP/CP communication)"

@@ -1,4 +1,4 @@
-"""The time the compute waits for the paired passes' TP (and EP) collectives, per group kind, for
+"""The time the compute waits for the paired passes' TP (and EP, CP) collectives, per group kind, for
 the log line (schedules/__init__.py log_counters): host time on CPU; on CUDA, where NCCL's wait() only
 makes the current stream wait, CUDA events around it on that stream, read when the log line asks."""
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Which process groups' collectives the overlap's lanes hand the baton over at, and where they wait.
 
-A collective's kind is "tp" (tensor-parallel groups, expert-TP) or "ep" (expert-parallel groups: the
-token all-to-alls), read from megatron's parallel_state (set_groups); the rules for waiting in place,
+A collective's kind is "tp" (tensor-parallel groups, expert-TP), "ep" (expert-parallel groups: the
+token all-to-alls) or "cp" (the context-parallel group: context-parallel attention's all-gathers,
+reduce-scatters and all-to-alls, megatron_ext/attention/context_parallel.py), read from megatron's
+parallel_state (set_groups); the rules for waiting in place,
 without a hand-off, are the same on every rank of a group, so the collectives' order stays the same
 everywhere (lanes.py)."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Optional
 class _Groups:
     tp: tuple = ()  # groups whose collectives are overlapped (TP, expert-TP)
     ep: tuple = ()  # expert-parallel groups (all-to-all), overlapped too; reported apart
+    cp: tuple = ()  # the context-parallel group, overlapped as TP's; reported apart
     hidden: int = 0  # the model's hidden size (set by the schedule): tells token rows from metadata
 
 
@@ -32,7 +35,7 @@ def waits_in_place(kind: Optional[str], width: Optional[int], lane: Optional["La
     """Collectives waited for where they are issued, without handing the baton over:
 
     * EP metadata (is_metadata);
-    * a TP collective while the other lane has a token all-to-all in flight ("EP first"): handing
+    * a TP (or CP) collective while the other lane has a token all-to-all in flight ("EP first"): handing
       the baton back there would make the other lane wait for its all-to-all after only the compute
       up to this lane's next TP collective. Kept, the all-to-all has all of this lane's compute up
       to its own next token all-to-all behind it. On a cluster the all-to-all crosses nodes and
@@ -42,7 +45,7 @@ def waits_in_place(kind: Optional[str], width: Optional[int], lane: Optional["La
     the same collectives everywhere and their order stays the same on every rank."""
     if is_metadata(kind, width):
         return True
-    return kind == "tp" and lane is not None and lane.other.ep_in_flight > 0
+    return kind in ("tp", "cp") and lane is not None and lane.other.ep_in_flight > 0
 
 
 def set_groups() -> None:
@@ -79,6 +82,8 @@ def set_groups() -> None:
             same_as_tp and name == "get_expert_tensor_and_model_parallel_group" and ep_size < 2)
         (tp if is_tp else ep).append(g)
     GROUPS.tp, GROUPS.ep = tuple(tp), tuple(ep)
+    cp = get("get_context_parallel_group")
+    GROUPS.cp = (cp,) if cp is not None and not any(cp is g for g in tp + ep) else ()
 
 
 def group_kind(group) -> Optional[str]:
@@ -88,4 +93,6 @@ def group_kind(group) -> Optional[str]:
         return "tp"
     if any(group is g for g in GROUPS.ep):
         return "ep"
+    if any(group is g for g in GROUPS.cp):
+        return "cp"
     return None

@@ -1,6 +1,7 @@
 """Seams of the 1F1B backward-forward overlap that hides tensor-parallel communication.
 
-Every TP collective megatron-core's local layers issue is routed through
+Every TP collective megatron-core's local layers issue (and every collective of context-parallel
+attention) is routed through
 megatron_ext.schedules.lanes.collective() (bound here by the lanes themselves: bind_lanes), which
 (only while one of our schedules runs, or a benchmark records) issues it async and hands the baton to
 the other micro-batch's lane before waiting. Outside those, each wrapper is a pass-through to the original. Wrapped:
@@ -14,7 +15,10 @@ the other micro-batch's lane before waiting. Outside those, each wrapper is a pa
     :96, :146, :186): sequence-parallel gather / reduce-scatter
   layers.dist_all_gather_func / dist_reduce_scatter_func (bound at layers.py:85-86; used at
     :571 fwd SP all-gather, :617 bwd SP all-gather, :650 bwd SP reduce-scatter)
-  torch.distributed.all_to_all_single (mappings.py:450/460 _AllToAll; EP token dispatch)
+  torch.distributed.all_to_all_single (mappings.py:450/460 _AllToAll; EP token dispatch; and
+    context-parallel attention's a2a, megatron_ext/attention/context_parallel.py)
+  torch.distributed.all_gather_single / reduce_scatter_tensor: context-parallel attention's K/V
+    all-gather and its backward reduce-scatter (context_parallel.py; on gloo an all_reduce, above)
   torch.distributed.all_gather list form (mappings.py:154, uneven splits of the MoE token
     dispatch): padded, gathered async into one buffer, sliced back (a copy: bit-identical)
   torch.distributed.reduce_scatter list form (mappings.py:197, uneven splits of the MoE token
@@ -124,6 +128,20 @@ def _wrap_a2a(orig):
     return all_to_all_single
 
 
+def _wrap_reduce_scatter_tensor(orig):
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if lanes.active():
+            got = lanes.collective(
+                "reduce_scatter", group, _nbytes(input),
+                lambda: orig(output, input, op=op, group=group, async_op=True), async_op, lanes.row_width(input),
+            )
+            if got is not None:
+                return None if got is lanes.SYNC_DONE else got
+        return orig(output, input, op=op, group=group, async_op=async_op)
+
+    return reduce_scatter_tensor
+
+
 def _wrap_list_reduce_scatter(orig):
     # mappings.py:197 (_reduce_scatter_along_first_dim with input_split_sizes, the MoE token
     # combine under TP): uneven pieces. In a lane it is issued async as the same primitive:
@@ -184,6 +202,10 @@ def _install_tp_collectives():
         set_attr(dist, "all_to_all_single", _wrap_a2a(dist.all_to_all_single)),
         set_attr(dist, "all_gather", _wrap_list_all_gather(dist.all_gather)),
         set_attr(dist, "reduce_scatter", _wrap_list_reduce_scatter(dist.reduce_scatter)),
+        # context-parallel attention's (megatron_ext/attention/context_parallel.py): torch.distributed's
+        # names only; megatron's bound dist_*_func below and torch's own callers keep theirs
+        set_attr(dist, "all_gather_single", _wrap_base("all_gather", dist.all_gather_single)),
+        set_attr(dist, "reduce_scatter_tensor", _wrap_reduce_scatter_tensor(dist.reduce_scatter_tensor)),
     ]
     for mod in (mappings, layers):
         undos.append(set_attr(mod, "dist_all_gather_func", _wrap_base("all_gather", mod.dist_all_gather_func)))

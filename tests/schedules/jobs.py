@@ -94,6 +94,12 @@ def _summary(rec):
         ),
         "ep_collectives": sum(1 for c in rec.collectives if c.group == "ep"),
         "ep_handed_off": sum(1 for c in rec.collectives if c.group == "ep" and c.handed_off),
+        "cp_collectives": sum(1 for c in rec.collectives if c.group == "cp"),
+        "cp_handed_off": sum(1 for c in rec.collectives if c.group == "cp" and c.handed_off),
+        "cp_handed_off_with_compute": sum(1 for c in rec.collectives
+                                          if c.group == "cp" and c.handed_off and c.flops_between > 0),
+        "cp_flops_between": sum(c.flops_between for c in rec.collectives if c.group == "cp"),
+        "cp_handed_off_by_lane": sorted({c.lane for c in rec.collectives if c.group == "cp" and c.handed_off}),
         "flops_between_total": sum(c.flops_between for c in tp),
         "per_owner_lane": sorted({(c.owner, c.lane) for c in tp}),
         "b_lane": rec.b_lane("tp"),

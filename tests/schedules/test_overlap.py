@@ -150,6 +150,29 @@ def test_a_forward_pair_sees_random_draws():
         assert pair.earlier_drew_random() is draws
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_context_parallel_collectives_handed_off_bitwise(tp):
+    """CP 2 (at TP 1; at TP 2 + SP on 4 ranks), a dense model, one layer's attention all-gathering K/V
+    (its backward reduce-scatters them), the other's all-to-all (Ulysses): context-parallel
+    attention's collectives are handed to the other micro-batch as TP's are, with its compute in
+    between; losses, gradients and the RNG stream bit for bit megatron's schedule."""
+    extra = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "a2a"]
+    results = run_distributed(2 * tp, "tests.schedules.jobs:check_bitwise", kind="dense", tp=tp,
+                              extra=extra + (["--sequence-parallel"] if tp > 1 else []))
+    for rank, r in enumerate(results):
+        assert r["grad_mismatch"] == [] and r["losses_equal"] and r["rng_equal"], (rank, r["grad_mismatch"])
+        plain, ours = r["plain"], r["ours"]
+        assert plain["tp_collectives"] == ours["tp_collectives"], rank
+        assert (ours["tp_handed_off"] > 0) == (tp > 1), rank  # at TP 1, CP's are all there is
+        assert plain["cp_collectives"] == ours["cp_collectives"] > 0, rank
+        assert plain["cp_handed_off"] == 0 < ours["cp_handed_off"], rank
+        # both lanes hand theirs over (the backward's reduce-scatters and all-to-alls too), and the
+        # other micro-batch's GEMMs run between issue and wait (not after every one: q, k and v's
+        # all-to-alls follow one another; 21 of 39 at this size)
+        assert ours["cp_handed_off_by_lane"] == ["B", "F"], (rank, ours["cp_handed_off_by_lane"])
+        assert ours["cp_handed_off_with_compute"] > 0 and ours["cp_flops_between"] > plain["cp_flops_between"], rank
+
+
 def test_ep_only_overlap_tp1_ep2_every_dispatcher():
     """TP1 x EP2 MoE (no tensor parallelism: only the expert all-to-all / all-gather to hide), with
     megatron's alltoall and allgather dispatchers and the project's sync-free and zero-sync ones:
@@ -391,6 +414,9 @@ def test_validate_accepts_and_ignores_when_off():
     # TP1 with expert parallelism: the EP all-to-all is there to hide
     validate(parsed_args(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=1,
                          num_experts=8, expert_model_parallel_size=2, transformer_impl="local"))
+    # TP1 with context parallelism: its attention's collectives are there to hide
+    validate(parsed_args(overlap_tp_comm_1f1b=True, tensor_model_parallel_size=1, context_parallel_size=2,
+                         transformer_impl="local"))
 
 
 def test_get_forward_backward_func_picks_ours_only_with_flag():
