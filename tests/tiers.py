@@ -66,6 +66,9 @@ MATRIX: dict[str, str] = {
         "[moe-tp2_pp2_vpp2]: the same interleaved schedule, with MoE layers",
     f"{_OVERLAP}test_bitwise_equal_and_overlapped[moe-tp2]":
         "[dense-tp2] (the schedule without a pipeline) and test_moe_tp2_ep2_hands_off_expert_all_to_all (MoE at TP2)",
+    "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[gpt_oss]":
+        "only this trains sliding windows and softmax sinks under CP (gpt-oss); their CP attention against one "
+        "rank's: tests/attention/test_context_parallel.py; CP training: the qwen3 and deepseek_v2_lite cases",
     f"{_OVERLAP}test_context_parallel_collectives_handed_off_bitwise[2]":
         "[1]: context-parallel attention's collectives handed over, bit for bit; TP's beside them: the tp2 cases",
     f"{_OVERLAP}test_warmup_forwards_pair_bitwise_without_dropout[dense]":

@@ -1,7 +1,8 @@
 """Context parallelism on the local spec with torch's attention, trained: losses and gradients at CP 2
 and 4 against CP 1 on the same global batch (fp32, 4 gloo ranks: DP4, DP2 x CP2, CP4), every comm type
 in one model through a per-layer --cp-comm-type list, on the model zoo's attention kinds (GQA with
-qk-layernorm; multi-latent attention with MoE, experts over data x context ranks); packed SFT (documents
+qk-layernorm; multi-latent attention with MoE, experts over data x context ranks; gpt-oss's sliding
+windows and sinks, with all_gather and a2a, the comm types that express them); packed SFT (documents
 masked, the loss token-weighted across CP ranks) against its data-parallel run."""
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ CASES = {  # name: (model flags, per-layer comm types)
     # MLA + MoE; documents of at most 8 tokens with their ends out of the loss: the CP ranks' loss tokens
     # differ (the loss stays token-weighted across them)
     "deepseek_v2_lite": (_arch("deepseek_v2_lite") + ["--moe-layer-freq", "[0,1,1]", "--eod-mask-loss"], ALL_TYPES),
+    # sliding windows on every other layer, learnable softmax sinks, MoE: all_gather and a2a only
+    "gpt_oss": (_arch("gpt_oss"), MASKED_TYPES),
 }
 
 
