@@ -66,6 +66,10 @@ MATRIX: dict[str, str] = {
         "[moe-tp2_pp2_vpp2]: the same interleaved schedule, with MoE layers",
     f"{_OVERLAP}test_bitwise_equal_and_overlapped[moe-tp2]":
         "[dense-tp2] (the schedule without a pipeline) and test_moe_tp2_ep2_hands_off_expert_all_to_all (MoE at TP2)",
+    "tests/hf/test_layouts.py::test_fine_tuned_under_context_parallelism_exports_for_transformers":
+        "only this fine-tunes a Hugging Face import under CP and exports it; CP training against CP 1: "
+        "tests/training/test_context_parallel.py; a fine-tuned run's export against transformers: "
+        "test_finetune_on_one_process_and_tp1_with_ep",
     "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[gpt_oss]":
         "only this trains sliding windows and softmax sinks under CP (gpt-oss); their CP attention against one "
         "rank's: tests/attention/test_context_parallel.py; CP training: the qwen3 and deepseek_v2_lite cases",

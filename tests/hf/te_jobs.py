@@ -114,6 +114,15 @@ def one_process(recipe: str, load: str, save: str, ids: list, exports: dict) -> 
     return out
 
 
+def forward_and_export(recipe: str, load: str, ids: list, hf_dir: str):
+    """One rank: our forward's logits of the checkpoint `load`, and its export to `hf_dir`."""
+    from megatron_ext import hf
+
+    ours = hf.logits(load, ids, recipe=recipe, extra=[], parse=arguments.parse)
+    hf.export_hf(load, hf_dir, recipe=recipe, max_shard_bytes=1 << 30, parse=arguments.parse)
+    return ours.numpy()
+
+
 def refusals(hf_dirs: dict, root: str) -> dict:
     """One rank: the refusals of tests/hf/test_te_names.py test_dry_run_refuses_a_key_it_cannot_place
     (qwen3's import under a recipe without query/key norms; llama's with them), each line as raised."""

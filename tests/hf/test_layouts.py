@@ -69,6 +69,24 @@ def test_finetune_on_one_process_and_tp1_with_ep(workdir, family):
         models.assert_close(result["ours"], models.hf_logits(out))
 
 
+def test_fine_tuned_under_context_parallelism_exports_for_transformers(workdir):
+    """qwen3's import fine-tuned at CP 2 (the Ulysses all-to-all; 2 processes): the losses of the
+    same fine-tune on one process within 2e-5, and its export loaded in transformers gives the logits
+    of our forward of its checkpoint (on one process: our forward runs the packed row on one CP rank)."""
+    hf_dir, ckpt = imported(workdir, "qwen3")
+    recipe = os.path.join(ckpt, "recipe.yaml")
+    save = str(workdir / "qwen3_cp2")
+    cp = run_distributed(2, "tests.hf.te_jobs:finetune", recipe=recipe, load=ckpt, save=save, world=2,
+                         layout=["--context-parallel-size", "2", "--cp-comm-type", "a2a"])
+    one = run_distributed(1, "tests.hf.te_jobs:finetune", recipe=recipe, load=ckpt, save=str(workdir / "qwen3_cp1"),
+                          layout=[], world=1)[0]
+    assert _finite(cp[0]) and cp[0] == cp[1], cp
+    assert all(math.isclose(a, b, rel_tol=2e-5) for (_, a), (_, b) in zip(cp[0], one)), (cp[0], one)
+    ours = run_distributed(1, "tests.hf.te_jobs:forward_and_export", recipe=recipe, load=save, ids=models.IDS,
+                           hf_dir=save + "_hf")[0]
+    models.assert_close(ours, models.hf_logits(save + "_hf"))
+
+
 def test_gpt_oss_at_tp2_with_sequence_parallelism_and_expert_tp1(workdir):
     """Expert-TP 1 without EP under TP2+SP: an expert's fc2 reduce-scatters over one rank, the other
     case of the in-place bias add."""
