@@ -70,6 +70,12 @@ MATRIX: dict[str, str] = {
         "only this fine-tunes a Hugging Face import under CP and exports it; CP training against CP 1: "
         "tests/training/test_context_parallel.py; a fine-tuned run's export against transformers: "
         "test_finetune_on_one_process_and_tp1_with_ep",
+    "tests/training/test_context_parallel.py::test_features_compose_with_context_parallelism":
+        "only this composes LoRA, Megatron-FSDP, FSDP2, the sync-free dispatcher and the zero-sync dropless layer with "
+        "CP; CP training against CP 1: the qwen3 and deepseek_v2_lite cases; each feature alone: its own tests",
+    "tests/training/test_context_parallel.py::test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4":
+        "only this resumes a checkpoint across CP sizes; exact resumes on other layouts: "
+        "tests/training/test_checkpointing.py; CP training against CP 1: the qwen3 case",
     "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[gpt_oss]":
         "only this trains sliding windows and softmax sinks under CP (gpt-oss); their CP attention against one "
         "rank's: tests/attention/test_context_parallel.py; CP training: the qwen3 and deepseek_v2_lite cases",

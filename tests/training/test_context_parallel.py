@@ -127,3 +127,56 @@ def test_pipeline_virtual_stages_and_offload_compose():
     assert got["grads"].keys() == ref["grads"].keys() and ref["grads"]
     worst = max((_rel(got["grads"][k], ref["grads"][k]), k) for k in ref["grads"])
     assert worst[0] <= TOL, worst
+
+
+# each feature composed with CP: (its flags, the comm types of the 3 layers); dense qwen3 unless MoE
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-router-dtype", "fp32",
+             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+COMPOSED = {
+    "lora": ["--lora-rank", "8", "--lora-alpha", "16"],
+    "megatron_fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                      "--ckpt-format", "fsdp_dtensor"],
+    "fsdp2": ["--use-torch-fsdp2"],
+    "sync_free": [*MOE_FLAGS, "--moe-sync-free-dispatcher"],
+    "zero_sync": [*MOE_FLAGS, "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"],
+}
+
+
+def test_features_compose_with_context_parallelism():
+    """LoRA, Megatron-FSDP (everything sharded), FSDP2, the sync-free dispatcher and the zero-sync
+    dropless layer (experts over DP x CP), each at DP2 x CP2 (all_gather, a2a, p2p layers) against the
+    same at DP4: losses and grad norms over 2 iterations within 2e-5."""
+    model, _ = CASES["qwen3"]
+    argv = [*BASE, *model, "--train-iters", "2"]
+    argvs = {}
+    for name, flags in COMPOSED.items():
+        argvs[f"{name} dp4"] = [*argv, *flags]
+        argvs[f"{name} cp2"] = [*argv, *flags, "--context-parallel-size", "2", "--cp-comm-type", *ALL_TYPES]
+    result = run_distributed(4, "tests.training.jobs_cp:train_grads_many", argvs=argvs, grads=False)[0]
+    for name in COMPOSED:
+        ref, got = result[f"{name} dp4"], result[f"{name} cp2"]
+        assert len(ref["losses"]) == 2 and all(np.isfinite(ref["losses"])), (name, ref["losses"])
+        for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
+            assert abs(a - b) <= TOL * abs(b), (name, got, ref)
+
+
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
+    """Saved at iteration 2 of a DP2 x CP2 run, resumed at DP4 (CP 1) and at CP 4: iterations 3 and 4
+    carry the losses and grad norms of the uninterrupted CP 2 run within 2e-5."""
+    model, _ = CASES["qwen3"]
+    argv = [*BASE, *model, "--train-iters", "4", "--lr-decay-iters", "4"]
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type", *ALL_TYPES]
+    save = str(tmp_path / "cp2")
+    result = run_distributed(4, "tests.training.jobs_cp:train_grads_many", argvs={
+        "straight": [*argv, *cp2],
+        "saved": [*argv, *cp2, "--save", save, "--save-interval", "2", "--exit-interval", "2"],
+        "cp1": [*argv, "--load", save],
+        "cp4": [*argv, "--load", save, "--context-parallel-size", "4", "--cp-comm-type", *ALL_TYPES[::-1]],
+    })[0]
+    straight = result["straight"]
+    assert len(straight["losses"]) == 4 and result["saved"]["losses"] == straight["losses"][:2]
+    for layout in ("cp1", "cp4"):
+        got = result[layout]
+        assert len(got["losses"]) == 2, (layout, got["losses"])
+        for a, b in zip(got["losses"] + got["grad_norms"], straight["losses"][2:] + straight["grad_norms"][2:]):
+            assert abs(a - b) <= TOL * abs(b), (layout, got, straight)
