@@ -204,9 +204,10 @@ def _install_tp_collectives():
         set_attr(dist, "reduce_scatter", _wrap_list_reduce_scatter(dist.reduce_scatter)),
         # context-parallel attention's (megatron_ext/attention/context_parallel.py): torch.distributed's
         # names only; megatron's bound dist_*_func below and torch's own callers keep theirs
-        set_attr(dist, "all_gather_single", _wrap_base("all_gather", dist.all_gather_single)),
         set_attr(dist, "reduce_scatter_tensor", _wrap_reduce_scatter_tensor(dist.reduce_scatter_tensor)),
     ]
+    if hasattr(dist, "all_gather_single"):  # torch's name for all_gather_into_tensor since its deprecation
+        undos.append(set_attr(dist, "all_gather_single", _wrap_base("all_gather", dist.all_gather_single)))
     for mod in (mappings, layers):
         undos.append(set_attr(mod, "dist_all_gather_func", _wrap_base("all_gather", mod.dist_all_gather_func)))
         undos.append(set_attr(mod, "dist_reduce_scatter_func",
