@@ -70,6 +70,9 @@ MATRIX: dict[str, str] = {
         "only this fine-tunes a Hugging Face import under CP and exports it; CP training against CP 1: "
         "tests/training/test_context_parallel.py; a fine-tuned run's export against transformers: "
         "test_finetune_on_one_process_and_tp1_with_ep",
+    "tests/hf/test_layouts.py::test_fine_tuned_in_fp8_exports_for_transformers":
+        "only this exports an FP8-trained run to Hugging Face; a fine-tuned run's export against transformers: "
+        "test_finetune_on_one_process_and_tp1_with_ep; FP8 training: tests/fp8/test_training.py",
     "tests/fp8/test_compose.py::test_fp8_on_every_layout_and_wrapper":
         "only this trains FP8 under the 1F1B overlap, PP, VPP, EP, Megatron-FSDP, FSDP2 and SFT; FP8's products and "
         "TP2 + SP: tests/fp8/test_linear.py; FP8 training: tests/fp8/test_training.py",

@@ -87,6 +87,24 @@ def test_fine_tuned_under_context_parallelism_exports_for_transformers(workdir):
     models.assert_close(ours, models.hf_logits(save + "_hf"))
 
 
+def test_fine_tuned_in_fp8_exports_for_transformers(workdir):
+    """qwen3's import fine-tuned with FP8 products (tensorwise e4m3, float32 weights; one process):
+    its losses differ from the same fine-tune's without FP8 (FP8 is applied), and its export, which
+    holds the high-precision weights, loaded in transformers gives the logits of our forward of its
+    checkpoint."""
+    _, ckpt = imported(workdir, "qwen3")
+    recipe = os.path.join(ckpt, "recipe.yaml")
+    save = str(workdir / "qwen3_fp8")
+    fp8 = run_distributed(1, "tests.hf.te_jobs:finetune", recipe=recipe, load=ckpt, save=save, world=1,
+                          layout=["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"])[0]
+    high = run_distributed(1, "tests.hf.te_jobs:finetune", recipe=recipe, load=ckpt, save=str(workdir / "qwen3_high"),
+                           layout=[], world=1)[0]
+    assert _finite(fp8) and fp8 != high, (fp8, high)
+    ours = run_distributed(1, "tests.hf.te_jobs:forward_and_export", recipe=recipe, load=save, ids=models.IDS,
+                           hf_dir=save + "_hf")[0]
+    models.assert_close(ours, models.hf_logits(save + "_hf"))
+
+
 def test_gpt_oss_at_tp2_with_sequence_parallelism_and_expert_tp1(workdir):
     """Expert-TP 1 without EP under TP2+SP: an expert's fc2 reduce-scatters over one rank, the other
     case of the in-place bias add."""
