@@ -66,15 +66,21 @@ for script in sys.argv[1:]:
 """
 
 
+def _help_all(scripts: list[str], env: dict) -> tuple[subprocess.CompletedProcess, list]:
+    """_HELP_ALL over ``scripts`` (paths from the root) in a fresh interpreter: the run and its
+    [script, exit status, stderr] per script."""
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *scripts], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=110)
+    return done, [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+
+
 def test_every_script_answers_help_from_the_repository_root_in_a_clean_environment():
     """`python scripts/X.py --help` from the root with an environment of PATH and HOME only: exit 0 and
     no traceback (a script that needs PYTHONPATH, or a module only the test suite has, fails here)."""
     assert len(SCRIPTS) >= 15
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
     scripts = [os.path.relpath(script, ROOT) for script in SCRIPTS]
-    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *scripts], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=110)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    done, results = _help_all(scripts, env)
     assert done.returncode == 0 and [name for name, _, _ in results] == scripts, done.stderr[-3000:]
     assert [(name, rc, err.strip().splitlines()[-1:]) for name, rc, err in results
             if rc != 0 or "Traceback" in err] == []
@@ -91,8 +97,6 @@ def test_a_script_that_needs_the_checkout_on_its_path_fails_there(tmp_path):
         made.append(str(tmp_path / f"control_{i}.py"))
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
     names = [os.path.relpath(name, ROOT) for name in made]
-    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *names], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=110)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    done, results = _help_all(names, env)
     assert [(name, rc) for name, rc, _ in results] == [(names[0], 0), (names[1], 1)], done.stderr[-3000:]
     assert "ModuleNotFoundError: No module named 'tests'" in results[1][2]

@@ -68,6 +68,12 @@ def _run(name: str) -> dict:
     return _RUNS[name]
 
 
+def _within_tol(got: list, ref: list, where) -> None:
+    """Each logged value (losses, then grad norms) within TOL relative of the reference's."""
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= TOL * abs(b), where
+
+
 def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
@@ -81,8 +87,8 @@ def test_losses_and_gradients_equal_cp1(name):
     assert len(ref["losses"]) == 1 and ref["grads"]
     for layout in ("cp2", "cp4"):
         got = result[layout]
-        for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
-            assert abs(a - b) <= TOL * abs(b), (layout, got["losses"], ref["losses"])
+        _within_tol(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"],
+                    (layout, got["losses"], ref["losses"]))
         assert got["grads"].keys() == ref["grads"].keys()
         worst = max((_rel(got["grads"][k], ref["grads"][k]), k) for k in ref["grads"])
         assert worst[0] <= TOL, (layout, worst)
@@ -102,8 +108,7 @@ def test_packed_sft_equals_data_parallel():
     _RUNS["sft_seconds"] = time.perf_counter() - start
     ref, got = result["dp4"], result["cp4"]
     assert len(ref["losses"]) == 2 and ref["losses"][1] < ref["losses"][0]
-    for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
-        assert abs(a - b) <= TOL * abs(b), (got, ref)
+    _within_tol(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"], (got, ref))
     worst = max((_rel(got["grads"][k], ref["grads"][k]), k) for k in ref["grads"])
     assert worst[0] <= TOL, worst
 
@@ -122,8 +127,8 @@ def test_pipeline_virtual_stages_and_offload_compose():
     ref, got = ranks[0]["dp2"], ranks[0]["cp2"]  # rank 0: the first stage's gradients
     last_ref, last_got = ranks[-1]["dp2"], ranks[-1]["cp2"]  # the last stage's losses
     assert len(last_ref["losses"]) == 1
-    for a, b in zip(last_got["losses"] + got["grad_norms"], last_ref["losses"] + ref["grad_norms"]):
-        assert abs(a - b) <= TOL * abs(b), (got["losses"], ref["losses"])
+    _within_tol(last_got["losses"] + got["grad_norms"], last_ref["losses"] + ref["grad_norms"],
+                (got["losses"], ref["losses"]))
     assert got["grads"].keys() == ref["grads"].keys() and ref["grads"]
     worst = max((_rel(got["grads"][k], ref["grads"][k]), k) for k in ref["grads"])
     assert worst[0] <= TOL, worst
@@ -156,8 +161,7 @@ def test_features_compose_with_context_parallelism():
     for name in COMPOSED:
         ref, got = result[f"{name} dp4"], result[f"{name} cp2"]
         assert len(ref["losses"]) == 2 and all(np.isfinite(ref["losses"])), (name, ref["losses"])
-        for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
-            assert abs(a - b) <= TOL * abs(b), (name, got, ref)
+        _within_tol(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"], (name, got, ref))
 
 
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
@@ -178,5 +182,5 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
     for layout in ("cp1", "cp4"):
         got = result[layout]
         assert len(got["losses"]) == 2, (layout, got["losses"])
-        for a, b in zip(got["losses"] + got["grad_norms"], straight["losses"][2:] + straight["grad_norms"][2:]):
-            assert abs(a - b) <= TOL * abs(b), (layout, got, straight)
+        _within_tol(got["losses"] + got["grad_norms"], straight["losses"][2:] + straight["grad_norms"][2:],
+                    (layout, got, straight))
