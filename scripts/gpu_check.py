@@ -1,7 +1,7 @@
 """Every claim this project makes about one GPU, checked and measured by one command.
 
     python3 scripts/gpu_check.py [--out docs/gpu] [--sections cuda_facts,multihot,...] [--budget-s 480]
-    python3 scripts/gpu_check.py --sections fp8                # FP8 against bf16: a run of its own
+    python3 scripts/gpu_check.py --sections fp8,long_context   # FP8 against bf16, CP kernels: runs of their own
     python3 scripts/gpu_check.py --cpu-smoke [--out DIR]      # the same code paths, tiny sizes, on CPU
 
 Writes ``<out>/<date>-<device>.json`` (rewritten after every section, so an interrupted run keeps what
@@ -50,6 +50,10 @@ fp8                 FP8 on the local spec (--fp8-format hybrid --fp8-recipe tens
                     against bf16, whole training steps on the throughput section's Llama-3-8B-shaped
                     case and its MoE case: tokens/s, TFLOP/s, MFU, FP8's speed-up; torchtitan's Float8
                     (not wired: its row says so); 50 steps' losses in FP8 and in bf16 on the same data
+long_context        context parallelism's per-rank attention kernel time on one device: each comm type's
+                    share of one CP rank (context_parallel.OneRank: the rank's own kernels, collectives
+                    as local copies) at CP 2 and 4, forward + backward, the slowest rank against the
+                    whole sequence's causal attention at CP 1 (Llama-3-8B's heads, 16384 tokens, bf16)
 
 Each section runs in a process of its own, so what one leaves behind (CUDA graphs, pinned pools,
 process groups, dead weak proxies) cannot reach the next: with CUDA a fresh interpreter (this script
@@ -97,12 +101,13 @@ SCHEMA = 2
 # 4d4d546-gpu_check.json: cuda_facts 12.1 s with the imports, multihot 3.3, moe_layer 86.5, offload 54.7,
 # train 19.5) and, for what changed or is new since, from its measured step times (docs/gpu/README.md).
 ESTIMATE_S = {"cuda_facts": 14, "multihot": 14, "moe_layer": 125, "moe_graphs": 30, "offload": 70, "train": 30,
-              "planner": 35, "throughput": 150, "transformer_engine": 12, "fp8": 90}
+              "planner": 35, "throughput": 150, "transformer_engine": 12, "fp8": 90, "long_context": 60}
 LIMIT_FACTOR = 1.5  # a section is stopped at this multiple of its estimate (or when the budget is spent)
 BUDGET_S = 480.0  # the whole run: 8 minutes; the default sections' estimates must fit (tests/test_gpu_check.py)
-# a GPU run's sections unless --sections names others: all but fp8, which a run of its own measures
-# (`--sections fp8`: the whole run must end within one device call); --cpu-smoke runs every section
-GPU_DEFAULT = tuple(s for s in SECTIONS if s != "fp8")
+# a GPU run's sections unless --sections names others: all but those a run of its own measures
+# (`--sections fp8,long_context`: the whole run must end within one device call); --cpu-smoke runs every section
+OWN_RUN = ("fp8", "long_context")
+GPU_DEFAULT = tuple(s for s in SECTIONS if s not in OWN_RUN)
 SMOKE_LIMIT_S = 300.0  # per section on CPU, where the estimates do not apply
 TAIL_LINES = 40
 
@@ -421,8 +426,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (CI): the same code paths")
     ap.add_argument("--out", default=None, help="output folder (default: docs/gpu; with --cpu-smoke: nothing written "
                     "unless given)")
-    ap.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: all "
-                    f"but fp8 on a GPU, all with --cpu-smoke)")
+    ap.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}, run in the "
+                    f"order given (default: all but {' and '.join(OWN_RUN)} on a GPU, all with --cpu-smoke)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help="the whole run's time: a section starts only if its estimated time fits in what is left, "
                     "and is stopped when the budget is spent")
@@ -470,7 +475,7 @@ def main(argv=None) -> int:
 
     previous = signal.signal(signal.SIGTERM, stopped)
     try:
-        for name in SECTIONS:
+        for name in sections + [s for s in SECTIONS if s not in sections]:
             if name not in sections:
                 doc["sections"][name] = {"status": "skipped: not selected"}
                 continue

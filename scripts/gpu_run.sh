@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 WHEELS=${WHEELS:-wheels}
 PINNED=(
-    megatron-core==0.19.2
+    megatron-core==0.19.2 torchao==0.18.0
     torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 torchdata==0.11.0
     tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18

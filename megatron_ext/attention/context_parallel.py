@@ -23,10 +23,15 @@ this rank's query rows, every key column in natural order, [b or 1, 1, s / CP, s
 The per-block kernel of p2p is torch's own flash attention returning its log-sum-exp (CPU:
 ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: the memory-efficient kernel), and its backward
 the matching backward op given the merged output and log-sum-exp: exactly the block's share of the
-gradients. Not measured on GPU.
+gradients.
+
+``OneRank(cp, rank)`` in place of the group runs one rank's share on one device, each collective
+replaced by a local copy of the same size that gives what the rank would receive if every rank held
+this rank's inputs: the per-rank kernel time of each comm type on one GPU (scripts/gpu_check.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -76,13 +81,28 @@ def _keep_rows(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window) -> 
 
 
 # -------------------------------------------------------------------------------------- collectives
+@dataclasses.dataclass(frozen=True)
+class OneRank:
+    """Rank ``rank`` of a CP group of ``cp`` simulated on one device (see the module doc)."""
+    cp: int
+    rank: int
+
+
+def _size_rank(group) -> tuple:
+    if isinstance(group, OneRank):
+        return group.cp, group.rank
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
 def _gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+    return not isinstance(group, OneRank) and dist.get_backend(group) == "gloo"
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """[*] -> [cp, *]."""
-    cp = dist.get_world_size(group)
+    cp, _ = _size_rank(group)
+    if isinstance(group, OneRank):
+        return x.unsqueeze(0).expand(cp, *x.shape).contiguous()
     out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x.contiguous(), group=group)
     return out.view(cp, *x.shape)
@@ -90,6 +110,8 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """[cp, *] -> [*]: this rank's slot summed over ranks."""
+    if isinstance(group, OneRank):
+        return x[group.rank] * group.cp
     if _gloo(group):  # gloo has no reduce-scatter
         x = x.contiguous()
         dist.all_reduce(x, group=group)
@@ -114,6 +136,8 @@ class _GatherSequence(torch.autograd.Function):
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """[cp, *]: slot j sent to rank j; slot i of the result came from rank i."""
+    if isinstance(group, OneRank):
+        return x[group.rank].unsqueeze(0).expand_as(x).contiguous()
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
@@ -151,7 +175,7 @@ def _causal_mask(local, cp, rank, window, device):
 
 
 def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
-    cp, rank, local = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
+    (cp, rank), local = _size_rank(group), q.shape[2]
     natural = _natural(local, cp, str(q.device))
 
     def gather(x):  # [b, g, local, d] -> [b, g, s, d] in sequence order
@@ -171,7 +195,7 @@ def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=Non
 # ----------------------------------------------------------------------------------------------- a2a
 def _to_heads(x, group):
     """[b, h, local, d] (sequence-sharded) -> [b, h / cp, s, d] (head-sharded), sequence order."""
-    cp, (b, h, local, d) = dist.get_world_size(group), x.shape
+    (cp, _), (b, h, local, d) = _size_rank(group), x.shape
     send = x.view(b, cp, h // cp, local, d).transpose(0, 1)  # slot j: heads of rank j
     recv = _AllToAll.apply(send, group)  # slot i: rank i's tokens of my heads
     full = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d)
@@ -180,7 +204,7 @@ def _to_heads(x, group):
 
 def _to_sequence(x, group):
     """The inverse of _to_heads: [b, h / cp, s, d] -> [b, h, local, d]."""
-    cp, (b, hp, s, d) = dist.get_world_size(group), x.shape
+    (cp, _), (b, hp, s, d) = _size_rank(group), x.shape
     local = s // cp
     ranked = x.index_select(2, _rank_order(local, cp, str(x.device)))
     send = ranked.view(b, hp, cp, local, d).permute(2, 0, 1, 3, 4)  # slot j: rank j's tokens
@@ -198,11 +222,11 @@ def _full_mask(mask, group, local, cp):
 
 
 def a2a_attention(q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
-    cp, h, g, local = dist.get_world_size(group), q.shape[1], k.shape[1], q.shape[2]
+    (cp, rank), h, g, local = _size_rank(group), q.shape[1], k.shape[1], q.shape[2]
     if g < cp:  # each rank's heads read one group: the groups repeated to CP
         k, v = k.repeat_interleave(cp // g, dim=1), v.repeat_interleave(cp // g, dim=1)
     if sink is not None:
-        sink = sink.view(cp, h // cp)[dist.get_rank(group)]
+        sink = sink.view(cp, h // cp)[rank]
     full = None if mask is None else _full_mask(mask, group, local, cp)
     out = kernels.attend(_to_heads(q, group), _to_heads(k, group), _to_heads(v, group), scale=scale,
                          causal=causal, mask=full, window=window, sink=sink, dropout_p=dropout_p)
@@ -234,7 +258,9 @@ def _block_backward(dout, q, k, v, out, lse, scale, causal):
 
 def _ring_exchange(tensor, group):
     """Send ``tensor`` to the next rank, receive the previous rank's: (buffer, requests to wait)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if isinstance(group, OneRank):
+        return tensor.clone(), ()
+    cp, rank = _size_rank(group)
     buffer = torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
            dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, (rank - 1) % cp), group)]
@@ -274,7 +300,7 @@ def _fold(dx, n):
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        cp, rank = _size_rank(group)
         half, n = q.shape[2] // 2, q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -299,7 +325,7 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        cp, rank = _size_rank(group)
         half, n = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()

@@ -11,6 +11,7 @@ import traceback
 
 from gpu_check_sections.cuda_facts import section_cuda_facts
 from gpu_check_sections.fp8 import section_fp8
+from gpu_check_sections.long_context import section_long_context
 from gpu_check_sections.moe_graphs import section_moe_graphs
 from gpu_check_sections.moe_layer import section_moe_layer
 from gpu_check_sections.multihot import section_multihot
@@ -22,12 +23,12 @@ from gpu_check_sections.transformer_engine import section_transformer_engine
 
 
 SECTIONS = ("cuda_facts", "multihot", "moe_layer", "moe_graphs", "offload", "train", "planner", "throughput",
-            "transformer_engine", "fp8")
+            "transformer_engine", "fp8", "long_context")
 RUNNERS = {"cuda_facts": section_cuda_facts, "multihot": section_multihot, "moe_layer": section_moe_layer,
            "moe_graphs": section_moe_graphs,
            "offload": section_offload, "train": section_train, "planner": section_planner,
            "throughput": section_throughput, "transformer_engine": section_transformer_engine,
-           "fp8": section_fp8}
+           "fp8": section_fp8, "long_context": section_long_context}
 
 
 def run_section(name: str, size: dict) -> tuple:

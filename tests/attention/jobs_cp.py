@@ -68,3 +68,38 @@ def kernels_match_one_rank() -> dict:
         return out
     finally:
         dist.destroy_process_group(group)
+
+
+def one_rank_simulation_matches() -> dict:
+    """Every rank given the same local queries, keys and values (so what it receives equals its own):
+    each comm type over the real group against ``OneRank(cp, rank)`` on this rank alone, the output and
+    dq (what depends only on what arrives; for a2a this rank's heads, the others' come from the other
+    ranks' kernels): ‖Δ‖/‖ref‖ per case."""
+    from megatron_ext.attention import context_parallel as cpa
+    from megatron_ext.platform import init_distributed
+
+    init_distributed()
+    group = dist.new_group(backend="gloo")
+    try:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        out = {}
+        for name, h, g, dk, dv, causal, window, with_sink, _, comm_types in KERNEL_CASES:
+            gen = torch.Generator().manual_seed(7)  # the same on every rank
+            q, k = torch.randn(BATCH, h, SEQ // cp, dk, generator=gen), torch.randn(BATCH, g, SEQ // cp, dk, generator=gen)
+            v, dout = torch.randn(BATCH, g, SEQ // cp, dv, generator=gen), torch.randn(BATCH, h, SEQ // cp, dv, generator=gen)
+            sink = torch.randn(h, generator=gen) if with_sink else None
+            for comm in comm_types:
+                runs = []
+                for where in (group, cpa.OneRank(cp, rank)):
+                    qq = q.clone().requires_grad_()
+                    got = cpa.attend(comm, qq, k, v, group=where, scale=0.25, causal=causal, window=window, sink=sink)
+                    got.backward(dout)
+                    runs.append((got.detach(), qq.grad))
+                if comm == "a2a":  # this rank's heads
+                    mine = slice(rank * h // cp, (rank + 1) * h // cp)
+                    runs = [(o[:, mine], d[:, mine]) for o, d in runs]
+                (real, real_dq), (alone, alone_dq) = runs
+                out[f"{name}/{comm}"] = [_rel(alone, real), _rel(alone_dq, real_dq)]
+        return out
+    finally:
+        dist.destroy_process_group(group)

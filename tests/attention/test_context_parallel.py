@@ -28,6 +28,17 @@ def test_each_comm_type_matches_one_rank(cp):
             assert max(errors) <= 2e-6, (rank, case, errors)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_one_rank_simulated_on_one_device_computes_what_that_rank_does(cp):
+    """``OneRank(cp, rank)`` (what gpu_check times per comm type on one GPU) runs the rank's own kernels:
+    with every rank holding the same inputs, its output and dq equal the real group's on every rank."""
+    expected = {f"{c[0]}/{comm}" for c in jobs_cp.KERNEL_CASES for comm in c[-1]}
+    for rank, result in enumerate(run_distributed(cp, "tests.attention.jobs_cp:one_rank_simulation_matches")):
+        assert set(result) == expected
+        for case, errors in result.items():
+            assert max(errors) <= 1e-6, (rank, case, errors)
+
+
 def _parse(*argv):
     import contextlib
     import io
