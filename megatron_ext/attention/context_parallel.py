@@ -244,13 +244,26 @@ def _block_forward(q, k, v, scale, causal):
     return out, lse.float()
 
 
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] over a [b, s, h, d]-contiguous buffer: the layout the CUDA memory-efficient kernel
+    gives its output, and the only one its backward reads the output in (it assumes the output's
+    row stride is heads x head size; a [b, h, s, d]-contiguous output is read out of bounds)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def efficient_backward_args(dout, q, k, v, out, lse):
+    """The memory-efficient backward's tensors: the output and its gradient token-major, the
+    log-sum-exp padded to a multiple of 32 rows (as its forward returns it), no dropout's seed."""
+    padded = F.pad(lse, (0, -(-lse.shape[-1] // 32) * 32 - lse.shape[-1]))
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    return token_major(dout), q, k, v, None, token_major(out), padded, zero, zero
+
+
 def _block_backward(dout, q, k, v, out, lse, scale, causal):
     """The block's share of dq, dk, dv given the merged output and log-sum-exp."""
     if q.is_cuda:
-        padded = F.pad(lse, (0, -(-lse.shape[-1] // 32) * 32 - lse.shape[-1]))
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+            *efficient_backward_args(dout, q, k, v, out, lse), 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)

@@ -30,6 +30,7 @@ Reused unchanged: tensor_parallel.mappings gather_from_sequence_parallel_region 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ class Float8Recipe:
 def _amax(tensors, group) -> list:
     """max |t| of each tensor over the whole tensor: this rank's, all-reduced (MAX) over ``group``
     (one collective for all of them). float32 holds a 16-bit amax exactly."""
-    amax = [torch.max(torch.abs(t)) if t.numel() else t.new_zeros(()) for t in tensors]
+    amax = [_fused(_abs_max, t)(t) if t.numel() else t.new_zeros(()) for t in tensors]
     if group is None or group.size() == 1:
         return amax
     stacked = torch.stack([a.float() for a in amax])
@@ -108,10 +109,43 @@ def _scale(amax, dtype):
     return utils.amax_to_scale(amax, dtype)
 
 
-def _cast(t, scale, dtype, mm_config, role):
-    """t in float8 with this scale, as torchao's hp_tensor_to_float8_dynamic casts it."""
+def _abs_max(t):
+    return torch.max(torch.abs(t))  # torchao's tensor_to_amax
+
+
+def _bits(t, scale, dtype):
+    """torchao's cast to float8 (float8_training_tensor.py _ToFloat8ConstrFunc.forward): the tensor in
+    float32 times the scale, saturated (float8_utils.to_fp8_saturated)."""
+    limit = torch.finfo(dtype).max
+    return (t.to(torch.float32) * scale).clamp(min=-limit, max=limit).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def _fused(fn, t):
+    """``fn`` compiled on CUDA (one fused kernel where eager runs one per op, as torchao recommends its
+    casts be run), as it is elsewhere (the same bits: tests/fp8 on CPU, gpu_check's fp8 section on CUDA)."""
+    return _compiled(fn) if t.is_cuda else fn
+
+
+def float8_bits(t, scale, dtype):
+    """t's float8 bits with this scale, as torchao's hp_tensor_and_scale_to_float8 makes them (fused on
+    CUDA); a weight's transpose keeps its layout."""
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return _fused(_bits, t)(t.t(), scale, dtype).t()
+    return _fused(_bits, t)(t, scale, dtype)
+
+
+def _cast(t, scale, dtype, mm_config, role, out_dtype=None):
+    """t in float8 with this scale, as torchao's hp_tensor_and_scale_to_float8 casts it; products with
+    it come out in ``out_dtype`` (t's dtype unless given: the float32 weight gradient of the fusion)."""
     _, tensor, _ = torchao_float8()
-    return tensor.hp_tensor_and_scale_to_float8(t, scale, dtype, mm_config, role)
+    bits = float8_bits(t, scale, dtype)
+    return tensor.Float8TrainingTensor(bits, scale, out_dtype or t.dtype, linear_mm_config=mm_config,
+                                       gemm_input_role=role)
 
 
 def _rows_for_wgrad(t):
@@ -215,10 +249,10 @@ class Float8LinearWithGradAccumulation(torch.autograd.Function):
         # accumulates), else in the parameter's dtype (torchao's Float8Linear)
         out_dtype = weight.main_grad.dtype if fused else None
         if state.recipe.wgrad:
-            x = _rows_for_wgrad(total_input if out_dtype is None else total_input.to(out_dtype))
-            go = _rows_for_wgrad(grad_output if out_dtype is None else grad_output.to(out_dtype))
-            x8 = _cast(x, scale_in, state.fwd_dtype, state.mm_config, state.roles.INPUT)
-            go8 = _cast(go, scale_go, state.grad_dtype, state.mm_config, state.roles.GRAD_OUTPUT)
+            x8 = _cast(_rows_for_wgrad(total_input), scale_in, state.fwd_dtype, state.mm_config, state.roles.INPUT,
+                       out_dtype)
+            go8 = _cast(_rows_for_wgrad(grad_output), scale_go, state.grad_dtype, state.mm_config,
+                        state.roles.GRAD_OUTPUT, out_dtype)
             wgrad = torch.mm(go8.t(), x8)
         else:  # --no-fp8-wgrad: megatron's own product (layers.py:677)
             wgrad = grad_output.t().matmul(total_input)

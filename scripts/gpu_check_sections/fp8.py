@@ -64,6 +64,27 @@ def _losses(kind: str, rows: list) -> dict:
     return out
 
 
+def _casts_match_torchao() -> bool | str:
+    """The fused (compiled) casts of megatron_ext's FP8 products against torchao's eager cast, bit for bit:
+    activations and a weight's transpose, in both FP8 dtypes."""
+    if not cuda():
+        return NO_CUDA
+    from megatron_ext.seams.fp8 import float8_bits, torchao_float8
+
+    _, tensor, utils = torchao_float8()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    same = True
+    for shape in ((8192, 4096), (4096, 14336), (1000, 4096)):
+        t = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 3
+        for x in (t, t.t()):
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                scale = utils.amax_to_scale(torch.max(torch.abs(x)), dtype)
+                ours = float8_bits(x, scale, dtype)
+                theirs = tensor.hp_tensor_and_scale_to_float8(x, scale, dtype)._data
+                same &= ours.stride() == theirs.stride() and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    return bool(same)
+
+
 def section_fp8(size, claims) -> dict:
     kind = size["throughput"]
     steps, models = STEPS[kind], MODELS[kind]
@@ -78,6 +99,8 @@ def section_fp8(size, claims) -> dict:
             layers[case] = layers_that_fit(m, "sdpa", torch.cuda.mem_get_info()[0])["layers"]
         else:
             layers[case] = m["layers"]
+    casts = _casts_match_torchao()
+    claim(claims, "fp8: the fused (compiled) casts give torchao's eager float8 bits and layout", casts)
     rows = []
     for case in cases:
         for variant in ("bf16", "fp8"):
@@ -102,5 +125,5 @@ def section_fp8(size, claims) -> dict:
              else losses["differ"] and losses["last_relative_difference"] <= LOSS_TOLERANCE)
     claim(claims, f"fp8: after {losses['steps']} steps the FP8 loss differs from bf16's and is within "
           f"{LOSS_TOLERANCE:.0%} of it", holds)
-    return {"status": "ok", "recipe": " ".join(FP8), "matmul": matmul, "steps": steps, "rows": rows,
+    return {"status": "ok", "recipe": " ".join(FP8), "casts_match_torchao": casts, "matmul": matmul, "steps": steps, "rows": rows,
             "speedup": speedup, "losses": losses}

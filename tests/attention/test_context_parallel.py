@@ -39,6 +39,24 @@ def test_one_rank_simulated_on_one_device_computes_what_that_rank_does(cp):
             assert max(errors) <= 1e-6, (rank, case, errors)
 
 
+def test_ring_backward_hands_cuda_its_output_token_major():
+    """CUDA's memory-efficient backward reads the output at row stride heads x head size (its kernel's
+    o_strideM), whatever the tensor's strides: the ring's merged output is head-major, which that kernel
+    read out of bounds on an H200 (an illegal memory access). The arguments it is given: token-major
+    output and output gradient, the log-sum-exp padded to 32 rows, values unchanged."""
+    import torch
+
+    from megatron_ext.attention import context_parallel as cpa
+
+    b, h, s, d = 2, 4, 40, 16
+    q, k, v, out, dout = (torch.randn(b, h, s, d) for _ in range(5))
+    assert out.stride(2) != h * d  # head-major, as the ring merges it
+    args = cpa.efficient_backward_args(dout[:, :, 10:], q, k, v, out[:, :, 10:], torch.randn(b, h, s - 10))
+    for given, original in ((args[0], dout[:, :, 10:]), (args[5], out[:, :, 10:])):
+        assert given.stride(2) == h * d and given.stride(1) == d and torch.equal(given, original)
+    assert args[6].shape == (b, h, 32) and args[4] is None
+
+
 def _parse(*argv):
     import contextlib
     import io
