@@ -235,7 +235,10 @@ def _run_built(run, kinds, seed: int, budget_rows_per_token: float | None) -> di
     dev = next(model.parameters()).device
     tokens = torch.randint(0, args.padded_vocab_size, (b, s + 1), generator=g).to(dev)
     pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, -1).contiguous()
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
+    # the data loader's causal mask where the run has one (torch attention's runs have none: its kernels
+    # apply the triangle, attention/__init__.py; given, CUDA would take flex_attention for it)
+    mask = (torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=dev), diagonal=1)
+            if args.create_attention_mask_in_dataloader else None)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     tagger = _Tagger(root, exclude)
     # the offload manager's hook placement, recording what each module saves instead of offloading it

@@ -122,13 +122,19 @@ def _bits(t, scale, dtype):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
-    return torch.compile(fn)
+    return torch.compile(fn, dynamic=True)
 
 
 def _fused(fn, t):
-    """``fn`` compiled on CUDA (one fused kernel where eager runs one per op, as torchao recommends its
-    casts be run), as it is elsewhere (the same bits: tests/fp8 on CPU, gpu_check's fp8 section on CUDA)."""
-    return _compiled(fn) if t.is_cuda else fn
+    """``fn(t, ...)`` compiled on CUDA (one fused kernel where eager runs one per op, as torchao recommends
+    its casts be run), eager elsewhere: the same bits (tests/fp8 on CPU, gpu_check's fp8 section on
+    CUDA). Dynamic shapes, and ``t`` detached: a parameter or a view made dynamo guard on its class or its
+    base and compile again per linear until its recompile limit, after which the casts ran eager (the
+    H200 run of 2026-11-30; this form is not measured there yet)."""
+    if not t.is_cuda:
+        return fn
+    compiled = _compiled(fn)
+    return lambda x, *rest: compiled(x.detach(), *rest)
 
 
 def float8_bits(t, scale, dtype):

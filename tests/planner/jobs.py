@@ -35,13 +35,22 @@ def plan_json_recipe(extra):
 def saved_seq_exponents(argv):
     """Per spec (transformer-engine target, local with torch's attention, local with megatron's unfused
     attention), the largest exponent in sequence length among the storages one dense layer saves for
-    backward (2: something of size s x s is kept), and that layer's saved bytes at the run's shape."""
+    backward (2: something of size s x s is kept), that layer's saved bytes at the run's shape, and
+    whether torch attention's kernel was given a mask."""
     import contextlib
     import io
 
     import arguments
 
+    from megatron_ext.attention import kernels
     from megatron_ext.planner import trace as tr
+
+    masks = []  # per call of torch attention's kernel: was it given a mask (on CUDA: flex_attention)?
+    attend = kernels.attend
+
+    def spy(*a, **k):
+        masks.append(k.get("mask") is not None)
+        return attend(*a, **k)
 
     out = {}
     for name, impl, assume, extra in (("transformer_engine", "transformer_engine", "--assume-te", ()),
@@ -50,11 +59,16 @@ def saved_seq_exponents(argv):
         with contextlib.redirect_stdout(io.StringIO()):
             args = arguments.parse([*argv, "--transformer-impl", impl, "--platform", "cuda", assume, *extra,
                                     "--dry-run"], exit_on_dry_run=False)
-        t = tr.trace(args)
+        masks.clear()
+        kernels.attend = spy
+        try:
+            t = tr.trace(args)
+        finally:
+            kernels.attend = attend
         s = tr.scaled(args, t)
         comp = s.kind("dense")
         exps = [t["exps"][k].get("seq", 0.0) for k, (c, _module, _gemm) in t["raw"]["saved"].items() if c == comp]
-        out[name] = dict(max_seq_exponent=max(exps), saved=s.saved[comp])
+        out[name] = dict(max_seq_exponent=max(exps), saved=s.saved[comp], masks=sorted(set(masks)))
     return out
 
 
