@@ -110,7 +110,8 @@ def test_the_budget_holds_every_section_and_stops_what_overruns():
     assert set(gpu_check.ESTIMATE_S) == set(gpu_check.SECTIONS)
     estimate, limit, skipped = gpu_check.plan_section("offload", 480, 100, smoke=False)
     assert skipped is None and limit == min(gpu_check.LIMIT_FACTOR * estimate, 100)
-    estimate, limit, skipped = gpu_check.plan_section("moe_layer", 480, estimate - 1, smoke=False)
+    estimate, limit, skipped = gpu_check.plan_section("moe_layer", 480, gpu_check.ESTIMATE_S["moe_layer"] - 1,
+                                                      smoke=False)
     assert skipped.startswith("skipped: time budget (480 s)")
     assert gpu_check.plan_section("throughput", 480, 5, smoke=True)[1:] == (5, None)  # CPU: no estimates
 
