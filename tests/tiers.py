@@ -26,8 +26,11 @@ _FSDP_MEMORY = ("only these check the bytes per rank against docs/fsdp.md's form
 _SAME_MLA_MOE = "the deepseek_v3 case: the same multi-latent attention and MoE layers"
 _ZERO_SYNC = ("the deepseek_v3 case (the same zero-sync layer), and "
               "test_zero_sync_dropless_allgather_trains_bitwise_with_every_feature_on")
-_HF_FAMILIES = ("the qwen3, deepseek_v3 and gpt_oss cases; every family's import, export and forward against "
+_HF_FAMILIES = ("the qwen3 and deepseek_v3 cases; every family's import, export and forward against "
                 "transformers: tests/hf/test_hf.py")
+_VPP_OVERLAP = ("the interleaved schedule overlapped: test_warmup_forwards_pair_bitwise_without_dropout[moe-stateful] "
+                "(MoE, PP x VPP, the stateful features) and tests/training/test_zoo.py's qwen3_235b case (TP2 + SP x "
+                "PP2 x VPP2 x EP2 with every feature, bit for bit); the hand-offs counted: [dense-tp2_pp2]")
 
 MATRIX: dict[str, str] = {
     # the model zoo: one architecture per kind of layer
@@ -61,9 +64,10 @@ MATRIX: dict[str, str] = {
         "test_warmup_forwards_pair_bitwise_without_dropout[moe-stateful]",
     # the 1F1B overlap: one case per schedule and per model kind
     f"{_OVERLAP}test_bitwise_equal_and_overlapped[moe-tp2_pp2]":
-        "[dense-tp2_pp2] (the same 1F1B schedule) and [moe-tp2_pp2_vpp2] (MoE in a pipeline)",
-    f"{_OVERLAP}test_bitwise_equal_and_overlapped[dense-tp2_pp2_vpp2]":
-        "[moe-tp2_pp2_vpp2]: the same interleaved schedule, with MoE layers",
+        "[dense-tp2_pp2] (the same 1F1B schedule) and test_warmup_forwards_pair_bitwise_without_dropout[moe-stateful] "
+        "(MoE in a pipeline)",
+    f"{_OVERLAP}test_bitwise_equal_and_overlapped[dense-tp2_pp2_vpp2]": _VPP_OVERLAP,
+    f"{_OVERLAP}test_bitwise_equal_and_overlapped[moe-tp2_pp2_vpp2]": _VPP_OVERLAP,
     f"{_OVERLAP}test_bitwise_equal_and_overlapped[moe-tp2]":
         "[dense-tp2] (the schedule without a pipeline) and test_moe_tp2_ep2_hands_off_expert_all_to_all (MoE at TP2)",
     "tests/hf/test_layouts.py::test_fine_tuned_under_context_parallelism_exports_for_transformers":
@@ -78,13 +82,20 @@ MATRIX: dict[str, str] = {
         "TP2 + SP: tests/fp8/test_linear.py; FP8 training: tests/fp8/test_training.py",
     "tests/training/test_context_parallel.py::test_features_compose_with_context_parallelism":
         "only this composes LoRA, Megatron-FSDP, FSDP2, the sync-free dispatcher and the zero-sync dropless layer with "
-        "CP; CP training against CP 1: the qwen3 and deepseek_v2_lite cases; each feature alone: its own tests",
+        "CP; CP training against CP 1: the deepseek_v2_lite case; each feature alone: its own tests",
     "tests/training/test_context_parallel.py::test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4":
         "only this resumes a checkpoint across CP sizes; exact resumes on other layouts: "
-        "tests/training/test_checkpointing.py; CP training against CP 1: the qwen3 case",
+        "tests/training/test_checkpointing.py; CP training against CP 1: the deepseek_v2_lite case",
     "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[gpt_oss]":
         "only this trains sliding windows and softmax sinks under CP (gpt-oss); their CP attention against one "
-        "rank's: tests/attention/test_context_parallel.py; CP training: the qwen3 and deepseek_v2_lite cases",
+        "rank's: tests/attention/test_context_parallel.py; CP training: the deepseek_v2_lite case",
+    "tests/training/test_layouts.py::test_moe_layouts_match_single_process[tp2-pp2-vpp2]":
+        "MoE against one process: [tp2-ep2-sp] and [pp2-ep2-distopt]; the interleaved schedule against one process: "
+        "test_dense_layouts_match_single_process[tp2-pp2-vpp2]; MoE under TP2 x PP2 x VPP2: "
+        "tests/schedules/test_overlap.py test_warmup_forwards_pair_bitwise_without_dropout[moe-stateful]",
+    "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[qwen3]":
+        "the deepseek_v2_lite case: training at CP 2 and 4 against CP 1, every comm type per layer; grouped-query "
+        "attention under each comm type against one rank's: tests/attention/test_context_parallel.py (the gqa case)",
     f"{_OVERLAP}test_context_parallel_collectives_handed_off_bitwise[2]":
         "[1]: context-parallel attention's collectives handed over, bit for bit; TP's beside them: the tp2 cases",
     f"{_OVERLAP}test_warmup_forwards_pair_bitwise_without_dropout[dense]":
@@ -126,6 +137,11 @@ MATRIX: dict[str, str] = {
         "functions on the suite's warm workers (tests/test_scripts.py)",
     # Hugging Face
     f"{_HF_LAYOUTS}[llama]": _HF_FAMILIES,
+    "tests/hf/test_peft_io.py::test_imported_adapter_logits_equal_peft_packed_on_each_layout[qwen3]":
+        "the deepseek_v3 case: an imported adapter's packed logits against peft's on each layout; qwen3's adapters "
+        "in peft: test_trained_adapter_loads_in_peft_with_our_logits[qwen3]",
+    f"{_HF_LAYOUTS}[gpt_oss]": _HF_FAMILIES + "; gpt-oss's layers trained with every feature: tests/training/"
+                                             "test_zoo.py's gpt_oss case",
     f"{_HF_LAYOUTS}[qwen3_moe]": _HF_FAMILIES,
     f"{_HF_LAYOUTS}[mixtral]": _HF_FAMILIES,
     f"{_HF_LAYOUTS}[deepseek_v2_lite]": _HF_FAMILIES,
@@ -171,6 +187,8 @@ MATRIX: dict[str, str] = {
     f"{_FETCH}[full_recompute]": "[plain] and test_bit_identical_to_stock",
     # checkpoints: every damage once
     f"{_DAMAGED}[tp2pp2-missing-shard]": "[dp2-distopt-missing-shard]",
+    f"{_DAMAGED}[tp2pp2-truncated-shard]": "[dp2-distopt-truncated-shard]; a resume under TP2 x PP2: "
+                                           "test_resume_equals_uninterrupted_tp2_pp2",
     f"{_DAMAGED}[tp2pp2-changed-tensor-bytes]": "[dp2-distopt-changed-tensor-bytes]",
     f"{_DAMAGED}[tp2pp2-damaged-dcp-metadata]": "[dp2-distopt-damaged-dcp-metadata]",
     "tests/training/test_checkpointing.py::test_resume_equals_uninterrupted_ep2":
