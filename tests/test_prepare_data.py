@@ -41,3 +41,18 @@ def test_a_failure_midway_leaves_the_earlier_dataset_as_it_was(tmp_path, workers
     assert line.startswith(f"error: {bad}:3: not a JSON line")
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d_text_document.bin", "d_text_document.idx", "good.jsonl"]
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+def test_chat_example_writes_what_the_sft_recipe_trains_on(tmp_path, capsys):
+    """`prepare_data.py --chat-example DIR` (docs/finetune.md, docs/offline.md) writes the conversations and the
+    tokenizer that recipes/tiny_sft/ holds, byte for byte."""
+    written = load_script("prepare_data").main(["--chat-example", str(tmp_path / "chat")])
+    assert f"wrote {written['data']} and {written['tokenizer']}/" in capsys.readouterr().out
+    committed = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny_sft")
+    mine = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "chat") for d, _, fs in os.walk(tmp_path / "chat")
+                  for f in fs)
+    theirs = sorted(os.path.relpath(os.path.join(d, f), committed) for d, _, fs in os.walk(committed) for f in fs)
+    assert mine == theirs and "conversations.jsonl" in mine
+    for name in mine:
+        with open(tmp_path / "chat" / name, "rb") as a, open(os.path.join(committed, name), "rb") as b:
+            assert a.read() == b.read(), name

@@ -31,6 +31,11 @@ _HF_FAMILIES = ("the qwen3 and deepseek_v3 cases; every family's import, export 
 _VPP_OVERLAP = ("the interleaved schedule overlapped: test_warmup_forwards_pair_bitwise_without_dropout[moe-stateful] "
                 "(MoE, PP x VPP, the stateful features) and tests/training/test_zoo.py's qwen3_235b case (TP2 + SP x "
                 "PP2 x VPP2 x EP2 with every feature, bit for bit); the hand-offs counted: [dense-tp2_pp2]")
+_WALKTHROUGH = ("the pages' commands as written; every step they take, in make test: a Hugging Face import and export "
+                "(tests/hf/test_hf.py), SFT and LoRA fine-tunes of an import on a layout (tests/hf/test_layouts.py, "
+                "tests/lora/), peft adapters in and out (tests/hf/test_peft_io.py), logits (tests/hf/test_hf.py), "
+                "prepare_data.py's chat example (tests/test_prepare_data.py) and stdlib data (the Makefile's data step), "
+                "and the other pages' commands (tests/test_docs.py)")
 
 MATRIX: dict[str, str] = {
     # the model zoo: one architecture per kind of layer
@@ -89,6 +94,10 @@ MATRIX: dict[str, str] = {
     "tests/training/test_context_parallel.py::test_losses_and_gradients_equal_cp1[gpt_oss]":
         "only this trains sliding windows and softmax sinks under CP (gpt-oss); their CP attention against one "
         "rank's: tests/attention/test_context_parallel.py; CP training: the deepseek_v2_lite case",
+    # the fine-tuning walk-through's commands (offline.md makes the tiny model finetune.md uses), each step of it
+    # proved in make test by its own tests
+    "tests/test_docs.py::test_doc_commands_run[docs/offline.md]": _WALKTHROUGH,
+    "tests/test_docs.py::test_doc_commands_run[docs/finetune.md]": _WALKTHROUGH,
     "tests/training/test_layouts.py::test_moe_layouts_match_single_process[tp2-pp2-vpp2]":
         "MoE against one process: [tp2-ep2-sp] and [pp2-ep2-distopt]; the interleaved schedule against one process: "
         "test_dense_layouts_match_single_process[tp2-pp2-vpp2]; MoE under TP2 x PP2 x VPP2: "
