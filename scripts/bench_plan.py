@@ -184,6 +184,42 @@ def device_record() -> list:
     return rows
 
 
+# gpu_check runs whose throughput section's whole training steps no profile or constant was made from
+HELD_OUT_STEPS = ("docs/gpu/2026-11-30-h200-a055a4c-run1.json",)
+
+
+def held_out_steps(paths=HELD_OUT_STEPS) -> list:
+    """Per whole-step row of a gpu_check run's throughput section without offload (torch attention and
+    unfused; dense and MoE), the planner's forward + backward time with the GPU's stored profile and with
+    the datasheet model alone, beside the measured one (the rows' own argv, as the section builds it)."""
+    import arguments
+
+    from gpu_check_sections import throughput
+    from gpu_check_sections.kernel_profile import gpu_kind
+    from megatron_ext.planner import memory, profiles, published, steptime
+
+    rows = []
+    for path in paths:
+        with open(os.path.join(ROOT, path)) as f:
+            run = json.load(f)
+        gpu = gpu_kind(run["device"])
+        for r in run["sections"]["throughput"]["rows"]:
+            if r.get("status") != "ok" or r.get("offload"):
+                continue
+            argv = throughput.run_argv(throughput.MODELS["gpu"][r["case"]], r["layers"], r["attention_backend"], (), 1)
+            args = published.parse([*argv, "--bf16", "--world-size", "1"], arguments.parse, gpu=gpu)
+            layout = memory.Layout.from_args(args)
+            predicted = {}
+            for name, profile in (("profile", "stored"), ("datasheet", None)):
+                dev = profiles.device(gpu, profile)
+                predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
+                                                     dev.host_link)["step_time_s"] * 1e3
+            rows.append(dict(run=path, device=run["device"], date=run["date"], case=r["case"], variant=r["variant"],
+                             layers=r["layers"], measured_ms=r["fwd_bwd_ms"]["median"],
+                             predicted_ms=predicted["profile"], predicted_datasheet_ms=predicted["datasheet"]))
+    return rows
+
+
 def published_table(rows: list) -> str:
     lines = [("run", "role", "published tokens/s/GPU", "predicted", "error", "attention", "slowest stage")]
     for r in rows:
@@ -274,6 +310,15 @@ def main(argv=None) -> int:
                   f"predicted {r['predicted_ms']:.1f} ms with the profile ({100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}%), "
                   f"{r['predicted_datasheet_ms']:.1f} ms with the datasheet model "
                   f"({100 * (r['predicted_datasheet_ms'] / r['measured_ms'] - 1):+.0f}%)", file=sys.stderr)
+        held = f["held_out_steps"] = held_out_steps()
+        print("\nWhole steps of a GPU run no profile or constant was made from (forward + backward), predicted:",
+              file=sys.stderr)
+        for r in held:
+            print(f"{r['device']} {r['date']}, ({r['case']}) {r['variant']} x {r['layers']} layers: measured "
+                  f"{r['measured_ms']:.1f} ms, predicted {r['predicted_ms']:.1f} ms with the profile "
+                  f"({100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}%), {r['predicted_datasheet_ms']:.1f} ms "
+                  f"with the datasheet model ({100 * (r['predicted_datasheet_ms'] / r['measured_ms'] - 1):+.0f}%)",
+                  file=sys.stderr)
     if opts.json:
         print(json.dumps(out, indent=1))
     return 0
