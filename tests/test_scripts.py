@@ -28,7 +28,7 @@ RUN_BY = {
     "bench_dispatcher": "here",
     "bench_fsdp": "here",
     "bench_gather": "here",
-    "bench_lora": DOCS,
+    "bench_lora": "here",
     "bench_offload": DOCS,
     "bench_overlap": "here",
     "bench_plan": "tests/planner/test_planner.py::test_predicted_peak_within_5_percent_pp2_with_offload",
@@ -49,7 +49,9 @@ RUN_BY = {
 def test_every_script_says_where_it_runs_end_to_end():
     scripts = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "scripts", "*.py")))
     assert sorted(RUN_BY) == scripts
-    documented = {word for doc in test_docs.DOCS for cmd in test_docs.commands(doc) if not test_docs.skipped(cmd)
+    # the commands of the pages `make test` runs (a page in `make test-matrix` runs its commands there only)
+    documented = {word for doc in test_docs.DOCS if f"{DOCS}[{doc}]" not in tiers.MATRIX
+                  for cmd in test_docs.commands(doc) if not test_docs.skipped(cmd)
                   for word in cmd.text.split() if word.startswith("scripts/")}
     for script, where in RUN_BY.items():
         if where == DOCS:  # the docs give a command of it that the doc test runs
@@ -80,6 +82,20 @@ def test_bench_fsdp_smoke(capsys):
     stock = [rows["megatron_fsdp", "stock", e]["host_ops_per_layer"] for e in (small, large)]
     assert ours[0] == ours[1] and stock[1] > stock[0] > ours[0], (ours, stock)
     assert all(c["released_bytes_per_layer"] == c["bytes_after_fetch_per_layer"] > 0 for c in rows.values())
+
+
+def test_bench_lora_smoke(capsys):
+    """docs/finetune.md's LoRA-against-full table in its smoke form (its page runs in `make test-matrix`):
+    both modes train the same recipe on 2 processes; LoRA keeps fewer gradient and optimizer bytes per rank
+    than the full fine-tune, and as many parameter bytes or more (the frozen base plus the adapters)."""
+    with warm_worlds():
+        load_script("bench_lora").main(["--smoke", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    full, lora = out["modes"]["full"], out["modes"]["lora"]
+    assert out["world_size"] == 2 and full["tokens_per_s"] > 0 and lora["tokens_per_s"] > 0, out
+    assert lora["grad_bytes_per_rank"] < full["grad_bytes_per_rank"], out
+    assert lora["optim_bytes_per_rank"] < full["optim_bytes_per_rank"], out
+    assert lora["param_bytes_per_rank"] >= full["param_bytes_per_rank"], out
 
 
 def test_bench_gather_smoke(capsys):
