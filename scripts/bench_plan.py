@@ -156,13 +156,27 @@ _RECORD_MODEL = ["--position-embedding-type", "learned_absolute", "--disable-bia
                  "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
 
 
+def _forward_backward_ms(args, gpu: str) -> dict:
+    """One micro-batch's forward + backward (ms) of the parsed run on ``gpu``, predicted with its stored
+    profile ("profile") and with the datasheet model alone ("datasheet"); no data-parallel term."""
+    from megatron_ext.planner import memory, profiles, steptime
+
+    layout = memory.Layout.from_args(args)
+    predicted = {}
+    for name, profile in (("profile", "stored"), ("datasheet", None)):
+        dev = profiles.device(gpu, profile)
+        predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
+                                             dev.host_link)["step_time_s"] * 1e3
+    return predicted
+
+
 def device_record() -> list:
     """Per measured step of a stored profile's "layers" block (the H200's: gpu_check's dense model
     without offload, forward and backward of one micro-batch), the step time predicted with that
     profile and with the datasheet model alone, beside the measured one."""
     import arguments
 
-    from megatron_ext.planner import memory, profiles, published, steptime
+    from megatron_ext.planner import profiles, published
 
     rows = []
     for gpu in profiles.known():
@@ -172,12 +186,7 @@ def device_record() -> list:
                     "--num-attention-heads", r["heads"], "--seq-length", r["seq"], "--max-position-embeddings", r["seq"],
                     "--vocab-size", r["vocab"], *_RECORD_MODEL]
             args = published.parse([str(a) for a in argv], arguments.parse, gpu=gpu)
-            layout = memory.Layout.from_args(args)
-            predicted = {}
-            for name, profile in (("profile", "stored"), ("datasheet", None)):
-                dev = profiles.device(gpu, profile)
-                predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
-                                                     dev.host_link)["step_time_s"] * 1e3
+            predicted = _forward_backward_ms(args, gpu)
             rows.append(dict(gpu=gpu, device=stored["device"], date=stored["date"], model=r["model"], layers=r["layers"],
                              measured_ms=r["step_ms"], predicted_ms=predicted["profile"],
                              predicted_datasheet_ms=predicted["datasheet"]))
@@ -196,7 +205,7 @@ def held_out_steps(paths=HELD_OUT_STEPS) -> list:
 
     from gpu_check_sections import throughput
     from gpu_check_sections.kernel_profile import gpu_kind
-    from megatron_ext.planner import memory, profiles, published, steptime
+    from megatron_ext.planner import published
 
     rows = []
     for path in paths:
@@ -208,12 +217,7 @@ def held_out_steps(paths=HELD_OUT_STEPS) -> list:
                 continue
             argv = throughput.run_argv(throughput.MODELS["gpu"][r["case"]], r["layers"], r["attention_backend"], (), 1)
             args = published.parse([*argv, "--bf16", "--world-size", "1"], arguments.parse, gpu=gpu)
-            layout = memory.Layout.from_args(args)
-            predicted = {}
-            for name, profile in (("profile", "stored"), ("datasheet", None)):
-                dev = profiles.device(gpu, profile)
-                predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
-                                                     dev.host_link)["step_time_s"] * 1e3
+            predicted = _forward_backward_ms(args, gpu)
             rows.append(dict(run=path, device=run["device"], date=run["date"], case=r["case"], variant=r["variant"],
                              layers=r["layers"], measured_ms=r["fwd_bwd_ms"]["median"],
                              predicted_ms=predicted["profile"], predicted_datasheet_ms=predicted["datasheet"]))
