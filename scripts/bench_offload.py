@@ -5,8 +5,8 @@ are bit-identical, and the compute-stream time spent waiting for copies (exposed
     PYTHONPATH=. .venv/bin/python scripts/bench_offload.py [--json [FILE]] [--png docs/offload_timeline.png]
     PYTHONPATH=. .venv/bin/python scripts/bench_offload.py --smoke [--json]   # seconds: the suite's run
 
-Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2; dense and MoE (all seven modules offloaded for MoE); every PP
-rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
+Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2, and PP=2 x CP=2 (torch attention) once per --cp-comm-type; dense
+and MoE (all seven modules offloaded for MoE); every rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
 (one layer's copy takes 0.1x that layer's measured forward time) and "slow" (1.5x); peak bytes come
 from the independent tracker (megatron_ext.measure.memtrack.LiveBytesTracker). On CUDA each case runs
 once on the real link, peak bytes from torch.cuda.max_memory_allocated (reset per measured step);
@@ -28,12 +28,17 @@ MOE = ["qkv_linear", "core_attention", "attn_proj", "router_fc1", "moe_act", "ro
 MODEL = dict(layers=8, hidden=64, heads=4, seq=64, mbs=2, vocab=8192, ffn=256, experts=4, topk=2, moe_ffn=128,
              microbatches=4)
 SCHEDULES = {"PP=1": dict(pp=1), "PP=2 1F1B": dict(pp=2), "PP=2xVPP=2": dict(pp=2, vpp=2)}
+# context parallelism under 1F1B (torch attention: CP runs no other), once per comm type, at 4 x the
+# sequence: torch attention keeps no s x s probabilities, and at 2 x the first stage's peak with
+# offload is the embedding's gradient, which offload cannot lower (docs/offload.md "Limits")
+CP = dict(pp=2, cp=2, attention="sdpa", seq=4 * MODEL["seq"])
+SCHEDULES.update({f"PP=2xCP=2 {comm}": dict(CP, cp_comm_type=comm) for comm in ("p2p", "all_gather", "a2a")})
 OFFLOAD = dict(pool_mb=256.0, chunk_mb=1 / 16, prefetch_depth=1, min_tensor_kb=1.0, debug=False,
                cross_pass_prefetch="after-forward")
 LINKS = {"fast": "x0.1", "slow": "x1.5"}  # one layer's copy time / that layer's forward time
-# --smoke: every schedule and both models at the full size, the fast link alone, one micro-batch per
-# pipeline stage; no timeline
-SMOKE = dict(microbatches=2, links={"fast": "x0.1"})
+# --smoke: the schedules without CP and both models at the full size, the fast link alone, one
+# micro-batch per pipeline stage; no timeline (CP's cases: tests/offload/test_context_parallel.py)
+SMOKE = dict(microbatches=2, links={"fast": "x0.1"}, schedules=[s for s in SCHEDULES if "cp" not in SCHEDULES[s]])
 # the vocabulary (8192 against hidden 64) puts the last stage's peak at the logits gradient, where only
 # the last layer of the pass is resident (offload/theory.py); other stages peak in a layer's backward
 PEAK = "loss_backward"
@@ -69,7 +74,8 @@ def run_case(schedule: str, model: str, timeline: bool = False, offload=None, li
     for name, run in zip(links, r["runs"]):
         s = run["stats"]
         row = dict(
-            schedule=schedule, model=model, pp_rank=r["pp_rank"], spec="local", link=name,
+            schedule=schedule, model=model, pp_rank=r["pp_rank"], spec="local", attention=kw.get("attention", "unfused"),
+            cp=kw.get("cp", 1), cp_rank=r["cp_rank"], link=name,
             link_gbps=run["link_gbps"], copy_to_compute=run["copy_to_compute"],
             peak_off_bytes=r["peak_off"], peak_on_bytes=run["peak_on"], theoretical_bytes=r["theoretical_bytes"],
             saved_bytes=run["saved_bytes"], R=run["R"],
@@ -124,13 +130,14 @@ def _fmt(x, spec):
 
 def table(doc, out) -> None:
     print(f"device: {doc['device']}", file=out)
-    hdr = (f"{'schedule':<12} {'model':<6} {'rank':>4} {'link':<5} {'GB/s':>7} {'copy/fwd':>8} {'peak off MiB':>12} "
+    hdr = (f"{'schedule':<20} {'model':<6} {'rank':>5} {'link':<5} {'GB/s':>7} {'copy/fwd':>8} {'peak off MiB':>12} "
            f"{'peak on MiB':>12} {'theory MiB':>10} {'saved MiB':>10} {'R':>7} {'bitwise':>8} {'exposed s':>9} "
            f"{'step s':>7}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for c in doc["cases"]:
-        print(f"{c['schedule']:<12} {c['model']:<6} {c['pp_rank']:>4} {c['link']:<5} {_fmt(c['link_gbps'], '7.4f'):>7} "
+        rank = str(c["pp_rank"]) if c["cp"] == 1 else f"{c['pp_rank']}/{c['cp_rank']}"  # PP rank / CP rank
+        print(f"{c['schedule']:<20} {c['model']:<6} {rank:>5} {c['link']:<5} {_fmt(c['link_gbps'], '7.4f'):>7} "
               f"{_fmt(c['copy_to_compute'], '8.2f'):>8} {c['peak_off_bytes'] / 2**20:>12.3f} "
               f"{c['peak_on_bytes'] / 2**20:>12.3f} {c['theoretical_bytes'] / 2**20:>10.3f} "
               f"{c['saved_bytes'] / 2**20:>10.3f} {c['R']:>7.4f} {str(c['grads_bitwise_equal']):>8} "
@@ -172,11 +179,13 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores, gloo; CUDA-faithful copy engine)"
     cases = []
     for schedule, extra in SCHEDULES.items():
-        per_rank = run_world(extra["pp"], run_schedule, timeout=3600, schedule=schedule,
+        if a.smoke and schedule not in SMOKE["schedules"]:
+            continue
+        per_rank = run_world(extra["pp"] * extra.get("cp", 1), run_schedule, timeout=3600, schedule=schedule,
                              timeline_case=a.timeline_case, offload=OFFLOAD, smoke=a.smoke)
         for model in ("dense", "moe"):  # rows ordered (model, link, rank)
             rows = [row for rank_rows in per_rank for row in rank_rows if row["model"] == model]
-            cases += sorted(rows, key=lambda r: (r["link"] != "fast", r["pp_rank"]))
+            cases += sorted(rows, key=lambda r: (r["link"] != "fast", r["pp_rank"], r["cp_rank"]))
     overhead = {"step_time": "not measured on GPU"}
     if a.overhead and cuda:
         shape = {k: int(v) for k, v in (kv.split("=") for kv in a.overhead_shape.split(","))}

@@ -45,6 +45,8 @@ EP2 = ["--expert-model-parallel-size", "2"]
 # the planner traces 16 and 32 experts and scales the expert count to 64
 MANY = ["--num-experts", "64", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "8", "--moe-router-num-groups", "8",
         "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+# context parallelism (torch attention), megatron's comm types; the sequence twice the recipe's
+CP2 = ["--context-parallel-size", "2", "--seq-length", "128", "--max-position-embeddings", "128"]
 # dropless with zero host syncs: fixed-budget dispatch buffers, experts as grouped GEMMs over them
 ZERO_SYNC = ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]
 
@@ -65,6 +67,10 @@ CASES = {
     "mla-moe EP2 offload": (2, [*MOE, *EP2, *MLA, *EXPERTS]),
     "moe64 EP2": (2, [*MOE, *EP2, *MANY]),
     "moe64 EP2 offload": (2, [*MOE, *EP2, *MANY, *EXPERTS]),
+    "dense CP2 p2p": (2, [*DENSE, *CP2, "--cp-comm-type", "p2p"]),
+    "dense CP2 all_gather": (2, [*DENSE, *CP2, "--cp-comm-type", "all_gather"]),
+    "dense CP2 a2a": (2, [*DENSE, *CP2, "--cp-comm-type", "a2a"]),
+    "dense PP2xCP2 offload": (4, [*DENSE, *PP2, *CP2, *ATTN]),
     "moe EP2 zero-sync": (2, [*MOE, *EP2, *ZERO_SYNC]),
     "moe64 EP2 zero-sync": (2, [*MOE, *EP2, *MANY, *ZERO_SYNC, "--moe-dropless-budget-factor", "1.5"]),
 }

@@ -28,9 +28,13 @@ gradients.
 ``OneRank(cp, rank)`` in place of the group runs one rank's share on one device, each collective
 replaced by a local copy of the same size that gives what the rank would receive if every rank held
 this rank's inputs: the per-rank kernel time of each comm type on one GPU (scripts/gpu_check.py).
+Inside ``simulated(cp)`` the torch attention of a model built without CP attends so, as rank 0 of
+``cp``, with its layer's --cp-comm-type: what a CP rank keeps for backward, for the planner's trace.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -86,6 +90,23 @@ class OneRank:
     """Rank ``rank`` of a CP group of ``cp`` simulated on one device (see the module doc)."""
     cp: int
     rank: int
+
+
+_SIMULATED: contextvars.ContextVar = contextvars.ContextVar("megatron_ext_simulated_cp_rank", default=None)
+
+
+@contextlib.contextmanager
+def simulated(cp: int):
+    """Torch attention built without CP attends as rank 0 of ``cp`` (``OneRank``) inside the block."""
+    token = _SIMULATED.set(OneRank(cp, 0) if cp > 1 else None)
+    try:
+        yield
+    finally:
+        _SIMULATED.reset(token)
+
+
+def simulated_group() -> OneRank | None:
+    return _SIMULATED.get()
 
 
 def _size_rank(group) -> tuple:

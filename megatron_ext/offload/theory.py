@@ -14,6 +14,14 @@ the fused QKV output and the fp32 log-sum-exp per head and query (mbs x heads x 
 s x s term. It keeps its output too, which is linear_proj's input, one storage: it moves with
 core_attention and attn_proj offloaded together (it is attn_proj's bytes), and attn_proj alone moves
 nothing (core attention still holds that storage).
+Under context parallelism (``cp`` > 1, torch attention only: megatron_ext.attention.context_parallel)
+every count is at the rank's tokens (seq x mbs / cp), and core attention keeps what its comm type
+(``cp_comm_type``) hands the kernel: ``all_gather`` the fused QKV output (the local queries are a view of
+it) and the gathered keys and values (cp x the local ones), its output shared with linear_proj as
+without CP (on CPU: SDPA's flash kernel; flex_attention on CUDA, not measured on GPU); ``a2a`` the
+head-sharded q, k, v and output (the whole sequence on heads / cp: the local bytes), copies of their
+own, so that linear_proj's input is a storage of its own too; ``p2p`` (the ring) contiguous copies of
+q, k, v, its output and its log-sum-exp, linear_proj's input again its own.
 With the transformer-engine spec these counts do not hold (TE modules choose what they save).
 
 **Passes in flight** (``inflight_passes``): (chunk, micro-batch) forward passes whose activations are
@@ -52,6 +60,7 @@ import dataclasses
 from megatron_ext.offload.vocabulary import OffloadOptions
 
 ATTENTION = ("unfused", "sdpa")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 PEAKS = ("layer_backward", "loss_backward", "layer_forward")
 RELEASES = ("last_use", "next_hook")
 
@@ -68,10 +77,22 @@ class Shape:
     shared_ffn: int = 0
     dtype_bytes: int = 4
     softmax_fp32: bool = False  # the unfused attention's softmax in fp32 on 16-bit inputs
+    cp: int = 1  # context-parallel ranks: each holds seq / cp of every sequence
+    cp_comm_type: str = "p2p"
+
+    def __post_init__(self):
+        if self.cp_comm_type not in CP_COMM_TYPES or self.seq % self.cp:
+            raise ValueError(f"cp {self.cp}, cp_comm_type {self.cp_comm_type!r}: known {', '.join(CP_COMM_TYPES)}, "
+                             f"and the sequence ({self.seq}) split evenly")
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq // self.cp
 
     @property
     def tokens(self) -> int:
-        return self.seq * self.mbs
+        """This rank's tokens of a micro-batch."""
+        return self.local_seq * self.mbs
 
 
 def qkv_linear_bytes(s: Shape, attention: str = "unfused") -> int:
@@ -80,17 +101,29 @@ def qkv_linear_bytes(s: Shape, attention: str = "unfused") -> int:
 
 def attention_scores_bytes(s: Shape, attention: str = "unfused") -> int:
     """The [b, heads, s, s] probabilities core attention keeps; for sdpa the fp32 log-sum-exp instead."""
-    _known(attention)
+    _known(attention, s)
     if attention == "sdpa":
-        return s.mbs * s.heads * s.seq * 4
+        return s.mbs * s.heads * s.local_seq * 4
     probs = s.mbs * s.heads * s.seq * s.seq
     fp32 = probs * 4 if s.softmax_fp32 and s.dtype_bytes < 4 else 0  # the fp32 softmax output too
     return probs * s.dtype_bytes + fp32
 
 
 def core_attention_bytes(s: Shape, attention: str = "unfused") -> int:
-    # the fused QKV output (q, k, v are views of it) and the probabilities (sdpa: the log-sum-exp)
-    return s.tokens * 3 * s.hidden * s.dtype_bytes + attention_scores_bytes(s, attention)
+    # the fused QKV output (q, k, v are views of it) and the probabilities (sdpa: the log-sum-exp);
+    # under CP what the comm type hands the kernel beyond that (see the module doc)
+    qkv = s.tokens * 3 * s.hidden * s.dtype_bytes
+    if s.cp > 1 and s.cp_comm_type == "all_gather":
+        qkv += s.cp * s.tokens * 2 * s.hidden * s.dtype_bytes  # the gathered keys and values
+    elif s.cp > 1:
+        qkv += s.tokens * s.hidden * s.dtype_bytes  # its output, a storage of its own
+    return qkv + attention_scores_bytes(s, attention)
+
+
+def output_is_proj_input(s: Shape, attention: str = "unfused") -> bool:
+    """Whether core attention's saved output is linear_proj's input, one storage (sdpa: its flash
+    kernel's output; under CP only all_gather's, the others hand linear_proj a copy)."""
+    return attention == "sdpa" and (s.cp == 1 or s.cp_comm_type == "all_gather")
 
 
 def attn_proj_bytes(s: Shape, attention: str = "unfused") -> int:
@@ -121,9 +154,11 @@ MODULE_BYTES = {
 MOE_ONLY = ("router_fc1", "moe_act", "router_fc2", "shared_experts")
 
 
-def _known(attention: str) -> None:
+def _known(attention: str, s: Shape | None = None) -> None:
     if attention not in ATTENTION:
         raise ValueError(f"attention kind {attention!r}: known {', '.join(ATTENTION)}")
+    if s is not None and s.cp > 1 and attention != "sdpa":
+        raise ValueError(f"context parallelism ({s.cp}) runs torch attention only (sdpa), not {attention!r}")
 
 
 def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
@@ -132,7 +167,7 @@ def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
     for m in modules:
         if m in MOE_ONLY and (not moe or (m == "shared_experts" and not s.shared_ffn)):
             continue
-        if m == "attn_proj" and attention == "sdpa" and "core_attention" not in modules:
+        if m == "attn_proj" and output_is_proj_input(s, attention) and "core_attention" not in modules:
             continue  # its input is SDPA's saved output: on the device while core attention keeps it
         total += MODULE_BYTES[m](s, attention)
     return total

@@ -35,7 +35,7 @@ import math
 from megatron_ext import lora
 from megatron_ext.offload.vocabulary import OffloadOptions
 from megatron_ext.planner import schedule
-from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds
+from megatron_ext.planner.run import fixed_budget_rows, fp8_gemms, layer_kinds, local_seq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def boundary_bytes(args, layout: Layout) -> float:
     """One tensor megatron sends between pipeline stages: (sequence / TP under sequence parallelism,
     micro-batch, hidden) in the pipeline dtype."""
     elem = 2 if (args.bf16 or args.fp16) else 4
-    seq = args.seq_length // (layout.tp if args.sequence_parallel else 1)
+    seq = local_seq(args) // (layout.tp if args.sequence_parallel else 1)
     return float(seq * args.micro_batch_size * args.hidden_size * elem)
 
 
@@ -202,7 +202,7 @@ def dispatch_rows(args, layout: Layout) -> float:
     destination (``fixed_budget_rows``; the trace sized its own buffers so, per token)."""
     if not args.num_experts or layout.ep * layout.etp == 1:
         return 0.0
-    tokens = args.seq_length * args.micro_batch_size // layout.tp
+    tokens = local_seq(args) * args.micro_batch_size // layout.tp
     k = args.moe_router_topk or 1
     routed = tokens * k
     rows = fixed_budget_rows(args, layout.ep, layout.tp)
@@ -223,12 +223,12 @@ def dispatch_bytes(args, layout: Layout) -> float:
 
 def packed_mask_bytes(args) -> float:
     """--sft on the local spec: the per-conversation attention mask of a packed micro-batch (bool
-    [micro-batch, 1, S, S], megatron_ext/sft/attention.py), made by each chunk's forward step and held
+    [micro-batch, 1, S / CP, S], megatron_ext/sft/attention.py), made by each chunk's forward step and held
     until its backward (the softmax's masked fill keeps it). Transformer-engine's packed sequences
     carry only their cu_seqlens."""
     if not args.sft or args.transformer_impl != "local":
         return 0.0
-    return float(args.micro_batch_size * args.seq_length ** 2)
+    return float(args.micro_batch_size * local_seq(args) * args.seq_length)  # this CP rank's query rows
 
 
 def activation_peak(scaled, layout: Layout, comps_per_chunk: list, pp_rank: int, offload: Offload,

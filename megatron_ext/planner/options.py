@@ -30,7 +30,8 @@ class PlanOptions(Options):
     """Host link bandwidth per GPU in GB/s, each direction (default: the GPU's PCIe)."""
 
     search_parallelism: bool = False
-    """Also search the TP/PP/VPP/EP/micro-batch split for the run's world size."""
+    """Also search the TP/PP/VPP/EP/micro-batch split for the run's world size; where no split fits, context
+    parallelism too (a sequence too long for one GPU)."""
 
     json: bool = False
     """Print the plan as one JSON object."""

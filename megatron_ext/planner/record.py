@@ -196,7 +196,9 @@ def run_once(tiny, kinds, seed: int = 1234) -> dict:
     one micro-batch forward and backward. Returns the storages' lives (allocs), which of them are saved
     (by component and offload module), the component phases (op ranges, forward and backward) and the
     parameters. A MoE model routes balanced (``megatron_ext.seams.planner``): every expert gets the same
-    tokens."""
+    tokens. Under context parallelism the sequence is one rank's share and attention attends as that
+    rank (``attention.context_parallel.simulated``)."""
+    from megatron_ext.attention import context_parallel
     from megatron_ext.seams.planner import balanced_routing, transformer_engine_saves
     from megatron_ext.training import Run
 
@@ -205,7 +207,7 @@ def run_once(tiny, kinds, seed: int = 1234) -> dict:
     routing = balanced_routing() if args.num_experts else contextlib.nullcontext()
     attention = transformer_engine_saves() if tiny.fused_attention else contextlib.nullcontext()
     # the run's model-only bring-up: the tiny copy's model, no optimizer or data (training/run.py)
-    with Run(args, model_only=True) as run, routing, attention:
+    with Run(args, model_only=True) as run, routing, attention, context_parallel.simulated(tiny.context_parallel):
         return _run_built(run, kinds, seed, tiny.budget_rows_per_token)
 
 

@@ -7,6 +7,11 @@ from __future__ import annotations
 import copy
 
 
+def local_seq(args) -> int:
+    """The sequence positions a context-parallel rank holds (megatron splits every sequence over CP)."""
+    return args.seq_length // (args.context_parallel_size or 1)
+
+
 def local_unfused(a) -> None:
     """In place: the local spec without fused kernels (what this machine builds). The tiny copy
     runs so; the transformer-engine spec saves differently (its fused attention keeps no score
@@ -47,7 +52,7 @@ def modeled_saved_delta(args, kind: str) -> float:
     elem = 2 if (args.bf16 or args.fp16) else 4
     tp = args.tensor_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
-    tokens = args.seq_length * args.micro_batch_size // (tp if args.sequence_parallel else 1)
+    tokens = local_seq(args) * args.micro_batch_size // (tp if args.sequence_parallel else 1)
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     delta = 0.0
     if "moe_act" in modules:
@@ -143,6 +148,6 @@ def fixed_budget_rows(args, ep: int, tp: int):
         return None
     from megatron_ext.moe.fixed_dispatch import budget_rows
 
-    tokens = args.seq_length * args.micro_batch_size // tp
+    tokens = local_seq(args) * args.micro_batch_size // tp
     return ep * budget_rows(tokens, args.moe_router_topk or 1, args.num_experts, args.num_experts // ep,
                             dispatch.dropless_budget_factor)[0]

@@ -164,12 +164,13 @@ class Scaled:
             b = [max(live[i0:i1]) - held for i0, i1 in base["phases"][("B", c)]]
             self.fwd[c] = max(f) if f else 0.0
             self.bwd[c] = max(b) if b else 0.0
-        self.params_dense = {c: sum(it.at(factors) for it in items if not it.routed)
+        whole = dict(factors, seq=factors.get("whole_seq", factors["seq"]))  # parameters see every position
+        self.params_dense = {c: sum(it.at(whole) for it in items if not it.routed)
                              for c, items in tr["params"].items()}
-        self.params_expert = {c: sum(it.at(factors) for it in items if it.routed) / ep
+        self.params_expert = {c: sum(it.at(whole) for it in items if it.routed) / ep
                               for c, items in tr["params"].items()}
         # the layers' linear weights (the GEMMs transformer-engine runs in FP8 when asked)
-        self.gemm_weights = {c: sum(it.at(factors) / (ep if it.routed else 1) for it in items if is_gemm_weight(it.name))
+        self.gemm_weights = {c: sum(it.at(whole) / (ep if it.routed else 1) for it in items if is_gemm_weight(it.name))
                              for c, items in tr["params"].items()}
         self.buffers = sum(max(it.at(factors) for it in items) for items in tr["buffers"].values())
         self.peak = max(live) if live else 0.0
@@ -188,8 +189,10 @@ class Scaled:
 
 
 def factors_for(args, tr: dict) -> dict:
-    """The factors from the trace's base shape to the target's (per rank)."""
+    """The factors from the trace's base shape to the target's (per rank: a context-parallel rank's
+    share of the sequence; ``whole_seq`` the whole one, for parameters)."""
     experts, traced = args.num_experts or 1, tr.get("experts") or args.num_experts or 1
+    seq = args.seq_length / tr["base"]["seq"]
     return dict(width=float(tr["divisor"]), vocab=args.padded_vocab_size / tr["base"]["vocab"],
-                seq=args.seq_length / tr["base"]["seq"], mbs=args.micro_batch_size / tr["base"]["mbs"],
+                seq=seq / (args.context_parallel_size or 1), whole_seq=seq, mbs=args.micro_batch_size / tr["base"]["mbs"],
                 experts=experts / traced, local=experts / args.expert_model_parallel_size / traced)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import sys
 
@@ -65,14 +66,16 @@ class Candidate:
 
 
 class Tracer:
-    """Traces, cached by what changes them: per-rank widths (TP, expert TP) and recompute."""
+    """Traces, cached by what changes them: per-rank widths (TP, expert TP), recompute and the attention
+    of a context-parallel rank."""
 
     def __init__(self):
         self.cache: dict = {}
 
     def _key(self, args, recompute: str | None) -> tuple:
         return (args.tensor_model_parallel_size, args.expert_tensor_parallel_size,
-                resolved_recompute(args, recompute), args.transformer_impl,
+                resolved_recompute(args, recompute), args.transformer_impl, args.context_parallel_size,
+                str(args.cp_comm_type),
                 memory.fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size))
 
     def __call__(self, args, recompute: str | None) -> dict:
@@ -128,21 +131,41 @@ def _reparse(args, flags: list, drop_uneven: bool, parse_run):
         return None
 
 
-def layouts(args, parse_run) -> list:
+CP_SIZES = (2, 4, 8)
+
+
+def context_parallel_choices(args, context_parallel: bool) -> list:
+    """(CP size, its flags) a split may take: the run's own, or with ``context_parallel`` each size of
+    CP_SIZES the sequence splits into (2 x CP chunks) with each comm type (megatron_ext.attention's:
+    torch or transformer-engine attention; megatron's unfused attention runs on one CP rank)."""
+    if not context_parallel:
+        return [(args.context_parallel_size or 1, [])]
+    from megatron_ext.attention.context_parallel import COMM_TYPES
+    from megatron_ext.planner.work import attention_kind
+
+    if attention_kind(args) == "unfused":
+        return []
+    return [(cp, ["--context-parallel-size", str(cp), "--cp-comm-type", comm])
+            for cp in CP_SIZES if args.seq_length % (2 * cp) == 0 for comm in COMM_TYPES]
+
+
+def layouts(args, parse_run, context_parallel: bool = False) -> list:
     """Parallel splits of the run's world size that megatron accepts (same global batch), each
-    validated as --dry-run does."""
+    validated as --dry-run does; with ``context_parallel``, those with context parallelism (its
+    ranks taken from data parallelism)."""
     out = []
     world, layers = args.world_size, args.num_layers
     heads = args.num_attention_heads
     groups = (args.num_query_groups or heads) if args.group_query_attention else heads
     experts = args.num_experts or 0
+    cps = context_parallel_choices(args, context_parallel)
     for tp in (1, 2, 4, 8):
         if heads % tp or groups % tp or world % tp or (args.ffn_hidden_size or 0) % tp:
             continue
-        for pp in (1, 2, 4, 8, 16, 32):
-            if world % (tp * pp) or layers % pp:
+        for pp, (cp, cp_flags) in itertools.product((1, 2, 4, 8, 16, 32), cps):
+            if world % (tp * pp * cp) or layers % pp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             for vpp in (None, 2, 4):
                 if vpp and (pp == 1 or layers % (pp * vpp)):
                     continue
@@ -156,7 +179,7 @@ def layouts(args, parse_run) -> list:
                         if vpp and m % pp:
                             continue
                         flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                                 "--micro-batch-size", str(mbs), "--world-size", str(world)]
+                                 "--micro-batch-size", str(mbs), "--world-size", str(world), *cp_flags]
                         if vpp:
                             flags += ["--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vpp))]
                         if experts:
@@ -252,6 +275,9 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
                     recomputes=recomputes)
     splits = layouts(args, reparse) if search_parallelism else [args]
     candidates = [c for a in splits for c in _evaluate_split(a, evaluate)]
+    if search_parallelism and not fits and not any(c.fits for c in candidates):
+        # a sequence that does not fit: context parallelism splits it (each size a trace per comm type)
+        candidates += [c for a in layouts(args, reparse, context_parallel=True) for c in _evaluate_split(a, evaluate)]
     candidates.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.peak, len(c.flags)))
     # the run as given first when it fits: nothing to change, no recompute or offload it does not need
     candidates = [given_candidate, *candidates] if fits else [*candidates, given_candidate]
@@ -334,6 +360,8 @@ def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
         wider.expert_tensor_parallel_size = tp * k
     if tp * k <= gpus_per_node and base.num_attention_heads % (tp * k) == 0 and traced(wider):
         variants.append((["--tensor-model-parallel-size", str(tp * k), "--sequence-parallel"], False))
+    if (base.context_parallel_size or 1) == 1:  # context parallelism over the new GPUs (a trace per comm type)
+        variants += [(flags, False) for cp, flags in context_parallel_choices(base, True) if cp == k]
     world = ["--world-size", str(base.world_size * k)]
     out = []
     for flags, pp_changes in variants:
@@ -363,7 +391,7 @@ def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int) -
         fitting = []
         for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node, traced)):
             layout_key = st.key({**given, **st.layout_of(a)})
-            if layout_key in seen or not traced(a):
+            if layout_key in seen or not (traced(a) or a.context_parallel_size > (args.context_parallel_size or 1)):
                 continue
             seen.add(layout_key)
             fitting += [c for c in _evaluate_split(a, evaluate) if c.fits]

@@ -1,7 +1,8 @@
 """A configuration the planner chooses between, as the flags that set it.
 
 ``of_args`` reads a run's settings from its parsed (validated) arguments, normalised where megatron
-derives or ignores a value: sequence parallelism is off under TP1, expert sizes exist only with
+derives or ignores a value: sequence parallelism is off under TP1, the CP comm type counts only
+under context parallelism, expert sizes exist only with
 experts, the recompute modules count only for selective recompute and the method and layer count
 only for full, the offload's depth and pool only with offloaded modules. Two candidates are the same
 configuration exactly when their settings are equal (``key``); a candidate's flags are the ones
@@ -10,10 +11,13 @@ never a second candidate under another name.
 """
 from __future__ import annotations
 
+from megatron_ext.attention import comm_types
+
 LAYOUT = ("--world-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
           "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
           "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-          "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--sequence-parallel")
+          "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--sequence-parallel",
+          "--context-parallel-size", "--cp-comm-type")
 RECOMPUTE = ("--recompute-granularity", "--recompute-modules", "--recompute-method", "--recompute-num-layers")
 OFFLOAD = ("--activation-offload-modules", "--activation-offload-prefetch-depth", "--activation-offload-pool-mb")
 ALL = (*LAYOUT, *RECOMPUTE, *OFFLOAD)
@@ -28,6 +32,8 @@ def layout_of(args) -> dict:
     out = {flag: getattr(args, dest(flag)) for flag in LAYOUT}
     tp = args.tensor_model_parallel_size
     out["--sequence-parallel"] = bool(out["--sequence-parallel"]) and tp > 1  # megatron turns it off at TP1
+    cp = out["--context-parallel-size"] = args.context_parallel_size or 1
+    out["--cp-comm-type"] = tuple(comm_types(args)) if cp > 1 else None  # one value, or one per layer
     if args.num_experts:
         out["--expert-tensor-parallel-size"] = out["--expert-tensor-parallel-size"] or tp
     else:

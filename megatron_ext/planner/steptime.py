@@ -21,9 +21,10 @@ backward:
   embedding's gradient, the loss over the vocabulary), fused or not as the run's flags say;
 - ``recompute``: the forward work that recompute re-runs (full: the layer; selective: the modules);
 - ``moe_fixed``: per MoE layer, time that does not scale with the tokens (``hardware.MOE_LAYER_S``);
-- ``tp``, ``ep``, ``pp``: tensor-parallel collectives (two per attention and MLP block per direction,
-  NVLink), the expert all-to-alls (dispatch and combine, forward and backward: the share for ranks in
-  this node over NVLink, the rest over InfiniBand), the pipeline's sends.
+- ``tp``, ``ep``, ``cp``, ``pp``: tensor-parallel collectives (two per attention and MLP block per
+  direction, NVLink), the expert all-to-alls (dispatch and combine, forward and backward: the share for
+  ranks in this node over NVLink, the rest over InfiniBand), context parallelism's exchanges per comm
+  type beyond what the attention hides (``context_parallel_s``), the pipeline's sends.
 
 The step: m micro-batches at the pace of the slowest stage plus the pipeline's fill and drain,
 (PP - 1) / VPP of the average stage's time per micro-batch (1F1B; with equal stages this is the
@@ -38,12 +39,13 @@ overhead from the compute measured there (scripts/gpu_check_sections/offload.py)
 """
 from __future__ import annotations
 
+from megatron_ext.attention import comm_types
 from megatron_ext.planner.work import component_work, recompute_s, shapes
 from megatron_ext.schedules.costmodel import INFINIBAND, NVLINK, bus_factor
 
 GPUS_PER_NODE = 8
 TERMS = ("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "moe_fixed_s", "tp_s", "ep_s",
-         "pp_s", "bubble_s", "dp_exposed_s", "offload_exposed_s")
+         "cp_s", "pp_s", "bubble_s", "dp_exposed_s", "offload_exposed_s")
 
 
 def _coll(link, op: str, n: int, nbytes: float, count: float) -> float:
@@ -62,6 +64,37 @@ def _all_to_all(ep: int, etp: int, nbytes: float, count: float) -> float:
     nvlink = (local - 1) / ep * nbytes / NVLINK.bus_bandwidth
     ib = (ep - local) / ep * nbytes / INFINIBAND.bus_bandwidth
     return count * ((INFINIBAND if ep > local else NVLINK).latency + max(nvlink, ib))
+
+
+def context_parallel_s(args, layout, comm_type: str, attention_s: float) -> float:
+    """Seconds per micro-batch of one attention layer's context-parallel communication, forward and
+    backward, beyond the attention compute that hides it (``attention_s``: the layer's core attention,
+    both directions), per megatron_ext.attention.context_parallel: ``all_gather`` gathers the keys and
+    values and reduce-scatters their gradients, ``a2a`` runs four all-to-alls each way (queries, keys,
+    values, output: key / value groups repeated to CP when fewer), neither overlapped with the kernel;
+    ``p2p`` passes key / value blocks (values padded to the key head size) CP - 1 steps around the
+    ring, their fp32 gradients too in backward, each step's transfer under that step's block (the
+    attention / CP): only what a step's transfer takes beyond its block is exposed. On NVLink while
+    TP x CP fits a node, else InfiniBand."""
+    from megatron_ext.planner.run import local_seq
+    from megatron_ext.planner.work import attention_dims
+
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0
+    link = NVLINK if layout.tp * cp <= GPUS_PER_NODE else INFINIBAND
+    heads, groups, qk, dv = attention_dims(args, layout.tp)
+    elem = 2 if (args.bf16 or args.fp16) else 4
+    tokens = local_seq(args) * args.micro_batch_size
+    if comm_type == "all_gather":
+        kv = cp * tokens * groups * (qk + dv) * elem  # the gathered keys and values
+        return _coll(link, "all_gather", cp, kv, 1) + _coll(link, "reduce_scatter", cp, kv, 1)
+    if comm_type == "a2a":
+        per_way = tokens * (heads * (qk + dv) + max(groups, cp) * (qk + dv)) * elem
+        return 2 * _coll(link, "all_to_all", cp, per_way, 1)
+    block = tokens * groups * qk * elem
+    step = 2 * (link.latency + 2 * block / link.bus_bandwidth) + 2 * block * 4 / elem / link.bus_bandwidth
+    return (cp - 1) * max(0.0, step - attention_s / cp)
 
 
 def _dispatch_s(args, layout, tokens: int, count: float) -> float:
@@ -135,7 +168,7 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
     out = []
     for p in range(layout.pp):
         terms = dict.fromkeys(("gemm_s", "grouped_gemm_s", "attention_s", "memory_s", "recompute_s", "moe_fixed_s",
-                               "tp_s", "ep_s", "pp_s"), 0.0)
+                               "tp_s", "ep_s", "cp_s", "pp_s"), 0.0)
         fwd_layers, moe_layers = [], 0
         for v in range(layout.vpp or 1):
             for comp in memory.chunk_components(args, config, layout, p, v):
@@ -151,6 +184,10 @@ def stage_times(args, layout, dev, recompute="none", attention: str | None = Non
                     mlp_collectives = 0 if (moe and sh.etp == 1 and not args.moe_shared_expert_intermediate_size) else 2
                     collectives = 2 + mlp_collectives + (2 if rec[0] == "full" else 0)
                     terms["tp_s"] += _coll(NVLINK, "all_reduce", layout.tp, act, collectives)
+                    if layout.cp > 1:  # the layers' comm types, in the mean
+                        types = comm_types(args)
+                        terms["cp_s"] += sum(context_parallel_s(args, layout, c, work.total().get("attention_s", 0.0))
+                                             for c in types) / len(types)
                     if moe and topk:
                         ep = _dispatch_s(args, layout, sh.moe_tokens, 4)
                         if args.overlap_moe_expert_parallel_comm:

@@ -8,7 +8,7 @@ import copy
 import dataclasses
 import math
 
-from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, layer_kinds, local_unfused,
+from megatron_ext.planner.run import (MODELED_RECOMPUTE, fixed_budget_rows, layer_kinds, local_seq, local_unfused,
                                       on_transformer_engine, recompute_of)
 
 _WIDTH_FIELDS = ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "kv_channels",
@@ -20,7 +20,7 @@ MIN_HEAD_DIM = 4  # smallest traced head / rope dimension
 MIN_EXPERTS = 16  # fewest routed experts a trace of a model with more keeps
 # per-layer patterns megatron's config checks against the number of layers (--no-rope-freq as a list,
 # transformer/transformer_config.py:2825) or reads per layer number
-_PER_LAYER = ("no_rope_freq", "window_attn_skip_freq")
+_PER_LAYER = ("no_rope_freq", "window_attn_skip_freq", "cp_comm_type")
 
 
 def width_divisor(args) -> int:
@@ -75,13 +75,16 @@ class TinyRun:
     """The fixed-budget dispatcher's buffer rows per token, as the run's (None: no such dispatcher)."""
     fused_attention: bool = False
     """Core attention keeps what transformer-engine's fused kernel keeps (seams.planner)."""
+    context_parallel: int = 1
+    """Torch attention attends as one rank of this many context-parallel ranks, simulated on the
+    trace's process with the layer's --cp-comm-type (attention.context_parallel.simulated)."""
 
 
 def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int, kinds: list,
                recompute=None) -> TinyRun:
     """A copy of the run's arguments for the tiny model: one layer per kind, the run's tensor
-    parallelism (and sequence parallelism), no pipeline, expert or context parallelism, ``experts``
-    routed experts."""
+    parallelism (and sequence parallelism), no pipeline or expert parallelism, ``experts`` routed
+    experts; a context-parallel rank's share of the sequence, its attention one CP rank simulated."""
     a = copy.deepcopy(args)
     rows_per_token = None
     if args.num_experts:
@@ -89,7 +92,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         rows = fixed_budget_rows(args, args.expert_model_parallel_size, args.tensor_model_parallel_size)
         # the fixed-budget dispatcher's experts run on every row of its buffers, padding included: the
         # trace (one rank, no expert parallelism) sizes them as the run does, per token
-        rows_per_token = rows / (args.seq_length * args.micro_batch_size
+        rows_per_token = rows / (local_seq(args) * args.micro_batch_size
                                  // args.tensor_model_parallel_size) if rows else None
     for f in _WIDTH_FIELDS:
         v = getattr(a, f)
@@ -150,7 +153,7 @@ def trace_args(args, divisor: int, vocab: int, seq: int, mbs: int, experts: int,
         # multi-latent attention's fused RoPE (a Triton kernel): traced unfused, an upper bound
         a.bias_swiglu_fusion = args.bias_swiglu_fusion
         a.apply_rope_fusion = args.apply_rope_fusion and not args.multi_latent_attention
-    return TinyRun(a, rows_per_token, fused_attention)
+    return TinyRun(a, rows_per_token, fused_attention, args.context_parallel_size or 1)
 
 
 def per_layer(args, values: list, kinds: list) -> list:

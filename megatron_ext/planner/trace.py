@@ -98,9 +98,10 @@ def _run_pickled(payload: bytes) -> dict:
 
 
 def scaled(args, traced: dict) -> Scaled:
-    """The trace at the run's shape, per rank (expert parameters / EP), with what the local copy
-    could not build modeled on top: FP8's saved GEMM inputs (``run.fp8_saved_delta``) and the
-    recompute modules it lacks (``run.modeled_saved_delta``; recompute as the trace had it)."""
+    """The trace at the run's shape, per rank (expert parameters / EP; a context-parallel rank's
+    tokens), with what the local copy could not build modeled on top: FP8's saved GEMM inputs
+    (``run.fp8_saved_delta``) and the recompute modules it lacks (``run.modeled_saved_delta``;
+    recompute as the trace had it)."""
     out = Scaled(traced, factors_for(args, traced), ep=args.expert_model_parallel_size)
     for comp in out.comps:
         out.saved[comp] += fp8_saved_delta(args, out.gemm_inputs[comp], out.gemm_inputs_shared[comp])

@@ -118,14 +118,22 @@ def _activation(w: _Work, dev, args, sh: Shapes, elements: float, module: str, w
     w.add("memory_s", dev.memory_s(fwd * n), dev.memory_s(bwd * n), module)
 
 
+def attention_dims(args, tp: int) -> tuple:
+    """(query heads, key / value groups, q / k head size, v head size) of core attention on a
+    tensor-parallel rank (multi-latent attention: one group per head)."""
+    heads = args.num_attention_heads // tp
+    if args.multi_latent_attention:
+        return heads, heads, args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+    groups = max(1, args.num_query_groups // tp) if args.group_query_attention else heads
+    return heads, groups, args.kv_channels, args.kv_channels
+
+
 def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
     tp, T = sh.tp, sh.tokens
     h = args.hidden_size
-    heads = args.num_attention_heads // tp
+    heads, groups, qk, dv = attention_dims(args, tp)
     _norm(w, dev, sh, h)
     if args.multi_latent_attention:
-        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
-        dv = args.v_head_dim
         q_rank, kv_rank = args.q_lora_rank, args.kv_lora_rank
         if q_rank:
             _linear(w, dev, sh, T, q_rank, h, "mla_down_proj")
@@ -138,24 +146,26 @@ def _attention_block(w: _Work, dev, args, sh: Shapes, window_share: float):
         _linear(w, dev, sh, T, heads * (args.qk_head_dim + dv), kv_rank, "mla_up_proj")
         rope = T * (heads + 1) * args.qk_pos_emb_head_dim
     else:
-        d = args.kv_channels
-        groups = max(1, args.num_query_groups // tp) if args.group_query_attention else heads
-        qk = dv = d
+        d = qk
         _linear(w, dev, sh, T, (heads + 2 * groups) * d, h, "qkv")
         rope = T * (heads + groups) * d if args.position_embedding_type in ("rope", "yarn", "mrope") else 0
     if rope:
         fused = args.apply_rope_fusion
         w.add("memory_s", dev.memory_s((2 if fused else 10) * rope * sh.elem),
               dev.memory_s((2 if fused else 8) * rope * sh.elem))
-    s, b = args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size
+    # the whole sequence's (query, key) pairs; a context-parallel rank computes 1 / CP of them (megatron's
+    # load-balanced split gives every rank the same share of the causal triangle)
+    cp = max(1, args.context_parallel_size)
+    s, b = args.seq_length, args.micro_batch_size
     full_pairs = s * (s + 1) / 2
     window = _window(args)
     pairs = full_pairs
     if window is not None and window_share:
         wp = s * (window + 1) - window * (window + 1) / 2 if window < s else full_pairs
         pairs = (1 - window_share) * full_pairs + window_share * wp
-    att = dict(fwd=dev.attention_s(sh.attention, b, heads, s, qk, dv, pairs, "fwd"),
-               bwd=dev.attention_s(sh.attention, b, heads, s, qk, dv, pairs, "bwd"))
+    pairs /= cp
+    att = dict(fwd=dev.attention_s(sh.attention, b, heads, s // cp, qk, dv, pairs, "fwd"),
+               bwd=dev.attention_s(sh.attention, b, heads, s // cp, qk, dv, pairs, "bwd"))
     w.add("attention_s", att["fwd"], att["bwd"], "core_attn")
     _linear(w, dev, sh, T, h, heads * dv, "attn_proj")
     _residual(w, dev, sh, h)

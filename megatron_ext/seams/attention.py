@@ -64,7 +64,11 @@ class TorchCoreAttention(LocalLatentAttention):
                          softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         self.config = config
-        self.cp_comm_type = (cp_comm_type or "p2p") if config.context_parallel_size > 1 else None
+        if cp_comm_type is None:  # megatron's TransformerLayer passes it under CP only (:361); its choice
+            given = config.cp_comm_type
+            cp_comm_type = given[layer_number - 1] if isinstance(given, list) else given
+        self.layer_cp_comm_type = cp_comm_type or "p2p"  # megatron's default
+        self.cp_comm_type = self.layer_cp_comm_type if config.context_parallel_size > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -78,9 +82,12 @@ class TorchCoreAttention(LocalLatentAttention):
             if dropout_p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext()
         sq, b = query.shape[:2]
         attend = kernels.attend
+        simulated = context_parallel.simulated_group()  # the planner's trace of one CP rank
         if self.cp_comm_type is not None:
             attend = functools.partial(context_parallel.attend, self.cp_comm_type,
                                        group=parallel_state.get_context_parallel_group())
+        elif simulated is not None:
+            attend = functools.partial(context_parallel.attend, self.layer_cp_comm_type, group=simulated)
         with fork:
             out = attend(
                 query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),

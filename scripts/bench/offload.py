@@ -22,6 +22,7 @@ DEFAULTS = dict(
     model="dense", pp=1, vpp=None, tp=1, ep=1, layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512, ffn=128,
     experts=4, topk=2, moe_ffn=64, shared=0, recompute=None, recompute_layers=1, microbatches=4, seed=1234,
     attention="unfused",  # the local spec's core attention (offload/theory.py ATTENTION): unfused or sdpa
+    cp=1, cp_comm_type="p2p",  # context parallelism (sdpa only): megatron's --cp-comm-type
 )
 
 
@@ -60,6 +61,8 @@ def model_flags(c: dict) -> list[str]:
              "--attention-backend", {"unfused": "unfused", "sdpa": "flash"}[c["attention"]],
              "--tensor-model-parallel-size", c["tp"], "--pipeline-model-parallel-size", c["pp"],
              "--expert-model-parallel-size", c["ep"], "--seed", c["seed"], *UNFUSED]
+    if c["cp"] > 1:
+        flags += ["--context-parallel-size", c["cp"], "--cp-comm-type", c["cp_comm_type"]]
     if c["vpp"]:
         flags += ["--num-virtual-stages-per-pipeline-rank", c["vpp"]]
     if moe:
@@ -89,14 +92,21 @@ def batches(c, step: int):
     out = []
     for _ in range(c["microbatches"]):
         tokens = torch.randint(0, c["vocab"], (c["mbs"], c["seq"] + 1), generator=g)
-        b = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos, attention_mask=mask)
-        out.append({k: v.to(platform.current().device) for k, v in b.items()})
+        b = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos)
+        if c["cp"] == 1:  # under context parallelism the causal triangle is the attention's (as train.py's)
+            b["attention_mask"] = mask
+        b = {k: v.to(platform.current().device) for k, v in b.items()}
+        if c["cp"] > 1:  # megatron's split of the sequence over the context-parallel ranks
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            b = get_batch_on_this_cp_rank(b, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+        out.append(b)
     return out
 
 
 def _forward_step(data_iterator, model):
     b = next(data_iterator)
-    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    out = model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
 
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()
@@ -151,6 +161,7 @@ def theory_group_bytes(modules, c) -> int:
         canonical_modules(modules), c["model"] == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
         heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"],
         dtype_bytes=torch.finfo(getattr(torch, c.get("dtype", "float32"))).bits // 8, attention=c["attention"],
+        cp=c["cp"], cp_comm_type=c["cp_comm_type"],
     )
 
 
@@ -376,6 +387,7 @@ def compare(modules=("core_attention", "qkv_linear", "attn_proj"), steps: int = 
             runs.append(run)
         result = dict(
             pp_rank=pp_rank, pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            cp_rank=parallel_state.get_context_parallel_rank(),
             losses_off=[b[0] for b in base], peak_off=t_off.peak if track else None,
             timeline_off=t_off.timeline if track else None, theory_group_bytes=group, theoretical_bytes=theo,
             resident=resident(c, pp_rank, opts.prefetch_depth, peak),

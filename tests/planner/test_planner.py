@@ -108,6 +108,25 @@ def test_predicted_peak_within_5_percent_zero_sync_dropless_ep2():
         *MOE, "--expert-model-parallel-size", "2", "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]))
 
 
+CP2 = ["--context-parallel-size", "2", "--seq-length", "128", "--max-position-embeddings", "128"]
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+def test_predicted_peak_within_1_percent_context_parallel(comm):
+    """Within 1 %: a context-parallel rank holds its share of the sequence (predicted as the whole
+    sequence, the activations were +98 % to +106 %), and its attention keeps what its comm type hands
+    the kernel (all_gather: every rank's keys and values; p2p: copies of its own): the trace runs the
+    attention as one CP rank simulated on its process (without it p2p's peak is +1.4 %)."""
+    rows = [r for r in run_distributed(2, "bench.plan:measure", argv=[*DENSE, *CP2, "--cp-comm-type", comm])
+            if r["report"]]
+    assert len(rows) == 1
+    for r in rows:
+        measured, predicted = sum(r["measured"].values()), r["predicted"]["peak_bytes"]
+        assert abs(predicted - measured) / measured < 0.01, (comm, predicted, r["measured"])
+        act = r["predicted"]["activation_peak_bytes"]
+        assert abs(act - r["measured"]["activations"]) / r["measured"]["activations"] < 0.01, (comm, act, r["measured"])
+
+
 def _plan_script(argv: list) -> dict:
     """scripts/plan.py end to end as its command line runs it (on a warm rank, from the repository
     root): its exit status, stdout and stderr."""
@@ -154,6 +173,21 @@ def test_plan_json_components_and_candidates():
         assert all(ch["activations_per_microbatch"] > 0 for ch in st["chunks"])
         assert sum(ch["activations_at_peak"] for ch in st["chunks"]) <= c["activations"] + 4
         assert c["moe_dispatch"] == 0  # dense
+
+
+def test_a_sequence_no_split_fits_gets_context_parallelism_with_its_launch_line():
+    """tiny_dense at 8192 tokens on 4 GPUs of 40 MiB: no split of TP, PP, micro-batch, recompute and
+    offload fits, so the search takes context parallelism's ranks from data parallelism: the chosen
+    candidate sets a CP size and a comm type, its launch line carries both (where a split without CP
+    fits, CP is not searched: search.plan)."""
+    argv = [*DENSE, "--seq-length", "8192", "--max-position-embeddings", "8192", "--world-size", "4",
+            "--search-parallelism"]
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[*argv, "--memory-gb", "0.04"])[0]["report"]
+    best = r["candidates"][0]
+    assert best["fits"] and "--context-parallel-size" in best["flags"] and "--cp-comm-type" in best["flags"], best
+    cp = best["flags"][best["flags"].index("--context-parallel-size") + 1]
+    assert f"--context-parallel-size {cp} --cp-comm-type " in r["launch"]["torchrun_command"], r["launch"]
+    assert all("--context-parallel-size" in c["flags"] for c in r["candidates"] if c["fits"])
 
 
 def test_choice_for_a_cluster_recipe_fits_when_scaled_down():
