@@ -130,6 +130,8 @@ MATRIX: dict[str, str] = {
         "only this sends Ctrl-C through torchrun's agent; a torchrun job killed and restarted: "
         "tests/training/test_restart.py",
     # the planner
+    "tests/planner/test_planner.py::test_predicted_peak_within_1_percent_context_parallel[all_gather]":
+        "[p2p] (a CP rank's share of the sequence, its attention simulated in the trace)",
     "tests/planner/test_planner.py::test_predicted_peak_within_5_percent_many_experts_ep2":
         "test_predicted_peak_within_5_percent_zero_sync_dropless_ep2: a MoE EP2 peak within 5 %",
     "tests/planner/test_planner.py::test_choice_for_a_cluster_recipe_fits_when_scaled_down":
@@ -211,6 +213,9 @@ MATRIX: dict[str, str] = {
     # offload
     f"{_LINKS}[1f1b-moe]": "[pp1-dense]; 1F1B exact: test_pp2_1f1b_dense_exact",
     f"{_LINKS}[vpp-dense]": "[pp1-dense]; virtual stages exact: test_pp2_vpp2_moe_exact_two_iterations",
+    **{f"tests/offload/test_context_parallel.py::test_pp2_cp2_saves_what_the_theory_says_bitwise[{comm}]":
+       "each comm type's group bytes at CP 2, byte for byte: test_each_comm_type_offloads_what_the_theory_counts; "
+       "R = 1 under 1F1B: scripts/bench_offload.py --smoke (tests/test_docs.py)" for comm in ("p2p", "all_gather", "a2a")},
     "tests/offload/test_offload.py::test_train_tiny_moe_pp2_vpp2_same_losses_with_offload":
         "test_4procs_pp2_vpp2_ep2_moe_and_tp2_pp2_dense_exact (the same layout, bitwise) and "
         "test_the_log_says_once_why_a_listed_module_kept_bytes_on_the_device (train.py with offload)",
