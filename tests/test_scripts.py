@@ -28,6 +28,7 @@ RUN_BY = {
     "bench_dispatcher": "here",
     "bench_fsdp": "here",
     "bench_gather": "here",
+    "bench_long_context": "here",
     "bench_lora": "here",
     "bench_offload": DOCS,
     "bench_overlap": "here",
@@ -96,6 +97,23 @@ def test_bench_lora_smoke(capsys):
     assert lora["grad_bytes_per_rank"] < full["grad_bytes_per_rank"], out
     assert lora["optim_bytes_per_rank"] < full["optim_bytes_per_rank"], out
     assert lora["param_bytes_per_rank"] >= full["param_bytes_per_rank"], out
+
+
+def test_bench_long_context_smoke(capsys):
+    """docs/long_context.md's table in its smoke form: CP 1 without offload and CP 2 with it, each at two
+    sequence lengths. A CP 2 rank's peak grows at most half as fast with the sequence as CP 1's (less:
+    offload), so the budget holds a longer sequence; the planner's predicted peaks are within 1 %, and
+    its longest sequence within 10 % of the measured one."""
+    with warm_worlds():
+        status = load_script("bench_long_context").main(["--smoke", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    one, two = out["cases"]
+    assert status == 0 and (one["cp"], one["offload"], two["cp"], two["offload"]) == (1, False, 2, True), out
+    for c in out["cases"]:
+        for m, p in zip(c["measured"], c["predicted"]):
+            assert abs(p - m) / m < 0.01, c
+        assert abs(c["error"]) <= 0.10, c
+    assert two["slope_over_cp1"] <= 0.5 and two["over_cp1_without_offload"] > 2, out
 
 
 def test_bench_gather_smoke(capsys):

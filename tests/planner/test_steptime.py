@@ -127,3 +127,39 @@ def test_whole_steps_of_a_gpu_run_no_constant_was_made_from():
     for r in rows:
         error = r["predicted_ms"] / r["measured_ms"] - 1
         assert abs(error) <= (0.15 if r["variant"] == "flash" else 0.25), (r, error)
+
+
+def test_context_parallel_time_is_a_ranks_share_and_what_attention_does_not_hide():
+    """Llama-3-8B's attention (32 heads, 8 groups of 128), 32768 tokens, BF16, one H100 datasheet: at
+    CP 2 a rank computes half of CP 1's causal pairs; all_gather's and a2a's exchanges are exposed,
+    all_gather's growing with CP and a2a's shrinking; the ring's steps hide under their blocks at this
+    length, not at a short one."""
+    from megatron_ext.planner import profiles, steptime, work
+    from megatron_ext.planner.memory import Layout
+    from tests.parsed import parsed_args
+
+    dev = profiles.device("h100", None)
+
+    def args_at(seq, cp, comm="p2p"):
+        return parsed_args(num_layers=1, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+                           num_query_groups=8, kv_channels=128, ffn_hidden_size=14336, seq_length=seq,
+                           micro_batch_size=1, bf16=True, context_parallel_size=cp, cp_comm_type=comm,
+                           transformer_impl="local", attention_backend="flash")
+
+    def layout(cp):
+        return Layout(tp=1, pp=1, vpp=None, ep=1, etp=1, cp=cp, dp=1, edp=1, mbs=1, microbatches=1, world=cp)
+
+    def attention(seq, cp):
+        a = args_at(seq, cp)
+        return work.component_work(a, work.shapes(a, layout(cp)), dev, ("layer", "dense")).total()["attention_s"]
+
+    one, two = attention(32768, 1), attention(32768, 2)
+    assert two == pytest.approx(one / 2, rel=0.05)
+    gather, a2a = ([steptime.context_parallel_s(args_at(32768, cp, comm), layout(cp), comm, two) for cp in (2, 4)]
+                   for comm in ("all_gather", "a2a"))
+    assert 0 < gather[0] < gather[1], gather  # every rank gathers the whole sequence's keys and values
+    assert a2a[0] > a2a[1] > 0, a2a  # a rank's own tokens leave: less with more ranks
+    assert steptime.context_parallel_s(args_at(32768, 1), layout(1), "p2p", one) == 0.0
+    assert steptime.context_parallel_s(args_at(32768, 2), layout(2), "p2p", two) == 0.0  # hidden
+    short = attention(1024, 2)
+    assert steptime.context_parallel_s(args_at(1024, 2), layout(2), "p2p", short) > 0.0
