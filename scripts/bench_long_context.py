@@ -21,7 +21,7 @@ import sys
 
 MODEL = ["--recipe", "recipes/tiny_dense.yaml", "--num-layers", "8", "--micro-batch-size", "1",
          "--global-batch-size", "1", "--lr-warmup-iters", "0", "--mock-data"]
-OFFLOAD = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj",
+OFFLOAD = ["--activation-offload-modules", "qkv_linear", "core_attention", "attn_proj", "dense_mlp",
            "--activation-offload-min-tensor-kb", "1", "--activation-offload-chunk-mb", "0.0625"]
 SEQS = (512, 1024)  # the two lengths each case is measured at
 CPS = (1, 2, 4)

@@ -36,6 +36,8 @@ finds, by the names of the flag --activation-offload-modules:
   shared_experts  layer.mlp.shared_experts                 transformer/moe/moe_layer.py:338;
                   under --moe-shared-expert-overlap the dispatcher calls its linear_fc1_forward_and_act
                   and linear_fc2_forward instead of its forward (moe_layer.py:345): those calls are wrapped
+  dense_mlp       a dense layer's MLP: layer.mlp when it is megatron's MLP (transformer/mlp.py:222-336:
+                  linear_fc1, the activation, linear_fc2), not a MoE layer
   refused: expert modules with --use-transformer-engine-op-fuser (offload.validate): the experts then
                   run TE's fused op (TEGroupedMLP._with_fused_impl = the flag, transformer/moe/experts.py:290,
                   taken at :753), which bypasses linear_fc1 / linear_fc2
@@ -43,6 +45,7 @@ Module paths are the same in the local and the transformer-engine layer specs.
 """
 from __future__ import annotations
 
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -97,6 +100,8 @@ def offload_targets(layer, names) -> list:
                 out.append((name, "calls", [(shared, m) for m in _OVERLAPPED_SHARED_EXPERT_CALLS]))
                 continue
             mods = [shared]
+        elif name == "dense_mlp":
+            mods = [mlp] if isinstance(mlp, MLP) else []
         elif name == "moe_act":
             pairs = list(zip(_expert_linears(experts, "linear_fc1"), _expert_linears(experts, "linear_fc2")))
             if pairs:

@@ -5,8 +5,8 @@ stays on the device by design.
 micro-batch, one function per module (``MODULE_BYTES``), each taking the attention kind. The shapes
 are the local layer spec as the tests, the benchmark and scripts/gpu_check.py build it: multi-head
 attention (no GQA, no rotary: q/k/v stay views of the fused QKV output), no attention dropout,
-non-gated GELU experts (SequentialMLP, probabilities applied after the activation), dropless routing
-with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's DotProductAttention (baddbmm,
+non-gated GELU experts and dense MLPs (SequentialMLP, probabilities applied after the activation),
+dropless routing with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's DotProductAttention (baddbmm,
 masked softmax, bmm), which keeps the [b, heads, s, s] probabilities (in fp32 too when the softmax
 runs in fp32 on 16-bit inputs, as megatron's ``attention_softmax_in_fp32`` default does under
 --bf16); ``sdpa``, torch's scaled_dot_product_attention (megatron_ext.attention.kernel), which keeps
@@ -75,6 +75,7 @@ class Shape:
     topk: int = 0
     moe_ffn: int = 0
     shared_ffn: int = 0
+    ffn: int = 0  # a dense layer's MLP
     dtype_bytes: int = 4
     softmax_fp32: bool = False  # the unfused attention's softmax in fp32 on 16-bit inputs
     cp: int = 1  # context-parallel ranks: each holds seq / cp of every sequence
@@ -146,10 +147,14 @@ def shared_experts_bytes(s: Shape, attention: str = "unfused") -> int:
     return 2 * s.tokens * s.shared_ffn * s.dtype_bytes  # fc1 output and fc2 input
 
 
+def dense_mlp_bytes(s: Shape, attention: str = "unfused") -> int:
+    return s.tokens * (s.hidden + 2 * s.ffn) * s.dtype_bytes  # fc1's input, GELU's input, fc2's input
+
+
 MODULE_BYTES = {
     "qkv_linear": qkv_linear_bytes, "core_attention": core_attention_bytes, "attn_proj": attn_proj_bytes,
     "router_fc1": router_fc1_bytes, "moe_act": moe_act_bytes, "router_fc2": router_fc2_bytes,
-    "shared_experts": shared_experts_bytes,
+    "shared_experts": shared_experts_bytes, "dense_mlp": dense_mlp_bytes,
 }
 MOE_ONLY = ("router_fc1", "moe_act", "router_fc2", "shared_experts")
 
@@ -167,6 +172,8 @@ def group_bytes(modules, moe: bool, attention: str = "unfused", **shape) -> int:
     for m in modules:
         if m in MOE_ONLY and (not moe or (m == "shared_experts" and not s.shared_ffn)):
             continue
+        if m == "dense_mlp" and moe:
+            continue  # every layer of the theory's MoE model is a MoE layer
         if m == "attn_proj" and output_is_proj_input(s, attention) and "core_attention" not in modules:
             continue  # its input is SDPA's saved output: on the device while core attention keeps it
         total += MODULE_BYTES[m](s, attention)

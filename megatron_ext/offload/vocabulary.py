@@ -8,7 +8,8 @@ import dataclasses
 from megatron_ext.config.domains import Domain
 from megatron_ext.config.typed import Options, option
 
-MODULES = ("core_attention", "qkv_linear", "router_fc1", "router_fc2", "shared_experts", "attn_proj", "moe_act")
+MODULES = ("core_attention", "qkv_linear", "router_fc1", "router_fc2", "shared_experts", "attn_proj", "moe_act",
+           "dense_mlp")
 ALIASES = {"core_attn": "core_attention", "expert_fc1": "router_fc1"}
 
 
@@ -32,7 +33,8 @@ class OffloadOptions(Options):
     modules: list[str] | None = option(None, metavar="MODULE")
     """Offload to host memory what these modules save for backward, and bring it back before backward
     needs it. Any of: core_attention, qkv_linear, router_fc1, router_fc2, shared_experts, attn_proj,
-    moe_act (aliases: core_attn=core_attention, expert_fc1=router_fc1). Not given: offload is off."""
+    moe_act, dense_mlp (a dense layer's MLP) (aliases: core_attn=core_attention, expert_fc1=router_fc1).
+    Not given: offload is off."""
 
     pool_mb: float = option(1024.0, Domain(float, 0, lo_open=True), "a scale, factor, size or duration")
     """Size of the host pool (pinned on CUDA) that offloaded bytes live in. When it is full a tensor

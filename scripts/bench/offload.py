@@ -159,7 +159,7 @@ def theory_group_bytes(modules, c) -> int:
 
     return theory.group_bytes(
         canonical_modules(modules), c["model"] == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"],
-        heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"],
+        heads=c["heads"], topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], ffn=c["ffn"],
         dtype_bytes=torch.finfo(getattr(torch, c.get("dtype", "float32"))).bits // 8, attention=c["attention"],
         cp=c["cp"], cp_comm_type=c["cp_comm_type"],
     )

@@ -233,6 +233,15 @@ def test_pp1_dense_exact_and_memory_released():
     assert 0.99 <= saved / theory <= 1.01, (saved, theory)
 
 
+def test_dense_mlp_offloads_what_the_theory_counts():
+    """A dense layer's MLP (--activation-offload-modules dense_mlp): every layer but the last copies
+    fc1's input, the activation's input and fc2's input (offload/theory.py), bit for bit."""
+    (r,) = run_distributed(1, JOB, modules=["dense_mlp"], steps=1, ffn=96)
+    _check_exact([r])
+    assert r["theory_group_bytes"] == 4 * 2 * 32 * (64 + 2 * 96)  # fp32, 2 x 32 tokens, hidden 64, FFN 96
+    assert r["stats"]["offloaded_bytes"] == 4 * 3 * r["theory_group_bytes"]  # 4 micro-batches, 3 layers
+
+
 # The shape of scripts/gpu_check.py's dense model at 1/1024 of its bytes (hidden / 64, sequence / 16,
 # 8 heads: heads x sequence / hidden = 32 as there; FFN 4 x hidden, vocabulary 8 x hidden): the peak
 # is inside a layer's backward (the attention scores' gradients), as on the device.

@@ -27,9 +27,10 @@ class _Scaled:
 
 
 def test_each_pass_holds_its_packed_mask_until_its_backward():
-    args = SimpleNamespace(sft=True, transformer_impl="local", micro_batch_size=2, seq_length=64)
+    args = SimpleNamespace(sft=True, transformer_impl="local", micro_batch_size=2, seq_length=64, context_parallel_size=1)
     mask = memory.packed_mask_bytes(args)
     assert mask == 2 * 64 * 64
+    assert memory.packed_mask_bytes(SimpleNamespace(**{**vars(args), "context_parallel_size": 2})) == mask / 2  # a CP rank's rows
     assert memory.packed_mask_bytes(SimpleNamespace(**{**vars(args), "transformer_impl": "transformer_engine"})) == 0
     assert memory.packed_mask_bytes(SimpleNamespace(**{**vars(args), "sft": False})) == 0
     for pp in (1, 2):
