@@ -129,6 +129,8 @@ def plain_argv(name: str) -> list[str]:
 def offload_modules(name: str) -> list[str]:
     case = ZOO[name]
     modules = list(ATTENTION_MODULES)
+    if not case["moe"] or "--moe-layer-freq" in case["argv"]:  # a dense layer's MLP
+        modules.append("dense_mlp")
     if case["moe"]:
         modules += EXPERT_MODULES + (["shared_experts"] if case.get("shared_experts") else [])
     return modules
