@@ -166,6 +166,8 @@ def _rows_for_wgrad(t):
 
 def _mm(a, b):
     """[m, k] x [k, n] of two Float8TrainingTensors (torch._scaled_mm), reshaped from/to ``a``'s leading dims."""
+    if a.dim() == 2:
+        return torch.mm(a, b)
     out = torch.mm(a.reshape(-1, a.shape[-1]), b)
     return out.reshape(*a.shape[:-1], out.shape[-1])
 
@@ -323,12 +325,19 @@ def float8_forward_impl(state: _State):
         if grad_output_buffer is not None or gtp_remat_size > 1:  # the output layer's; weights sharded by GTP
             raise RuntimeError("FP8 linears defer no weight gradient and take no generalized-TP weight")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        # the products on [tokens, features]: the functions' outputs are then no views of what they made,
+        # so a caller may add to the output in place (megatron's MLP adds a per-token-scaled expert bias,
+        # mlp.py:354), as to megatron's own linear's
         if not weight.requires_grad:  # layers.py:1095, linear_with_frozen_weight (:446)
             if sequence_parallel:
                 input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-            return Float8LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group, state)
-        return Float8LinearWithGradAccumulation.apply(input, weight, bias, gradient_accumulation_fusion,
-                                                      allreduce_dgrad, sequence_parallel, tp_group, state)
+            out = Float8LinearWithFrozenWeight.apply(input.reshape(-1, input.shape[-1]), weight, bias,
+                                                     allreduce_dgrad, tp_group, state)
+        else:
+            out = Float8LinearWithGradAccumulation.apply(input.reshape(-1, input.shape[-1]), weight, bias,
+                                                         gradient_accumulation_fusion, allreduce_dgrad,
+                                                         sequence_parallel, tp_group, state)
+        return out.view(-1, *input.shape[1:-1], out.shape[-1])
 
     return forward_impl
 

@@ -120,6 +120,19 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
         yt.backward(gy.reshape(S, B, F))
         out["frozen_equals_trainable"] = bool(torch.equal(yf, yt) and torch.equal(xf.grad, xt.grad))
 
+        # megatron's MLP adds to its fc2's output in place (the expert bias scaled per token, mlp.py:354), as
+        # megatron's own linear allows: the same output and gradients as adding out of place
+        def add_one(in_place: bool):
+            xi, wi = x.float().clone().requires_grad_(True), w1.float().clone().requires_grad_(True)
+            y = seam.float8_forward_impl(_State(recipe))(xi, wi, None, False, False, False, tp_group=group)
+            if in_place:
+                y += 1.0
+            else:
+                y = y + 1.0
+            y.backward(gy.reshape(S, B, F))
+            return y.detach(), xi.grad, wi.grad
+        out["in_place_add"] = all(torch.equal(a, b) for a, b in zip(add_one(True), add_one(False)))
+
         # the zero-sync grouped experts' product (padding rows at the end) against each expert's own
         # FP8 linear on its rows
         from types import SimpleNamespace

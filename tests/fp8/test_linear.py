@@ -21,6 +21,7 @@ def test_linear_numerics(fmt):
     assert max(result["close_to_high_precision"]) < 0.25, result  # e5m2 gradients: 2 mantissa bits
     assert result["main_grad_fused"]
     assert result["frozen_equals_trainable"]
+    assert result["in_place_add"]
     # output, input gradient, each expert's weight gradient (one expert without rows)
     assert result["grouped_vs_each_expert"] == [True] * 5
     assert max(result["tp2_sp_rel"]) < 1e-4, result

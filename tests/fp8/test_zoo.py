@@ -1,0 +1,29 @@
+"""The model zoo (tests/training/zoo.py) trains in FP8 on its layout (TP2 + SP, EP2 for MoE): every
+architecture's two iterations with FP8 products (--fp8-format e4m3 --fp8-recipe tensorwise; float32
+weights) against the same run without, on the same data. Multi-latent attention's latent projections
+get ranks FP8 takes (both dimensions of a product divisible by 16 on a rank): query rank 64, key-value
+rank 48, rope head size 16 (DeepSeek-V3's are 1536, 512 and 64)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.dist import run_distributed
+from tests.training import zoo
+
+FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+FP8_LATENT_RANKS = ["--q-lora-rank", "64", "--kv-lora-rank", "48", "--qk-pos-emb-head-dim", "16"]
+FP8_MOVES = 1e-6  # the smallest relative change FP8 made to a loss here: 1.6e-5 (deepseek_v2_lite)
+
+
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_architecture_trains_in_fp8(name):
+    base = zoo.plain_argv(name)
+    if "--multi-latent-attention" in base:
+        base += FP8_LATENT_RANKS
+    runs = run_distributed(2, "tests.training.jobs_zoo:train_digests", argvs={"high": base, "fp8": base + FP8})[0]
+    high, fp8 = ([r["lm loss"] for r in runs[k]["history"]] for k in ("high", "fp8"))
+    assert len(fp8) == 2 and all(math.isfinite(x) for x in fp8), fp8
+    moved = max(abs(a - b) / abs(a) for a, b in zip(high, fp8))
+    assert FP8_MOVES < moved < 1e-2, (high, fp8)  # FP8 is applied, and trains as high precision does
