@@ -176,13 +176,13 @@ def test_plan_json_components_and_candidates():
 
 
 def test_a_sequence_no_split_fits_gets_context_parallelism_with_its_launch_line():
-    """tiny_dense at 8192 tokens on 4 GPUs of 40 MiB: no split of TP, PP, micro-batch, recompute and
+    """tiny_dense at 8192 tokens on 2 GPUs of 60 MiB: no split of TP, PP, micro-batch, recompute and
     offload fits, so the search takes context parallelism's ranks from data parallelism: the chosen
     candidate sets a CP size and a comm type, its launch line carries both (where a split without CP
     fits, CP is not searched: search.plan)."""
-    argv = [*DENSE, "--seq-length", "8192", "--max-position-embeddings", "8192", "--world-size", "4",
+    argv = [*DENSE, "--seq-length", "8192", "--max-position-embeddings", "8192", "--world-size", "2",
             "--search-parallelism"]
-    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[*argv, "--memory-gb", "0.04"])[0]["report"]
+    r = run_distributed(1, "tests.planner.jobs:plan_json", argv=[*argv, "--memory-gb", "0.06"])[0]["report"]
     best = r["candidates"][0]
     assert best["fits"] and "--context-parallel-size" in best["flags"] and "--cp-comm-type" in best["flags"], best
     cp = best["flags"][best["flags"].index("--context-parallel-size") + 1]
