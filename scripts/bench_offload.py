@@ -5,9 +5,10 @@ are bit-identical, and the compute-stream time spent waiting for copies (exposed
     PYTHONPATH=. .venv/bin/python scripts/bench_offload.py [--json [FILE]] [--png docs/offload_timeline.png]
     PYTHONPATH=. .venv/bin/python scripts/bench_offload.py --smoke [--json]   # seconds: the suite's run
 
-Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2, and PP=2 x CP=2 (torch attention) once per --cp-comm-type; dense
-and MoE (all seven modules offloaded for MoE); every rank. On CPU each case runs in the CUDA-faithful mode under two host links of its copy engine: "fast"
-(one layer's copy takes 0.1x that layer's measured forward time) and "slow" (1.5x); peak bytes come
+Cases: PP=1, PP=2 1F1B, PP=2 x VPP=2, and PP=2 x CP=2 (torch attention) once per CP comm type (not
+in --smoke); dense and MoE (all seven modules offloaded for MoE); every rank. On CPU each case runs in
+the CUDA-faithful mode under two host links of its copy engine: "fast" (one layer's copy takes 0.1x
+that layer's measured forward time) and "slow" (1.5x); peak bytes come
 from the independent tracker (megatron_ext.measure.memtrack.LiveBytesTracker). On CUDA each case runs
 once on the real link, peak bytes from torch.cuda.max_memory_allocated (reset per measured step);
 --overhead adds step times from CUDA events. R is computed for the local layer spec only (the theory
