@@ -293,7 +293,7 @@ def plan(args, gpu: str = "h100", memory_gb: float | None = None, host_link_gbps
         if reparse is not None:
             others = [c.settings for c in nearest if c.kind == "another layout"][:2] if search_parallelism else []
             bases = [args, *others]
-            more = _more_gpus(args, bases, evaluate, reparse, gpus_per_node)
+            more = _more_gpus(args, bases, evaluate, reparse, gpus_per_node, context_parallel=search_parallelism)
             nearest = ([more] if more else []) + nearest
         refusal = _refusal(nearest, budget, flag_prefix, memory_gb, gpu, gpus_per_node)
         if refuse:
@@ -340,10 +340,12 @@ def _nearest(candidates: list, given: dict, top: int) -> list:
     return sorted(chosen, key=lambda c: c.peak)
 
 
-def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
+def _grown(base, k: int, reparse, gpus_per_node: int, traced, context_parallel: bool = False) -> list:
     """The split ``base`` on k times its GPUs, the extra ones as data, pipeline, expert or tensor
-    parallelism, each validated by megatron; the sizes that cannot divide (the global batch, the
-    layers, the experts, the heads) or whose TP has no trace (``traced``: args -> bool) are not parsed."""
+    parallelism (with ``context_parallel``, context parallelism too: the first comm type megatron and
+    the attention accept, a trace of its own), each validated by megatron; the sizes that cannot divide
+    (the global batch, the layers, the experts, the heads) or whose TP has no trace (``traced``: args ->
+    bool) are not parsed."""
     tp, pp, ep = base.tensor_model_parallel_size, base.pipeline_model_parallel_size, base.expert_model_parallel_size
     layout = memory.Layout.from_args(base)
     uneven = bool(base.decoder_first_pipeline_num_layers or base.decoder_last_pipeline_num_layers)
@@ -360,21 +362,26 @@ def _grown(base, k: int, reparse, gpus_per_node: int, traced) -> list:
         wider.expert_tensor_parallel_size = tp * k
     if tp * k <= gpus_per_node and base.num_attention_heads % (tp * k) == 0 and traced(wider):
         variants.append((["--tensor-model-parallel-size", str(tp * k), "--sequence-parallel"], False))
-    if (base.context_parallel_size or 1) == 1:  # context parallelism over the new GPUs (a trace per comm type)
-        variants += [(flags, False) for cp, flags in context_parallel_choices(base, True) if cp == k]
     world = ["--world-size", str(base.world_size * k)]
     out = []
     for flags, pp_changes in variants:
         a = _reparse(base, [*_layout_flags(base), *world, *flags], pp_changes, reparse)
         if a is not None:
             out.append(a)
+    if context_parallel and (base.context_parallel_size or 1) == 1:  # context parallelism over the new GPUs
+        for cp, flags in context_parallel_choices(base, True):
+            a = _reparse(base, [*_layout_flags(base), *world, *flags], False, reparse) if cp == k else None
+            if a is not None:
+                out.append(a)
+                break
     return out
 
 
-def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int) -> Candidate | None:
+def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int,
+               context_parallel: bool = False) -> Candidate | None:
     """The fastest configuration that fits at the smallest world size (2 to 16 times the run's) on
     one of ``bases`` (the run's split and nearest splits) with more GPUs; splits that would need a new
-    trace are left out."""
+    trace are left out, but for context parallelism's (with ``context_parallel``)."""
     given = evaluate["given"]
     splits = []
     for b in bases:
@@ -389,7 +396,7 @@ def _more_gpus(args, bases: list, evaluate: dict, reparse, gpus_per_node: int) -
     seen = set()
     for k in (2, 4, 8, 16):
         fitting = []
-        for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node, traced)):
+        for a in (x for b in splits for x in _grown(b, k, reparse, gpus_per_node, traced, context_parallel)):
             layout_key = st.key({**given, **st.layout_of(a)})
             if layout_key in seen or not (traced(a) or a.context_parallel_size > (args.context_parallel_size or 1)):
                 continue
