@@ -11,7 +11,7 @@ from gpu_check_sections.common import NO_CUDA, claim, cuda, sync, timed_ms
 
 
 DENSE = ["qkv_linear", "core_attention", "attn_proj"]
-DENSE_SETS = [["core_attention"], ["qkv_linear"], ["attn_proj"], DENSE]
+DENSE_SETS = [["core_attention"], ["qkv_linear"], ["attn_proj"], DENSE, ["dense_mlp"]]
 # at the other depths: the sets whose saving and copies matter (the s x s probabilities)
 DEPTH_SETS = [["core_attention"], DENSE]
 MOE_SETS = [["router_fc1"], ["moe_act"], ["router_fc2"], ["shared_experts"],
@@ -45,7 +45,7 @@ def _cases(size) -> list:
     dense = size["offload"]["dense"]
     sets = dict(dense=DENSE_SETS, depth=DEPTH_SETS, moe=MOE_SETS)
     if size.get("offload_all_at_once"):
-        sets = dict(dense=[DENSE], depth=[DENSE], moe=MOE_SETS[-1:])
+        sets = dict(dense=[DENSE + ["dense_mlp"]], depth=[DENSE], moe=MOE_SETS[-1:])
     out = [("dense", dense["layers"], sets["dense"])]
     out += [("dense", n, sets["depth"]) for n in size["offload_depths"]]
     out.append(("moe", size["offload"]["moe"]["layers"], sets["moe"]))
@@ -122,7 +122,7 @@ def _model_rows(kind, layers, sets, size, link) -> list:
         data = jobs.batches(c, 0)  # one batch for every step: the same routing, the same peaks
         groups = {tuple(m): theory.group_bytes(
             canonical_modules(m), kind == "moe", seq=c["seq"], mbs=c["mbs"], hidden=c["hidden"], heads=c["heads"],
-            topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], dtype_bytes=dtype_bytes,
+            topk=c["topk"], moe_ffn=c["moe_ffn"], shared_ffn=c["shared"], ffn=c["ffn"], dtype_bytes=dtype_bytes,
             attention=c["attention"]) for m in sets}
         resident = [f"{r.what} ({r.groups})" for r in theory.resident_at_peak(1, None, 0, c["microbatches"], c["layers"], 1)]
         modelled = {m: theory.theoretical_saving(g, 1, None, 0, c["microbatches"], c["layers"], 1) for m, g in groups.items()}
