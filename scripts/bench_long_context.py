@@ -44,26 +44,29 @@ def measure_case(cp: int, offload: bool, seqs) -> dict:
     return out
 
 
+def slope(seqs, peaks) -> float:
+    """Bytes per token of the line through the two (sequence, peak) points."""
+    return (peaks[1] - peaks[0]) / (seqs[1] - seqs[0])
+
+
 def longest(seqs, peaks, budget: float, cp: int) -> int:
     """The longest sequence under ``budget`` on the line through the two (sequence, peak) points,
     a multiple of 2 x CP (megatron's split of the sequence over CP); 0 when none fits."""
-    (s0, s1), (p0, p1) = seqs, peaks
-    slope = (p1 - p0) / (s1 - s0)
-    seq = s0 + (budget - p0) / slope if slope > 0 else float("inf")
+    per_token = slope(seqs, peaks)
+    seq = seqs[0] + (budget - peaks[0]) / per_token if per_token > 0 else float("inf")
     step = 2 * cp
     return max(0, int(seq // step) * step)
 
 
 def rows_for(cases: list, budget: float) -> list:
-    base = next((c for c in cases if c["cp"] == 1 and not c["offload"]), None)
     rows = []
     for c in cases:
         meas, pred = longest(c["seqs"], c["measured"], budget, c["cp"]), longest(c["seqs"], c["predicted"], budget, c["cp"])
-        slope = (c["measured"][1] - c["measured"][0]) / (c["seqs"][1] - c["seqs"][0])
         rows.append(dict(c, longest_measured=meas, longest_predicted=pred,
-                         error=(pred - meas) / meas if meas else None, slope_bytes_per_token=slope))
-    if base is not None:
-        ref = next(r for r in rows if r["cp"] == 1 and not r["offload"])
+                         error=(pred - meas) / meas if meas else None,
+                         slope_bytes_per_token=slope(c["seqs"], c["measured"])))
+    ref = next((r for r in rows if r["cp"] == 1 and not r["offload"]), None)
+    if ref is not None:
         for r in rows:
             r["over_cp1_without_offload"] = r["longest_measured"] / ref["longest_measured"] if ref["longest_measured"] else None
             r["slope_over_cp1"] = r["slope_bytes_per_token"] / ref["slope_bytes_per_token"]
@@ -71,6 +74,8 @@ def rows_for(cases: list, budget: float) -> list:
 
 
 def table(rows: list, budget: float) -> str:
+    from bench import grid
+
     mib = 2**20
     head = ("CP", "offload", "peak MiB (meas / pred) at each length", "slope B/token", "x CP1's slope",
             "longest meas", "longest pred", "error", "x CP1 w/o offload")
@@ -81,11 +86,7 @@ def table(rows: list, budget: float) -> str:
                       f"{r.get('slope_over_cp1', 0):.3f}", str(r["longest_measured"]), str(r["longest_predicted"]),
                       "-" if r["error"] is None else f"{100 * r['error']:+.1f}%",
                       "-" if r.get("over_cp1_without_offload") is None else f"{r['over_cp1_without_offload']:.2f}"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = [f"per-rank budget {budget / mib:.1f} MiB"]
-    out += [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    out.insert(2, "-|-".join("-" * w for w in widths))
-    return "\n".join(out)
+    return f"per-rank budget {budget / mib:.1f} MiB\n" + grid(lines)
 
 
 def main(argv=None) -> int:

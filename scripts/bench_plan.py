@@ -231,18 +231,19 @@ def held_out_steps(paths=HELD_OUT_STEPS) -> list:
 
 
 def published_table(rows: list) -> str:
+    from bench import grid
+
     lines = [("run", "role", "published tokens/s/GPU", "predicted", "error", "attention", "slowest stage")]
     for r in rows:
         lines.append((r["case"], r["role"], f"{r['published_tokens_per_s_per_gpu']:.0f}",
                       f"{r['predicted_tokens_per_s_per_gpu']:.0f}", f"{100 * r['error']:+.1f}%", r.get("attention", "-"),
                       str(r.get("slowest_stage", "-"))))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    out.insert(1, "-|-".join("-" * w for w in widths))
-    return "\n".join(out)
+    return grid(lines)
 
 
 def table(rows: list) -> str:
+    from bench import grid
+
     mib = 2**20
     head = ("case", "stage", "predicted MiB", "measured MiB", "error", "act pred MiB", "act meas MiB", "act error",
             "megatron est. MiB")
@@ -252,10 +253,7 @@ def table(rows: list) -> str:
                       f"{r['measured_peak_bytes'] / mib:.2f}", f"{100 * r['error']:+.1f}%",
                       f"{r['predicted_activation_bytes'] / mib:.2f}", f"{r['measured_activation_bytes'] / mib:.2f}",
                       f"{100 * r['activation_error']:+.1f}%", f"{r['megatron_estimate_bytes'] / mib:.2f}"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    out.insert(1, "-|-".join("-" * w for w in widths))
-    return "\n".join(out)
+    return grid(lines)
 
 
 def main(argv=None) -> int:

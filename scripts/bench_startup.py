@@ -92,14 +92,14 @@ def extract(ref: str) -> str:
 
 
 def table(result: dict) -> str:
+    from bench import grid
+
     sides = [s for s in ("before", "after") if s in result]
     head = ["command"] + [f"{s} {k}" for s in sides for k in ("wall s", "cpu s")]
     rows = [[name] + [f"{result[s][name]['wall s']:.2f}{'' if result[s][name]['exit'] == 0 else ' (exit ' + str(result[s][name]['exit']) + ')'}"
                       if k == "wall s" else f"{result[s][name]['cpu s']:.2f}" for s in sides for k in ("wall s", "cpu s")]
             for name in result["after"]]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(head, widths)), "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = grid([head, *rows]).split("\n")
     m = result["machine"]
     lines += ["", f"{m['host']}: {m['cpu']}, {m['cores']} cores, Python {m['python']}; load average "
               f"{m['load average']:.1f} before and {result['load average after']:.1f} after (a shared machine: noisy)",

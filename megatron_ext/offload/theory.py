@@ -6,10 +6,10 @@ micro-batch, one function per module (``MODULE_BYTES``), each taking the attenti
 are the local layer spec as the tests, the benchmark and scripts/gpu_check.py build it: multi-head
 attention (no GQA, no rotary: q/k/v stay views of the fused QKV output), no attention dropout,
 non-gated GELU experts and dense MLPs (SequentialMLP, probabilities applied after the activation),
-dropless routing with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's DotProductAttention (baddbmm,
-masked softmax, bmm), which keeps the [b, heads, s, s] probabilities (in fp32 too when the softmax
-runs in fp32 on 16-bit inputs, as megatron's ``attention_softmax_in_fp32`` default does under
---bf16); ``sdpa``, torch's scaled_dot_product_attention (megatron_ext.attention.kernel), which keeps
+dropless routing with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's
+DotProductAttention (baddbmm, masked softmax, bmm), which keeps the [b, heads, s, s] probabilities
+(in fp32 too when the softmax runs in fp32 on 16-bit inputs, as megatron's
+``attention_softmax_in_fp32`` default does under --bf16); ``sdpa``, torch's scaled_dot_product_attention (megatron_ext.attention.kernel), which keeps
 the fused QKV output and the fp32 log-sum-exp per head and query (mbs x heads x s): O(s x hidden), no
 s x s term. It keeps its output too, which is linear_proj's input, one storage: it moves with
 core_attention and attn_proj offloaded together (it is attn_proj's bytes), and attn_proj alone moves
@@ -57,10 +57,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_ext.attention.context_parallel import COMM_TYPES as CP_COMM_TYPES
 from megatron_ext.offload.vocabulary import OffloadOptions
 
 ATTENTION = ("unfused", "sdpa")
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 PEAKS = ("layer_backward", "loss_backward", "layer_forward")
 RELEASES = ("last_use", "next_hook")
 

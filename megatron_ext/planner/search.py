@@ -369,8 +369,8 @@ def _grown(base, k: int, reparse, gpus_per_node: int, traced, context_parallel: 
         if a is not None:
             out.append(a)
     if context_parallel and (base.context_parallel_size or 1) == 1:  # context parallelism over the new GPUs
-        for cp, flags in context_parallel_choices(base, True):
-            a = _reparse(base, [*_layout_flags(base), *world, *flags], False, reparse) if cp == k else None
+        for flags in (flags for cp, flags in context_parallel_choices(base, True) if cp == k):
+            a = _reparse(base, [*_layout_flags(base), *world, *flags], False, reparse)
             if a is not None:
                 out.append(a)
                 break
