@@ -4,8 +4,10 @@ Megatron's flags, megatron's meanings: ``--fp8-format e4m3|hybrid --fp8-recipe t
 ``--transformer-impl local`` computes the forward, input-gradient and weight-gradient products of
 every linear of the transformer layers in FP8 (attention's, the MLP's, multi-latent attention's
 projections, the shared and the routed experts'), with torchao's tensorwise scaling
-(megatron_ext/seams/fp8.py). The embedding, the output layer and the router stay in high precision,
-as transformer-engine's recipes keep them; ``--first-last-layers-bf16`` keeps
+(megatron_ext/seams/fp8.py); the zero-sync grouped experts (``--moe-zero-sync-dropless``) run torchao's
+MoE recipe instead (rowwise scales, e4m3 operands, ``torch._scaled_grouped_mm``), the one that kernel
+takes. The embedding, the output layer and the router stay in high precision, as transformer-engine's
+recipes keep them; ``--first-last-layers-bf16`` keeps
 ``--num-layers-at-start-in-bf16`` / ``--num-layers-at-end-in-bf16`` layers in high precision too;
 ``--no-fp8-wgrad`` computes the weight gradients in high precision.
 
@@ -53,7 +55,9 @@ def summary(args) -> str:
     if not enabled(args):
         return "fp8: off" if args.fp8 is None else f"fp8: off (--fp8-format {args.fp8} runs in transformer-engine)"
     wgrad = "" if args.fp8_wgrad else ", wgrad in high precision (--no-fp8-wgrad)"
-    return f"fp8: {args.fp8} tensorwise through torchao (--fp8-format {args.fp8}){wgrad}"
+    experts = ("; the zero-sync experts rowwise e4m3 (torchao's MoE recipe, torch._scaled_grouped_mm)"
+               if args.moe_zero_sync_dropless else "")
+    return f"fp8: {args.fp8} tensorwise through torchao (--fp8-format {args.fp8}){wgrad}{experts}"
 
 
 def validate(args) -> None:
@@ -87,11 +91,6 @@ def _check_device(args) -> None:
         import torch
 
         capability = torch.cuda.get_device_capability()
-    if args.moe_zero_sync_dropless:
-        raise ConfigError(f"--moe-zero-sync-dropless with --fp8-format={args.fp8} on CUDA: the grouped experts' FP8 "
-                          "products run one torch._scaled_mm per expert, reading the expert offsets on the host "
-                          "(torch._scaled_grouped_mm is not wired in); drop --moe-zero-sync-dropless (megatron's "
-                          "sequential experts run in FP8)")
     if tuple(capability) < MIN_CAPABILITY:
         raise ConfigError(f"--fp8-format={args.fp8}: FP8 products need a GPU with FP8 tensor cores (compute "
                           f"capability >= 8.9); this one has {capability[0]}.{capability[1]}")

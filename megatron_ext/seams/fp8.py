@@ -18,8 +18,9 @@ Nothing of megatron-core is replaced globally. Per instance, on the linears a ru
        whole tensor: each operand's amax is all-reduced (MAX) over the linear's tensor-parallel group
        (the expert-TP group for experts), so a sharded product uses TP1's scales.
 The zero-sync grouped experts (megatron_ext/moe/grouped_experts.py) find ``float8_grouped_matmul`` on
-their experts' linears (``linear.float8``) and run each expert's products with that expert's scales:
-the numbers megatron's SequentialMLP gives with this seam on each expert's linear.
+their experts' linears (``linear.float8``) and run torchao's MoE float8 recipe
+(torchao/prototype/moe_training/fp8_grouped_mm.py: rowwise scales, ``torch._scaled_grouped_mm``) over
+device-side offsets; megatron's SequentialMLP runs this seam's tensorwise products on each expert's linear.
 Read, never written: .tp_group, .sequence_parallel, .explicit_expert_comm (layers.py:953, :1058, :960,
   :1314, :1313, :1326), the weight's ``main_grad`` / ``grad_added_to_main_grad`` / ``zero_out_wgrad``
   (distributed/param_and_grad_buffer.py and distributed_data_parallel.py set them).
@@ -355,64 +356,153 @@ def restore_linear(linear) -> None:
         linear.__dict__.pop(name, None)
 
 
+GROUP_ROWS = 16  # torch._scaled_grouped_mm: each group's rows a multiple of 16 (torchao's MoE path pads them so)
+GROUPED_DTYPE = torch.float8_e4m3fn  # the rowwise grouped kernel's operands (torchao's MoE recipe: e4m3 throughout)
+
+
 def float8_grouped_matmul(x, offsets, linears):
     """The zero-sync grouped experts' ``y[rows of g] = x[rows of g] @ W_g.t()`` (grouped_experts.py
-    _GroupedMatmul) with each expert's product as its own linear computes it here in FP8: the rows of
-    expert g and W_g each cast with their own tensorwise scale. Padding rows (past the last offset)
-    give zeros and get zero gradients."""
-    return _Float8Grouped.apply(x, offsets, linears[0].float8, linears[0].tp_group,
+    _GroupedMatmul) in FP8 with torchao's MoE float8 recipe (prototype/moe_training/fp8_grouped_mm.py
+    _Float8GroupedMM): rowwise power-of-2 scales, e4m3 operands, every group's rows aligned to 16, one
+    ``torch._scaled_grouped_mm`` per product on CUDA. Padding rows (past the last offset) give zeros
+    and get zero gradients. Nothing is read on the host."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    row_parallel = isinstance(linears[0], RowParallelLinear)
+    return _Float8Grouped.apply(x, offsets, linears[0].float8, linears[0].tp_group, row_parallel,
                                 *[lin.weight for lin in linears])
 
 
+def _aligned_rows(offsets, rows: int):
+    """Device-side layout of ``rows`` rows (groups ending at ``offsets``, then padding) in a buffer whose
+    groups start at multiples of GROUP_ROWS. Returns (source row of each buffer row, ``rows`` for a
+    zero row; buffer row of each row; the buffer's group end offsets; each row is a group's)."""
+    groups = offsets.numel()
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    aligned = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    ends = aligned.cumsum(0).to(torch.int32)
+    starts, aligned_starts = offsets - counts, ends - aligned
+    size = -(-(rows + (GROUP_ROWS - 1) * groups) // GROUP_ROWS) * GROUP_ROWS  # host arithmetic: every fill fits
+    slots = torch.arange(size, device=offsets.device, dtype=torch.int32)
+    slot_group = torch.searchsorted(ends, slots, right=True).clamp_(max=groups - 1)
+    local = slots - aligned_starts[slot_group]
+    filled = (local < counts[slot_group]) & (slots < ends[-1])
+    source = torch.where(filled, starts[slot_group] + local, rows)
+    row_ids = torch.arange(rows, device=offsets.device, dtype=torch.int32)
+    row_group = torch.searchsorted(offsets, row_ids, right=True).clamp_(max=groups - 1)
+    target = (aligned_starts[row_group] + row_ids - starts[row_group]).clamp_(max=size - 1)
+    valid = (row_ids < offsets[-1]).unsqueeze(1)
+    return source.long(), target.long(), valid, ends, slot_group
+
+
+def _gather_rows(t, source):
+    """The buffer: row ``source[i]`` of ``t`` (one zero row past its end)."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, source)
+
+
+def _to_float8(t, scale):
+    """torchao's cast (float8_utils.to_fp8_saturated of the tensor in float32 times its scale)."""
+    limit = torch.finfo(GROUPED_DTYPE).max
+    return (t.to(torch.float32) * scale).clamp(min=-limit, max=limit).to(GROUPED_DTYPE)
+
+
+def _scales(amax):
+    """torchao's amax_to_scale with power-of-2 rounding (as its MoE path computes them)."""
+    _, _, utils = torchao_float8()
+    return utils.amax_to_scale(amax, GROUPED_DTYPE, round_scales_to_power_of_2=True)
+
+
+def _rowwise(t, dim: int, group=None):
+    """t's float8 bits and scales with the amax taken along ``dim`` (torchao's AXISWISE scaling), the
+    amax all-reduced (MAX) over ``group``: the dimension is sharded across it."""
+    amax = torch.amax(torch.abs(t), dim=dim, keepdim=True)
+    if group is not None and group.size() > 1:
+        amax = amax.float()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    scale = _scales(amax)
+    return _to_float8(t, scale), scale
+
+
+def _per_group_columns(t, slot_group, groups: int):
+    """t's float8 bits with per-(group, column) scales over each group's rows (the weight gradient's
+    operands, torchao's torch_to_float8_per_group_colwise) and those scales [groups, columns]:
+    a device-side segment amax, no host read."""
+    index = slot_group.long().unsqueeze(1).expand(-1, t.shape[1])
+    amax = t.new_zeros(groups, t.shape[1], dtype=torch.float32).scatter_reduce_(
+        0, index, t.abs().to(torch.float32), reduce="amax")
+    scale = _scales(amax)
+    return _to_float8(t, scale.index_select(0, slot_group.long())), scale
+
+
+def _column_major(t):
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offsets):
+    """``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets)`` into bf16 (the kernel's only
+    output type): 2-D x 3-D (groups of a's rows) or 2-D x 2-D (groups of the shared dimension, a
+    [groups, m, n] result). On CUDA the kernel; elsewhere (no kernel) its arithmetic on the device:
+    the FP8 values' products (bf16 holds every FP8 value) summed in float32 and rounded to bf16 by
+    torch._grouped_mm, times the scales: powers of 2, so rounding before them is rounding after."""
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+    products = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets).to(torch.float32)
+    groups = offsets.numel()
+    if b.dim() == 3:
+        rows = torch.arange(a.shape[0], device=a.device, dtype=torch.int32)
+        row_group = torch.searchsorted(offsets, rows, right=True).clamp_(max=groups - 1)
+        scaled = products * scale_a.unsqueeze(1) * scale_b.index_select(0, row_group.long())
+    else:
+        scaled = products * scale_a.view(groups, -1, 1) * scale_b.view(groups, 1, -1)
+    return scaled.to(torch.bfloat16)
+
+
 class _Float8Grouped(torch.autograd.Function):
-    """Per expert, the products of Float8LinearWithGradAccumulation without communication (the experts'
-    linears communicate explicitly: explicit_expert_comm). The rows of each expert are read from the
-    offsets on the host: one product per expert (torch._scaled_mm), the CPU path of
-    torch._scaled_grouped_mm."""
+    """torchao's _Float8GroupedMM on the zero-sync experts' buffer: the rows regrouped on the device
+    into groups of multiples of 16 (torchao asks its caller to), rowwise scales for the forward and
+    input-gradient products, per-group column scales for the weight gradient. An expert-TP shard's
+    amax over a sharded contraction dimension is all-reduced (forward of a row-parallel linear,
+    input gradient of a column-parallel one), so expert TP uses expert TP1's scales. Keeps for
+    backward what the high-precision grouped product keeps: the input, the offsets, the weights."""
 
     @staticmethod
-    def forward(ctx, x, offsets, state, tp_group, *weights):
-        bounds = [0, *offsets.tolist()]
-        y = x.new_zeros(x.shape[0], weights[0].shape[0])
-        scales = []
-        for g, w in enumerate(weights):
-            rows = x[bounds[g]:bounds[g + 1]]
-            amax_in, amax_w = _amax((rows, w), tp_group)
-            scale_in, scale_w = _scale(amax_in, state.fwd_dtype), _scale(amax_w, state.fwd_dtype)
-            scales.append((scale_in, scale_w))
-            if rows.shape[0]:
-                x8 = _cast(rows, scale_in, state.fwd_dtype, state.mm_config, state.roles.INPUT)
-                y[bounds[g]:bounds[g + 1]] = torch.mm(x8, _cast(w.detach().t(), scale_w, state.fwd_dtype,
-                                                                state.mm_config, state.roles.WEIGHT))
-        ctx.save_for_backward(x, *[w.detach() for w in weights])
-        ctx.bounds, ctx.scales, ctx.state, ctx.tp_group = bounds, scales, state, tp_group
-        return y
+    def forward(ctx, x, offsets, state, tp_group, row_parallel, *weights):
+        source, target, valid, ends, _ = _aligned_rows(offsets, x.shape[0])
+        w = torch.stack([wi.detach() for wi in weights])  # [G, out, in]
+        a8, scale_a = _rowwise(_gather_rows(x, source), -1, tp_group if row_parallel else None)
+        w8, scale_w = _rowwise(w, -1, tp_group if row_parallel else None)
+        out = scaled_grouped_mm(a8, w8.transpose(-2, -1), scale_a.reciprocal().squeeze(-1),
+                                scale_w.reciprocal().squeeze(-1), ends)
+        ctx.save_for_backward(x, offsets, *[wi.detach() for wi in weights])
+        ctx.state, ctx.tp_group, ctx.row_parallel = state, tp_group, row_parallel
+        y = out.index_select(0, target).to(x.dtype)
+        return torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
     @staticmethod
     def backward(ctx, dy):
-        x, *weights = ctx.saved_tensors
-        state, bounds = ctx.state, ctx.bounds
-        dx = torch.zeros_like(x)
-        dws = []
-        need_dw = any(ctx.needs_input_grad[4:])
-        for g, w in enumerate(weights):
-            rows, go = x[bounds[g]:bounds[g + 1]], dy[bounds[g]:bounds[g + 1]]
-            scale_in, scale_w = ctx.scales[g]
-            (amax_go,) = _amax((go,), ctx.tp_group)
-            scale_go = _scale(amax_go, state.grad_dtype)
-            if not go.shape[0]:
-                dws.append(torch.zeros_like(w) if need_dw else None)
-                continue
-            go8 = _cast(go, scale_go, state.grad_dtype, state.mm_config, state.roles.GRAD_OUTPUT)
-            w8t = _cast(w.t(), scale_w, state.fwd_dtype, state.mm_config, state.roles.WEIGHT)
-            dx[bounds[g]:bounds[g + 1]] = torch.mm(go8, w8t.t())
-            if not need_dw:
-                dws.append(None)
-            elif state.recipe.wgrad:
-                x8 = _cast(_rows_for_wgrad(rows), scale_in, state.fwd_dtype, state.mm_config, state.roles.INPUT)
-                go8 = _cast(_rows_for_wgrad(go), scale_go, state.grad_dtype, state.mm_config,
-                            state.roles.GRAD_OUTPUT)
-                dws.append(torch.mm(go8.t(), x8))
-            else:
-                dws.append(go.t().matmul(rows))
-        return (dx, None, None, None, *dws)
+        x, offsets, *weights = ctx.saved_tensors
+        source, target, valid, ends, slot_group = _aligned_rows(offsets, x.shape[0])
+        w = torch.stack(weights)
+        go = _gather_rows(torch.where(valid, dy, torch.zeros((), dtype=dy.dtype, device=dy.device)), source)
+        sharded = None if ctx.row_parallel else ctx.tp_group  # the input gradient contracts the output's shard
+        go8, scale_go = _rowwise(go, -1, sharded)
+        wt8, scale_wt = _rowwise(w, -2, sharded)  # per (expert, input column), over the outputs
+        dx = scaled_grouped_mm(go8, _column_major(wt8), scale_go.reciprocal().squeeze(-1),
+                               scale_wt.reciprocal().squeeze(-2).contiguous(), ends)
+        dx = torch.where(valid, dx.index_select(0, target).to(x.dtype), torch.zeros((), dtype=x.dtype,
+                                                                                    device=x.device))
+        if not any(ctx.needs_input_grad[5:]):  # frozen weights (LoRA's base): no weight gradient
+            return (dx, None, None, None, None, *[None] * len(weights))
+        a = _gather_rows(x, source)
+        groups = offsets.numel()
+        if ctx.state.recipe.wgrad:
+            go8_g, scale_go_g = _per_group_columns(go, slot_group, groups)
+            a8_g, scale_a_g = _per_group_columns(a, slot_group, groups)
+            dw = scaled_grouped_mm(go8_g.t().contiguous(), _column_major(a8_g),
+                                   scale_go_g.reciprocal().flatten(), scale_a_g.reciprocal().flatten(), ends)
+        else:  # --no-fp8-wgrad: the high-precision grouped product (grouped_experts.py)
+            dw = torch._grouped_mm(go.t(), a, offs=ends)
+        has_rows = (torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).view(-1, 1, 1)
+        dw = torch.where(has_rows, dw, torch.zeros((), dtype=dw.dtype, device=dw.device)).to(w.dtype)
+        return (dx, None, None, None, None, *dw.unbind(0))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import arguments
 
+import contextlib
 import copy
 
 import torch
@@ -133,37 +134,6 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
             return y.detach(), xi.grad, wi.grad
         out["in_place_add"] = all(torch.equal(a, b) for a, b in zip(add_one(True), add_one(False)))
 
-        # the zero-sync grouped experts' product (padding rows at the end) against each expert's own
-        # FP8 linear on its rows
-        from types import SimpleNamespace
-
-        g = torch.Generator().manual_seed(2)
-        counts, padding = [5, 0, 11], 4
-        xs = torch.randn(sum(counts) + padding, H, generator=g).to(torch.bfloat16)
-        ws = [(torch.randn(F, H, generator=g) * 0.1).to(torch.bfloat16).requires_grad_(True) for _ in counts]
-        gy = torch.randn(sum(counts) + padding, F, generator=g).to(torch.bfloat16)
-        linears = [SimpleNamespace(weight=w, float8=_State(recipe), tp_group=group) for w in ws]
-        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-        xg = xs.clone().requires_grad_(True)
-        yg = seam.float8_grouped_matmul(xg, offsets, linears)
-        yg.backward(gy)
-        grouped = [yg.detach(), xg.grad, *[w.grad.clone() for w in ws]]
-        each_y, each_dx, each_dw = [], [], []
-        start = 0
-        for n, w in zip(counts, ws):
-            w.grad = None
-            xe = xs[start:start + n].clone().requires_grad_(True)
-            ye = Float8LinearWithGradAccumulation.apply(xe, w, None, False, False, False, group, _State(recipe))
-            ye.backward(gy[start:start + n])
-            each_y.append(ye.detach())
-            each_dx.append(xe.grad)
-            each_dw.append(w.grad if w.grad is not None else torch.zeros_like(w))
-            start += n
-        zeros = torch.zeros(padding, F, dtype=torch.bfloat16)
-        expected = [torch.cat([*each_y, zeros]), torch.cat([*each_dx, torch.zeros(padding, H, dtype=torch.bfloat16)]),
-                    *each_dw]
-        out["grouped_vs_each_expert"] = [torch.equal(a, b) for a, b in zip(grouped, expected)]
-
         # TP2 + SP against TP1, float32
         x, w1, w2, dy = _data(torch.float32)
         fc1, fc2 = _pair(_config(False, torch.float32))
@@ -194,6 +164,237 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
     finally:
         parallel.destroy()
     return out
+
+
+COUNTS, PADDING = [5, 0, 11, 20], 4  # expert rows (one expert without rows, none a multiple of 16), padding rows
+
+
+def _grouped_data(g, width_in, width_out):
+    xs = torch.randn(sum(COUNTS) + PADDING, width_in, generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(width_out, width_in, generator=g) * 0.1).to(torch.bfloat16) for _ in COUNTS]
+    gy = torch.randn(sum(COUNTS) + PADDING, width_out, generator=g).to(torch.bfloat16)
+    return xs, ws, gy
+
+
+def _grouped_run(product, xs, ws, gy):
+    """(output, input gradient, each expert's weight gradient) of ``product(x, weights)``."""
+    x = xs.clone().requires_grad_(True)
+    w = [wi.clone().requires_grad_(True) for wi in ws]
+    y = product(x, w)
+    y.backward(gy)
+    return [y.detach(), x.grad, *[wi.grad for wi in w]]
+
+
+@contextlib.contextmanager
+def _torchao_grouped_on_cpu():
+    """torchao's _Float8GroupedMM runnable on a CPU: its Triton kernels replaced by torchao's own torch
+    references of them (prototype/moe_training/utils.py, float8_utils.py), the CUDA kernel
+    torch._scaled_grouped_mm by the seam's arithmetic of it (compared with torch._scaled_mm apart)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale, to_fp8_saturated
+    from torchao.prototype.moe_training import fp8_grouped_mm as ao, utils
+
+    from megatron_ext.seams import fp8 as seam
+
+    def axiswise(t, dtype, dim):
+        scale = tensor_to_scale(t, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim,
+                                round_scales_to_power_of_2=True)
+        return to_fp8_saturated(t.to(torch.float32) * scale, dtype), scale
+
+    def rowwise_2d(t, output_dtype, round_scales_to_power_of_2):
+        return axiswise(t, output_dtype, -1)
+
+    def colwise_3d(b_t, output_dtype, round_scales_to_power_of_2):  # (E, K, N) column-major, scales (E, 1, N)
+        data, scale = axiswise(b_t, output_dtype, -2)
+        return data.transpose(-2, -1).contiguous().transpose(-2, -1), scale
+
+    def transpose_rhs(b_t, output_dtype, round_scales_to_power_of_2):
+        return utils.torch_to_3d_rowwise_float8_transpose_rhs(b_t, output_dtype, True)
+
+    def per_group_colwise(t, offs, dtype):
+        """The reference over the groups with rows; an empty group's scales are a zero amax's (as the
+        kernel's, whose amax over no rows is 0; the reference cannot reduce over none)."""
+        ends = offs.tolist()
+        kept = [e for i, e in enumerate(ends) if e > (ends[i - 1] if i else 0)]
+        data, scales = utils.torch_to_float8_per_group_colwise(t, torch.tensor(kept, dtype=torch.int32), dtype, True)
+        empty = amax_to_scale(torch.zeros(t.shape[1]), dtype, round_scales_to_power_of_2=True)
+        per_group, it = [], iter(scales.view(len(kept), -1))
+        for i, e in enumerate(ends):
+            per_group.append(next(it) if e > (ends[i - 1] if i else 0) else empty)
+        return data, torch.cat(per_group)
+
+    def per_group_dual(go, a, offs, dtype, round_scales_to_power_of_2):
+        go8, go_scales = per_group_colwise(go, offs, dtype)
+        a8, a_scales = per_group_colwise(a, offs, dtype)
+        col_major = lambda t: t.t().contiguous().t()  # noqa: E731
+        return col_major(go8), go_scales, col_major(a8), a_scales
+
+    def kernel(a, b, scale_a, scale_b, offs, out_dtype=None, use_fast_accum=False):
+        return seam.scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+
+    swaps = [(ao, "triton_fp8_rowwise_2d_scale_and_cast", rowwise_2d),
+             (ao, "triton_fp8_colwise_3d_scale_and_cast", colwise_3d),
+             (ao, "triton_fp8_rowwise_3d_transpose_rhs", transpose_rhs),
+             (ao, "triton_fp8_per_group_colwise_scales_dual", per_group_dual),
+             (torch, "_scaled_grouped_mm", kernel)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
+    for obj, name, value in swaps:
+        setattr(obj, name, value)
+    try:
+        yield ao._to_fp8_rowwise_then_scaled_grouped_mm
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def grouped_numerics() -> dict:
+    """The zero-sync grouped experts' FP8 product (seam.float8_grouped_matmul): against torchao's
+    _Float8GroupedMM on the same rows regrouped by hand at multiples of 16 (bitwise), against the
+    high-precision grouped product (FP8 applied, and close), its CPU arithmetic of
+    torch._scaled_grouped_mm against per-group torch._scaled_mm, and at expert-TP 2 (this world's
+    two ranks) against expert-TP 1 for a column- then a row-parallel linear."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from megatron_ext.moe.grouped_experts import _GroupedMatmul
+    from megatron_ext.seams import fp8 as seam
+    from megatron_ext.seams.fp8 import Float8Recipe, _State
+
+    out = {}
+    g = torch.Generator().manual_seed(2)
+    xs, ws, gy = _grouped_data(g, H, F)
+    offsets = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    state = _State(Float8Recipe())
+
+    def ours(x, w, group=None, row_parallel=False):
+        linears = [SimpleNamespace(weight=wi, float8=state, tp_group=group) for wi in w]
+        if row_parallel:  # the seam tells the two kinds apart by class
+            linears = [_as(RowParallelLinear, lin) for lin in linears]
+        return seam.float8_grouped_matmul(x, offsets, linears)
+
+    grouped = _grouped_run(ours, xs, ws, gy)
+
+    # torchao on the same rows, regrouped by hand: each expert's rows from a multiple of 16, zeros between
+    starts = [0]
+    for n in COUNTS:
+        starts.append(starts[-1] + -(-n // 16) * 16)
+    def regroup(t):
+        buf = t.new_zeros(starts[-1], t.shape[1])
+        at = 0
+        for e, n in enumerate(COUNTS):
+            buf[starts[e]:starts[e] + n] = t[at:at + n]
+            at += n
+        return buf
+    def ungroup(t):
+        return torch.cat([*[t[starts[e]:starts[e] + n] for e, n in enumerate(COUNTS)],
+                          t.new_zeros(PADDING, t.shape[1])])
+    ends = torch.tensor(starts[1:], dtype=torch.int32)
+    with _torchao_grouped_on_cpu() as torchao_grouped:
+        def theirs(x, w):
+            b_t = torch.stack(w).transpose(-2, -1)  # (E, K, N) column-major, as torchao takes it
+            return ungroup(torchao_grouped(regroup(x), b_t, ends, torch.bfloat16, torch.float8_e4m3fn, False))
+        reference = _grouped_run(theirs, xs, ws, gy)
+    # padding rows' input gradient: zero in ours; theirs is cut from the regrouped buffer's zeros
+    out["bitwise_vs_torchao"] = [bool(torch.equal(a, b)) for a, b in zip(grouped, reference)]
+
+    high = _grouped_run(lambda x, w: _GroupedMatmul.apply(x, offsets, *w), xs, ws, gy)
+    rows = sum(COUNTS)
+    out["differs_from_high_precision"] = [not torch.equal(a, b) for a, b in zip(grouped, high) if a.abs().sum() > 0]
+    out["close_to_high_precision"] = [float((a[:rows] - b[:rows]).float().norm() / b[:rows].float().norm())
+                                      for a, b in zip(grouped, high) if b.abs().sum() > 0]
+    out["padding_rows_zero"] = bool(grouped[0][rows:].abs().sum() == 0 and grouped[1][rows:].abs().sum() == 0)
+
+    # the CPU arithmetic of torch._scaled_grouped_mm against torch._scaled_mm per group (2-D x 3-D)
+    a8 = (torch.randn(64, H, generator=g) * 4).to(torch.float8_e4m3fn)
+    b8 = (torch.randn(3, F, H, generator=g) * 4).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(64, generator=g).exp2().floor().exp2(), torch.rand(3, F, generator=g).mul(4).floor().exp2()
+    cuts = [0, 16, 16, 64]
+    emulated = seam.scaled_grouped_mm(a8, b8.transpose(-2, -1), sa, sb, torch.tensor(cuts[1:], dtype=torch.int32))
+    per_group = torch.cat([torch._scaled_mm(a8[cuts[e]:cuts[e + 1]], b8[e].t(), sa[cuts[e]:cuts[e + 1], None],
+                                            sb[e][None, :], out_dtype=torch.bfloat16) for e in range(3)])
+    out["kernel_arithmetic_vs_scaled_mm"] = float(((emulated.float() - per_group.float()).abs()
+                                                   / per_group.float().abs().clamp(min=1e-30)).max())
+
+    # expert-TP 2 against 1: fc1 column-parallel (outputs split), fc2 row-parallel (inputs split)
+    rank, group = torch.distributed.get_rank(), torch.distributed.group.WORLD
+    tp_rel = []
+    for row_parallel in (False, True):
+        xs, ws, gy = _grouped_data(torch.Generator().manual_seed(3), H, F)
+        # in the contraction's second half an operand column 2^16 x larger, multiplied by zeros: each
+        # row's amax (and so the first half's FP8 values) is the whole row's, not the shard's
+        if row_parallel:
+            xs[:, -1] *= 65536
+            for wi in ws:
+                wi[:, -1] = 0
+        else:
+            gy[:, -1] *= 65536
+            gy[:, -2] = 0
+            for wi in ws:
+                wi[-1] = 0
+                wi[-2] *= 65536
+        whole = _grouped_run(lambda x, w: ours(x, w, row_parallel=row_parallel), xs, ws, gy)
+        if row_parallel:  # this rank's input columns; outputs summed over the ranks
+            cols = slice(rank * H // 2, (rank + 1) * H // 2)
+            shard = _grouped_run(lambda x, w: ours(x, w, group, True), xs[:, cols].contiguous(),
+                                 [wi[:, cols].contiguous() for wi in ws], gy)
+            y = shard[0].float()
+            torch.distributed.all_reduce(y, group=group)
+            pairs = [(y, whole[0]), (shard[1], whole[1][:, cols])] + [(a, b[:, cols]) for a, b in zip(shard[2:], whole[2:])]
+        else:  # this rank's output rows of each weight
+            rows_ = slice(rank * F // 2, (rank + 1) * F // 2)
+            shard = _grouped_run(lambda x, w: ours(x, w, group, False), xs,
+                                 [wi[rows_].contiguous() for wi in ws], gy[:, rows_].contiguous())
+            dx = shard[1].float()
+            torch.distributed.all_reduce(dx, group=group)
+            pairs = [(shard[0], whole[0][:, rows_]), (dx, whole[1])] + [(a, b[rows_]) for a, b in zip(shard[2:], whole[2:])]
+        tp_rel.append(max(float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)) for a, b in pairs))
+    out["expert_tp2_rel"] = tp_rel
+    return out
+
+
+def zero_sync_layer_syncs(dispatcher: str = "alltoall") -> dict:
+    """One zero-sync dropless MoELayer at EP2 in bf16 (tests/moe's layer, megatron_ext/moe/audit.py) with
+    its experts' linears in FP8, forward and backward under the sync detector (CUDA-faithful residency):
+    the host syncs each phase, and whether FP8 changed the output and gradients (same seed without FP8)."""
+    from megatron_ext.moe import audit
+    from megatron_ext.seams import fp8 as seam
+    from megatron_ext.seams import moe as moe_seams
+    from megatron_ext.seams.fp8 import Float8Recipe
+    from megatron_ext.training import parallel
+
+    parallel.initialize(expert=2)
+    try:
+        spec = audit.LayerSpec(dispatcher=dispatcher, mode="dropless-syncfree", experts=4, topk=2, hidden=32,
+                               ffn=64, ep=2, dtype="bfloat16")
+        x, g = audit.rank_inputs(spec, seq=24, batch=2, seed=5)
+        runs = {}
+        for fp8 in (False, True):
+            moe_seams.reset_moe_aux_loss_scale()
+            layer = audit.build_layer(spec, seed=5, ours=True)
+            if fp8:
+                for expert in layer.experts.local_experts:
+                    for linear in (expert.linear_fc1, expert.linear_fc2):
+                        seam.use_float8(linear, Float8Recipe())
+            runs[fp8] = audit.run_layer(layer, x, g)
+        plain, fp8 = runs[False], runs[True]
+        return {"syncs": (fp8.syncs_forward, fp8.syncs_backward), "sites": fp8.sites,
+                "differs": [not torch.equal(plain.out, fp8.out), not torch.equal(plain.dx, fp8.dx)]
+                + [not torch.equal(plain.dw[k], fp8.dw[k]) for k in plain.dw if "experts" in k],
+                "close": max(float((plain.out - fp8.out).float().norm() / plain.out.float().norm()),
+                             float((plain.dx - fp8.dx).float().norm() / plain.dx.float().norm()))}
+    finally:
+        moe_seams.reset_moe_aux_loss_scale()
+        parallel.destroy()
+
+
+def _as(cls, namespace):
+    """An instance of ``cls`` (not initialised) with the namespace's attributes."""
+    obj = object.__new__(cls)
+    torch.nn.Module.__init__(obj)
+    for k, v in vars(namespace).items():
+        object.__setattr__(obj, k, v)
+    return obj
 
 
 def train(argvs: dict) -> dict:
