@@ -2,7 +2,8 @@
 architecture's two iterations with FP8 products (--fp8-format e4m3 --fp8-recipe tensorwise; float32
 weights) against the same run without, on the same data. Multi-latent attention's latent projections
 get ranks FP8 takes (both dimensions of a product divisible by 16 on a rank): query rank 64, key-value
-rank 48, rope head size 16 (DeepSeek-V3's are 1536, 512 and 64)."""
+rank 48, rope head size 16 (DeepSeek-V3's are 1536, 512 and 64). The MoE architectures again with the
+zero-sync dropless layer, whose grouped experts run torchao's MoE float8 recipe."""
 from __future__ import annotations
 
 import math
@@ -17,9 +18,20 @@ FP8_LATENT_RANKS = ["--q-lora-rank", "64", "--kv-lora-rank", "48", "--qk-pos-emb
 FP8_MOVES = 1e-6  # the smallest relative change FP8 made to a loss here: 1.6e-5 (deepseek_v2_lite)
 
 
+ZERO_SYNC = ["--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]
+
+
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_architecture_trains_in_fp8(name):
-    base = zoo.plain_argv(name)
+    _trains_in_fp8(zoo.plain_argv(name))
+
+
+@pytest.mark.parametrize("name", [n for n, case in zoo.ZOO.items() if case["moe"]])
+def test_moe_architecture_trains_in_fp8_with_the_zero_sync_layer(name):
+    _trains_in_fp8(zoo.plain_argv(name) + ZERO_SYNC)
+
+
+def _trains_in_fp8(base: list) -> None:
     if "--multi-latent-attention" in base:
         base += FP8_LATENT_RANKS
     runs = run_distributed(2, "tests.training.jobs_zoo:train_digests", argvs={"high": base, "fp8": base + FP8})[0]
