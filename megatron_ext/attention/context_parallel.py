@@ -42,9 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ext.attention import kernels
-
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+from megatron_ext.attention import CP_COMM_TYPES as COMM_TYPES, kernels
 
 
 # ------------------------------------------------------------------------------------------ positions
