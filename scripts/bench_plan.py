@@ -2,7 +2,7 @@
 side with megatron's theoretical estimate.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py [--json] [--cases NAME ...]
-    PYTHONPATH=. .venv/bin/python scripts/bench_plan.py --published-fit [--json]   # step time vs published runs
+    PYTHONPATH=.:scripts .venv/bin/python scripts/bench_plan.py --published-fit [--json]   # step time: the fit
     PYTHONPATH=. .venv/bin/python scripts/bench_plan.py --smoke [--json]   # one case (dense PP2 offload): seconds
 
 Each case is a recipe with flags, run through train.py's own builders on a local world (gloo on CPU):
@@ -16,8 +16,10 @@ only {"cases": [...]} on stdout.
 
 --published plans the published H100 runs (megatron_ext.planner.published) as given, one fresh process
 per case (the trace included: peaks and throughput); --published-fit runs the step-time fit over the
-calibration runs and predicts every published run's throughput (no trace, seconds): the table of
-published against predicted tokens/s/GPU, with each run's role (calibration / held out).
+calibration half of the data points (megatron_ext.planner.published.data_points: the published runs'
+tokens/s/GPU and the device record's whole-step times) and predicts every point (no trace, seconds):
+each point's role (calibration / held out), measured and predicted figure and error, and each half's
+largest |error|.
 """
 from __future__ import annotations
 
@@ -124,9 +126,9 @@ def published_case(name: str) -> dict:
     finally:
         if faithful is not None:
             os.environ["MEGATRON_EXT_CUDA_FAITHFUL"] = faithful
-    from megatron_ext.planner.published import CASES as PUBLISHED
+    from megatron_ext.planner.published import PUBLISHED_ROLES
 
-    row["role"] = PUBLISHED[name]["role"]
+    row["role"] = PUBLISHED_ROLES[name]
     row["error"] = row["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"] - 1
     print(f"{name}: peak {row['predicted_peak_gib']:.1f} GiB (published {row['published_peak_gib']}), "
           f"{row['predicted_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (published "
@@ -135,21 +137,23 @@ def published_case(name: str) -> dict:
 
 
 def published_fit() -> dict:
-    """The step-time fit over the calibration runs, the constants in use, and every published run's
-    predicted throughput with them (published.throughput)."""
+    """The step-time fit over the calibration half of the data points (published.data_points: the
+    published runs and the device record's whole steps), the constants in use, and every point's
+    prediction with them: with its GPU's stored profile (the fit's model) and with the datasheet model
+    alone."""
     import arguments
 
     from megatron_ext.planner import hardware, published
 
-    def parse(argv):
-        return published.parse(argv, arguments.parse)
-
-    fit = published.fit(parse)
-    rows = published.throughput(parse)
+    points = published.data_points(device_steps())
+    fit = published.fit(arguments.parse, points)
+    rows = _with_datasheet(published.predict(arguments.parse, points),
+                           published.predict(arguments.parse, points, profile=None))
     constants = dict(gemm_efficiency=hardware.GEMM_EFFICIENCY, moe_layer_s=hardware.MOE_LAYER_S)
+    largest = {role: max(abs(r["error"]) for r in rows if r["role"] == role) for role in published.ROLES}
     return dict(fit=fit, constants=constants,
                 constants_are_the_fit=(fit["gemm_efficiency"], fit["moe_layer_s"]) == tuple(constants.values()),
-                rows=rows)
+                points=rows, largest_abs_error=largest, offload_loops=offload_loops())
 
 
 # gpu_check's dense model (scripts/bench/offload.py model_flags, BF16): the local spec, megatron's unfused
@@ -162,72 +166,73 @@ _RECORD_MODEL = ["--position-embedding-type", "learned_absolute", "--disable-bia
                  "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
 
 
-def _forward_backward_ms(args, gpu: str) -> dict:
-    """One micro-batch's forward + backward (ms) of the parsed run on ``gpu``, predicted with its stored
-    profile ("profile") and with the datasheet model alone ("datasheet"); no data-parallel term."""
-    from megatron_ext.planner import memory, profiles, steptime
-
-    layout = memory.Layout.from_args(args)
-    predicted = {}
-    for name, profile in (("profile", "stored"), ("datasheet", None)):
-        dev = profiles.device(gpu, profile)
-        predicted[name] = steptime.step_time(args, layout, [dict(components=dict(parameters=0.0))], [0.0], dev,
-                                             dev.host_link)["step_time_s"] * 1e3
-    return predicted
-
-
-def device_record() -> list:
-    """Per measured step of a stored profile's "layers" block (the H200's: gpu_check's dense model
-    without offload, forward and backward of one micro-batch), the step time predicted with that
-    profile and with the datasheet model alone, beside the measured one."""
+def offload_loops() -> list:
+    """Not data points: per measured step of a stored profile's "layers" block (the H200's: gpu_check's
+    dense model without offload, forward and backward of one micro-batch in the offload section's own
+    loop, scripts/bench/offload.py, not a train.py step), the time predicted with that profile and with
+    the datasheet model alone, beside the measured one."""
     import arguments
 
     from megatron_ext.planner import profiles, published
 
-    rows = []
+    points = []
     for gpu in profiles.known():
         stored = profiles.load(gpu)
         for r in (stored.get("layers") or {}).get("rows", []):
             argv = ["--num-layers", r["layers"], "--hidden-size", r["hidden"], "--ffn-hidden-size", r["ffn"],
                     "--num-attention-heads", r["heads"], "--seq-length", r["seq"], "--max-position-embeddings", r["seq"],
                     "--vocab-size", r["vocab"], *_RECORD_MODEL]
-            args = published.parse([str(a) for a in argv], arguments.parse, gpu=gpu)
-            predicted = _forward_backward_ms(args, gpu)
-            rows.append(dict(gpu=gpu, device=stored["device"], date=stored["date"], model=r["model"], layers=r["layers"],
-                             measured_ms=r["step_ms"], predicted_ms=predicted["profile"],
-                             predicted_datasheet_ms=predicted["datasheet"]))
-    return rows
+            points.append(dict(kind="offload loop", name=f"{gpu} {stored['date']} {r['model']} x{r['layers']}", gpu=gpu,
+                               argv=[str(a) for a in argv], source=f"megatron_ext/planner/profiles/{gpu}.json",
+                               quantity=published.STEP_MS, measured=r["step_ms"], moe=False))
+    return _with_datasheet(published.predict(arguments.parse, points),
+                           published.predict(arguments.parse, points, profile=None))
 
 
-# gpu_check runs whose throughput section's whole training steps no profile or constant was made from
-HELD_OUT_STEPS = ("docs/gpu/2026-11-30-h200-a055a4c-run1.json",)
+def _with_datasheet(rows: list, datasheet: list) -> list:
+    """``rows`` (predicted with the stored profiles) with the datasheet model's prediction and error."""
+    return [dict(r, predicted_datasheet=d["predicted"], error_datasheet=d["error"]) for r, d in zip(rows, datasheet)]
 
 
-def held_out_steps(paths=HELD_OUT_STEPS) -> list:
-    """Per whole-step row of a gpu_check run's throughput section without offload (torch attention and
-    unfused; dense and MoE), the planner's forward + backward time with the GPU's stored profile and with
-    the datasheet model alone, beside the measured one (the rows' own argv, as the section builds it)."""
-    import arguments
-
+def device_steps(paths=None) -> list:
+    """The device record's data points (published.DEVICE_RECORD): per whole-step row of a gpu_check
+    run's throughput section without offload (torch attention and unfused; dense and MoE), in the
+    record's order, its flags as the section builds them and its measured forward + backward (median)."""
     from gpu_check_sections import throughput
     from gpu_check_sections.kernel_profile import gpu_kind
     from megatron_ext.planner import published
 
-    rows = []
-    for path in paths:
+    points = []
+    for path in published.DEVICE_RECORD if paths is None else paths:
         with open(os.path.join(ROOT, path)) as f:
             run = json.load(f)
         gpu = gpu_kind(run["device"])
         for r in run["sections"]["throughput"]["rows"]:
             if r.get("status") != "ok" or r.get("offload"):
                 continue
-            argv = throughput.run_argv(throughput.MODELS["gpu"][r["case"]], r["layers"], r["attention_backend"], (), 1)
-            args = published.parse([*argv, "--bf16", "--world-size", "1"], arguments.parse, gpu=gpu)
-            predicted = _forward_backward_ms(args, gpu)
-            rows.append(dict(run=path, device=run["device"], date=run["date"], case=r["case"], variant=r["variant"],
-                             layers=r["layers"], measured_ms=r["fwd_bwd_ms"]["median"],
-                             predicted_ms=predicted["profile"], predicted_datasheet_ms=predicted["datasheet"]))
-    return rows
+            model = throughput.MODELS["gpu"][r["case"]]
+            argv = throughput.run_argv(model, r["layers"], r["attention_backend"], (), 1)
+            points.append(dict(kind="device", name=f"{gpu} {run['date']} ({r['case']}) {r['variant']} x{r['layers']}",
+                               gpu=gpu, argv=[*argv, "--bf16", "--world-size", "1"], source=path,
+                               quantity=published.STEP_MS, measured=r["fwd_bwd_ms"]["median"],
+                               moe=bool(model.get("experts"))))
+    return points
+
+
+def points_table(rows: list, head: str = "data point") -> str:
+    from bench import grid
+    from megatron_ext.planner import published
+
+    def figure(r, v):
+        return f"{v:.0f} tokens/s/GPU" if r["quantity"] == published.THROUGHPUT else f"{v:.1f} ms"
+
+    lines = [(head, "kind", "role", "measured", "predicted", "error", "datasheet model alone")]
+    for r in rows:
+        kind = f"{r['kind']}, {'MoE' if r['moe'] else 'dense'}"
+        lines.append((r["name"], kind, r.get("role", "-"), figure(r, r["measured"]), figure(r, r["predicted"]),
+                      f"{100 * r['error']:+.1f}%",
+                      f"{figure(r, r['predicted_datasheet'])} ({100 * r['error_datasheet']:+.1f}%)"))
+    return grid(lines)
 
 
 def published_table(rows: list) -> str:
@@ -267,8 +272,8 @@ def main(argv=None) -> int:
                         help="also plan the published H100 runs (megatron_ext.planner.published; all without "
                         "names) and compare with their published peak and throughput; JSON key \"published\"")
     parser.add_argument("--published-fit", action="store_true",
-                        help="fit the step time's constants over the calibration runs and predict every published "
-                        "run's throughput (no trace); JSON key \"published_fit\"")
+                        help="fit the step time's constants over the calibration half of the data points (published "
+                        "runs, device steps) and predict every point (no trace); JSON key \"published_fit\"")
     parser.add_argument("--smoke", action="store_true", help=f"seconds: the case {SMOKE!r} only (the suite's run)")
     opts = parser.parse_args(argv)
     if opts.smoke:
@@ -277,6 +282,16 @@ def main(argv=None) -> int:
     from megatron_ext import platform
 
     platform.setup()
+    from megatron_ext.planner.cli import logs_to_stderr
+
+    with logs_to_stderr():  # megatron's log records (a case's pipeline layout) off stdout: --json is JSON only
+        out = _run(opts)
+    if opts.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def _run(opts) -> dict:
     rows = []
     only_published = (opts.published is not None or opts.published_fit) and opts.cases == list(CASES)
     for name in ([] if only_published else opts.cases):
@@ -304,32 +319,18 @@ def main(argv=None) -> int:
         print(published_table(out["published"]), file=sys.stderr)
     if opts.published_fit:
         f = out["published_fit"] = published_fit()
-        fit, kept = f["fit"], f["constants"]
-        print(f"\nfit over {len(fit['cases'])} calibration runs: GEMM efficiency {fit['gemm_efficiency']:.2f}, "
-              f"{1e3 * fit['moe_layer_s']:.1f} ms per MoE layer and micro-batch (largest |error| "
-              f"{100 * fit['largest_abs_error']:.1f}%); in use (hardware.py): {kept['gemm_efficiency']:.2f}, "
-              f"{1e3 * kept['moe_layer_s']:.1f} ms{'' if f['constants_are_the_fit'] else ' -- NOT the fit: update hardware.py'}",
-              file=sys.stderr)
-        print(published_table(f["rows"]), file=sys.stderr)
-        record = f["device_record"] = device_record()
-        print("\nThe stored profiles' measured steps (forward + backward of one micro-batch), predicted:", file=sys.stderr)
-        for r in record:
-            print(f"{r['device']} {r['date']}, {r['model']} x {r['layers']} layers: measured {r['measured_ms']:.1f} ms, "
-                  f"predicted {r['predicted_ms']:.1f} ms with the profile ({100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}%), "
-                  f"{r['predicted_datasheet_ms']:.1f} ms with the datasheet model "
-                  f"({100 * (r['predicted_datasheet_ms'] / r['measured_ms'] - 1):+.0f}%)", file=sys.stderr)
-        held = f["held_out_steps"] = held_out_steps()
-        print("\nWhole steps of a GPU run no profile or constant was made from (forward + backward), predicted:",
-              file=sys.stderr)
-        for r in held:
-            print(f"{r['device']} {r['date']}, ({r['case']}) {r['variant']} x {r['layers']} layers: measured "
-                  f"{r['measured_ms']:.1f} ms, predicted {r['predicted_ms']:.1f} ms with the profile "
-                  f"({100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}%), {r['predicted_datasheet_ms']:.1f} ms "
-                  f"with the datasheet model ({100 * (r['predicted_datasheet_ms'] / r['measured_ms'] - 1):+.0f}%)",
-                  file=sys.stderr)
-    if opts.json:
-        print(json.dumps(out, indent=1))
-    return 0
+        fit, kept, worst = f["fit"], f["constants"], f["largest_abs_error"]
+        print(f"\nfit over the {len(fit['points'])} calibration points: GEMM efficiency {fit['gemm_efficiency']:.2f}, "
+              f"{1e3 * fit['moe_layer_s']:.1f} ms per MoE layer and micro-batch; in use (hardware.py): "
+              f"{kept['gemm_efficiency']:.2f}, {1e3 * kept['moe_layer_s']:.1f} ms"
+              f"{'' if f['constants_are_the_fit'] else ' -- NOT the fit: update hardware.py'}", file=sys.stderr)
+        print(points_table(f["points"]), file=sys.stderr)
+        print(f"largest |error|: calibration {100 * worst['calibration']:.1f}%, held out "
+              f"{100 * worst['held out']:.1f}%", file=sys.stderr)
+        print("\nNot data points: the stored profiles' offload-section loops (forward + backward of one micro-batch "
+              "in scripts/bench/offload.py's own loop, not a train.py step):", file=sys.stderr)
+        print(points_table(f["offload_loops"], "offload-section loop"), file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

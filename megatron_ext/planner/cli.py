@@ -152,7 +152,7 @@ def nearest_table(nearest: list, budget: float, gpus_per_node: int) -> str:
 
 
 @contextlib.contextmanager
-def _logs_to_stderr():
+def logs_to_stderr():
     """megatron's root log handler writes to the stdout of its import time: while planning, its
     records go to stderr, so that stdout is the plan's (one JSON object with --json)."""
     moved = [h for h in logging.getLogger().handlers
@@ -169,7 +169,7 @@ def run(argv: list, prefix: str, parse_run, refuse: bool = True, tracer=None) ->
     """(options, the search's result, the --json report) for a command line, printing nothing on
     stdout. ``refuse``: a budget nothing meets is a ConfigError (else the result says so in
     ``refusal``, with the nearest ways to fit)."""
-    with _logs_to_stderr():
+    with logs_to_stderr():
         return _run(argv, prefix, parse_run, refuse, tracer)
 
 

@@ -17,8 +17,9 @@ hold, and every GPU without one, is timed by the datasheet model below (``profil
 - element-wise work (norms, RoPE, activations, permutation, loss): its bytes at the HBM rate.
 
 Where each constant comes from (docs/planner.md, "Step time"):
-- ``GEMM_EFFICIENCY`` and ``MOE_LAYER_S``: chosen by ``published.fit`` over the calibration runs of
-  ``megatron_ext.planner.published`` (the held-out run is not read by the fit);
+- ``GEMM_EFFICIENCY`` and ``MOE_LAYER_S``: chosen by ``published.fit`` over the calibration half of
+  ``published.data_points`` (published H100 runs and the H200 record's whole training steps; the
+  held-out half is not read by the fit);
 - ``ATTENTION_EFFICIENCY``: torch SDPA's causal forward + backward measured on an H200 (2026-11-28:
   1.14 ms for 32 heads x 128 at 4096 tokens, 422 TFLOP/s counting the causal half) over the BF16 peak,
   which the H100 SXM shares; not measured on any other GPU;

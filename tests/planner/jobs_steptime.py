@@ -83,16 +83,23 @@ def profile_changes_the_prediction():
                 h100_stored=profiles.load("h100"), gemm_efficiency=hardware.GEMM_EFFICIENCY)
 
 
-def fit_with_a_poisoned_held_out_case():
-    """published.fit over the cases with every held-out case made unreadable (flags no parser accepts)
-    and its published figure multiplied by 10: a fit that read it would fail or move."""
-    from megatron_ext.planner import hardware, published
+def fit_with_the_held_out_half_poisoned():
+    """published.fit over the data points (the published runs and the device record's whole steps) with
+    every held-out point made unreadable (flags no parser accepts, a GPU the planner does not know) and
+    its measured figure multiplied by 10: a fit that read one would fail or move."""
+    import arguments
 
-    cases = {n: (dict(c, argv=["--no-such-flag"], tokens_per_s_per_gpu=10 * c["tokens_per_s_per_gpu"])
-                 if c["role"] == "held out" else c) for n, c in published.CASES.items()}
-    fitted = published.fit(_parse, cases)
+    from megatron_ext.planner import hardware, published
+    from tests.scripts import load_script
+
+    points = published.data_points(load_script("bench_plan").device_steps())
+    poisoned = [dict(p, argv=["--no-such-flag"], gpu="no-such-gpu", measured=10 * p["measured"])
+                if p["role"] == "held out" else p for p in points]
+    fitted = published.fit(arguments.parse, poisoned)
     return dict(fitted=fitted, constants=dict(gemm_efficiency=hardware.GEMM_EFFICIENCY, moe_layer_s=hardware.MOE_LAYER_S),
-                held_out=list(published.HELD_OUT), calibration=list(published.CALIBRATION))
+                points=[{k: p[k] for k in ("name", "kind", "moe", "role")} for p in points])
+
+
 
 
 def unfused_bytes_per_score(seqs=(64, 128), heads=2, head_dim=8):
@@ -162,3 +169,27 @@ def kernel_profile_smoke():
                 blocks={k: bool(smoke.get(k)) for k in ("gemm", "grouped_gemm", "attention", "hbm", "host_link")},
                 kinds=sorted({row["kind"] for row in smoke["attention"]["rows"]}),
                 skipped=smoke["attention"]["skipped"], gpu=smoke["gpu"], kind=kernel_profile.gpu_kind("NVIDIA H100 80GB HBM3"))
+
+
+def published_fit_stdout() -> dict:
+    """scripts/bench_plan.py --published-fit --json: its exit status and what reached file descriptor 1
+    (what a shell reads, log handlers' writes included)."""
+    import os
+    import sys
+    import tempfile
+
+    from tests.scripts import load_script
+
+    bench_plan = load_script("bench_plan")
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(captured.fileno(), 1)
+        try:
+            status = bench_plan.main(["--published-fit", "--json"])
+            sys.stdout.flush()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        return dict(status=status, stdout=captured.read())
