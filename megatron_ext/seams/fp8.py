@@ -134,6 +134,12 @@ def _fused(fn, t):
     H200 run of 2026-11-30; this form is not measured there yet)."""
     if not t.is_cuda:
         return fn
+    return compiled_cast(fn)
+
+
+def compiled_cast(fn):
+    """``fn`` compiled once for every tensor it will see: dynamic shapes, the tensor detached (whose
+    class and base dynamo would otherwise guard on)."""
     compiled = _compiled(fn)
     return lambda x, *rest: compiled(x.detach(), *rest)
 

@@ -388,6 +388,61 @@ def zero_sync_layer_syncs(dispatcher: str = "alltoall") -> dict:
         parallel.destroy()
 
 
+CAST_SHAPES = ((64, 128, 32), (96, 160, 48), (128, 256, 40), (64, 192, 24), (160, 96, 56))  # hidden, ffn, tokens
+
+
+def compiled_casts() -> dict:
+    """The FP8 casts and amaxes compiled as on CUDA (seams/fp8.py compiled_cast; dynamo's eager backend,
+    not inductor: the guards and so the recompiles are dynamo's either way) through megatron's linear
+    pairs of other shapes and token counts, forward and backward, bf16: the graphs dynamo made after
+    each pair, and each pair's output and gradients against the eager casts' (bitwise)."""
+    import torch._dynamo as dynamo
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from torch._dynamo.utils import counters
+
+    from megatron_ext.platform import cpu_shims
+    from megatron_ext.seams import fp8 as seam
+    from megatron_ext.seams.fp8 import Float8Recipe
+    from megatron_ext.training import parallel
+
+    parallel.initialize(tensor=1)
+    try:
+        def pair_run(hidden, ffn, tokens):
+            g = torch.Generator().manual_seed(hidden + ffn + tokens)
+            config = _config(False, torch.bfloat16)
+            fc1 = ColumnParallelLinear(hidden, ffn, config=config, init_method=torch.nn.init.zeros_, bias=False,
+                                       gather_output=False)
+            fc2 = RowParallelLinear(ffn, hidden, config=config, init_method=torch.nn.init.zeros_, bias=False,
+                                    input_is_parallel=True, skip_bias_add=False)
+            with torch.no_grad():
+                fc1.weight.copy_(torch.randn(ffn, hidden, generator=g) * 0.1)
+                fc2.weight.copy_(torch.randn(hidden, ffn, generator=g) * 0.1)
+            for lin in (fc1, fc2):
+                seam.use_float8(lin, Float8Recipe())
+            x = torch.randn(tokens, 2, hidden, generator=g).to(torch.bfloat16)
+            dy = torch.randn(tokens, 2, hidden, generator=g).to(torch.bfloat16)
+            return _run_pair(fc1, fc2, x, dy)
+
+        eager = [pair_run(*shape) for shape in CAST_SHAPES]
+        graphs, same = [], []
+        original = seam._fused
+        with cpu_shims.without("eager_jit_fuser"), torch.compiler.set_stance("default", force_backend="eager"):
+            dynamo.reset()
+            before = counters["stats"]["unique_graphs"]
+            seam._fused = lambda fn, t: seam.compiled_cast(fn)  # as on CUDA
+            try:
+                for shape, reference in zip(CAST_SHAPES, eager):
+                    got = pair_run(*shape)
+                    graphs.append(counters["stats"]["unique_graphs"] - before)
+                    same.append(all(torch.equal(a, b) for a, b in zip(got, reference)))
+            finally:
+                seam._fused = original
+                dynamo.reset()
+        return dict(graphs=graphs, same=same)
+    finally:
+        parallel.destroy()
+
+
 def _as(cls, namespace):
     """An instance of ``cls`` (not initialised) with the namespace's attributes."""
     obj = object.__new__(cls)

@@ -48,6 +48,16 @@ def test_zero_sync_layer_in_fp8_has_no_host_sync(dispatcher):
         assert r["close"] < 0.1, r
 
 
+def test_compiled_casts_compile_once_for_every_linear():
+    """The casts compiled as on CUDA, through five linear pairs of other shapes and token counts: dynamo
+    makes its graphs for the first pair and none after (on an H200 it recompiled per linear, guarding on a
+    parameter's class and a view's base, until its limit: with the tensors not detached this test sees
+    9, 11, 12 graphs), and every pair's output and gradients equal the eager casts' bit for bit."""
+    r = run_distributed(1, "tests.fp8.jobs:compiled_casts")[0]
+    assert r["graphs"] == [r["graphs"][0]] * len(r["graphs"]) and 0 < r["graphs"][0] <= 8, r
+    assert all(r["same"]), r
+
+
 DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--fp8-format", "hybrid"]
 
 
