@@ -86,7 +86,7 @@ def summary(args) -> str:
     return line
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # the --cp-comm-type values the local spec runs (context_parallel.py)
+_CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def comm_types(args) -> list[str]:
@@ -105,10 +105,10 @@ def _check_context_parallel(args, chosen: str) -> None:
             "transformer/dot_product_attention.py:57); use --attention-backend auto or flash (torch's attention)")
     types = comm_types(args)
     for value in types:
-        if value not in CP_COMM_TYPES:
+        if value not in _CP_COMM_TYPES:
             raise ConfigError(
                 f"--cp-comm-type={value} with --transformer-impl=local: the local spec runs "
-                f"{', '.join(CP_COMM_TYPES)} (a2a+p2p, over --hierarchical-context-parallel-sizes, is "
+                f"{', '.join(_CP_COMM_TYPES)} (a2a+p2p, over --hierarchical-context-parallel-sizes, is "
                 "transformer-engine's)")
     tp = args.tensor_model_parallel_size
     if "a2a" in types:

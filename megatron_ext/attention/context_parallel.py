@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ext.attention import CP_COMM_TYPES as COMM_TYPES, kernels
+from megatron_ext.attention import kernels
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 # ------------------------------------------------------------------------------------------ positions
