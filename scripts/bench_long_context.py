@@ -74,7 +74,7 @@ def rows_for(cases: list, budget: float) -> list:
 
 
 def table(rows: list, budget: float) -> str:
-    from bench import grid
+    from megatron_ext.planner.cli import grid
 
     mib = 2**20
     head = ("CP", "offload", "peak MiB (meas / pred) at each length", "slope B/token", "x CP1's slope",

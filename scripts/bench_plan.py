@@ -220,7 +220,7 @@ def device_steps(paths=None) -> list:
 
 
 def points_table(rows: list, head: str = "data point") -> str:
-    from bench import grid
+    from megatron_ext.planner.cli import grid
     from megatron_ext.planner import published
 
     def figure(r, v):
@@ -236,7 +236,7 @@ def points_table(rows: list, head: str = "data point") -> str:
 
 
 def published_table(rows: list) -> str:
-    from bench import grid
+    from megatron_ext.planner.cli import grid
 
     lines = [("run", "role", "published tokens/s/GPU", "predicted", "error", "attention", "slowest stage")]
     for r in rows:
@@ -247,7 +247,7 @@ def published_table(rows: list) -> str:
 
 
 def table(rows: list) -> str:
-    from bench import grid
+    from megatron_ext.planner.cli import grid
 
     mib = 2**20
     head = ("case", "stage", "predicted MiB", "measured MiB", "error", "act pred MiB", "act meas MiB", "act error",

@@ -92,7 +92,7 @@ def extract(ref: str) -> str:
 
 
 def table(result: dict) -> str:
-    from bench import grid
+    from megatron_ext.planner.cli import grid
 
     sides = [s for s in ("before", "after") if s in result]
     head = ["command"] + [f"{s} {k}" for s in sides for k in ("wall s", "cpu s")]

@@ -79,7 +79,7 @@ def stage_table(stages: list) -> str:
     for s in stages:
         c = s["components"]
         rows.append((str(s["stage"]), *(f"{c[k] / GIB:.2f}" for k in COMPONENTS), f"{s['peak_bytes'] / GIB:.2f}", s["at"]))
-    return _grid(rows)
+    return grid(rows)
 
 
 def chunk_table(stages: list) -> str:
@@ -91,7 +91,7 @@ def chunk_table(stages: list) -> str:
             layers = " ".join(f"{k}x{n}" for k, n in _runs(ch["layers"]))
             rows.append((str(s["stage"]), str(ch["chunk"]), layers, f"{ch['parameters'] / GIB:.2f}",
                          f"{ch['activations_per_microbatch'] / GIB:.2f}", f"{ch['activations_at_peak'] / GIB:.2f}"))
-    return _grid(rows)
+    return grid(rows)
 
 
 def _runs(items: list) -> list:
@@ -110,7 +110,9 @@ def _chunk_json(ch: dict) -> dict:
                 activations_at_peak=round(ch["activations_at_peak"]))
 
 
-def _grid(rows) -> str:
+def grid(rows) -> str:
+    """A table in text (the plan's and the benchmarks'): the first row the header, a rule under it,
+    every column left-aligned to its widest cell (cells are strings)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     out.insert(1, "-|-".join("-" * w for w in widths))
@@ -135,7 +137,7 @@ def candidate_table(cands: list) -> str:
         rows.append((str(i + 1), "yes" if c.fits else "no", f"{c.step_time_s:.3f}",
                      f"{max(c.peak_bytes_per_stage) / GIB:.2f}", c.layout,
                      "(as given)" if c.as_given else (" ".join(c.flags) or "(recipe changes only: see why)"), c.why))
-    return _grid(rows)
+    return grid(rows)
 
 
 def nearest_table(nearest: list, budget: float, gpus_per_node: int) -> str:
@@ -148,7 +150,7 @@ def nearest_table(nearest: list, budget: float, gpus_per_node: int) -> str:
         rows.append((str(i + 1), c.kind, f"{world} ({nodes} x {per_node})", "yes" if c.fits else "no",
                      f"{c.step_time_s:.3f}", f"{c.peak / GIB:.2f}", f"{(c.peak - budget) / GIB:+.2f}", c.layout,
                      "(as given)" if c.as_given else (" ".join(c.flags) or "(recipe changes only)")))
-    return _grid(rows)
+    return grid(rows)
 
 
 @contextlib.contextmanager

@@ -7,13 +7,6 @@ def fixed_width(cols: list[tuple[str, int]], rows: list[list]) -> list[str]:
     return [" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(row, cols)) for row in [[c for c, _ in cols], *rows]]
 
 
-def grid(lines: list) -> str:
-    """A table in text: the first line the header, a rule under it, every column left-aligned to its
-    widest cell (cells are strings)."""
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    out.insert(1, "-|-".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 # megatron's unfused kernels on every machine, as the benchmarks' hand-made configs had them (and no fused
