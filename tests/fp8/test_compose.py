@@ -34,6 +34,7 @@ _COMMON = ["--global-batch-size", "4", "--micro-batch-size", "1", "--log-interva
 _DENSE = ["--recipe", "recipes/tiny_dense.yaml", "--mock-data", "--num-layers", "4", "--seq-length", "32", *_COMMON]
 _MOE = ["--recipe", "recipes/tiny_moe.yaml", "--num-layers", "2", "--seq-length", "32", "--moe-router-dtype", "fp32",
         *_COMMON]
+_MOE_ZERO_SYNC = [*_MOE, "--moe-sync-free-dispatcher", "--moe-zero-sync-dropless"]  # the grouped FP8 experts
 _SFT = ["--recipe", "recipes/tiny_sft.yaml", "--eval-iters", "0", *_COMMON]
 _FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
 _OVERLAP = ["--overlap-tp-comm-1f1b"]
@@ -45,6 +46,7 @@ LAYOUTS = {  # name: (model, the layout's flags); each against its model's FP8 r
                                "--ckpt-format", "fsdp_dtensor"]),
     "fsdp2": (_DENSE, ["--use-torch-fsdp2"]),
     "moe-ep2-overlap": (_MOE, ["--expert-model-parallel-size", "2", *_OVERLAP]),
+    "moe-zero-sync-ep2-overlap": (_MOE_ZERO_SYNC, ["--expert-model-parallel-size", "2", *_OVERLAP]),
     "sft-tp2-sp": (_SFT, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 LAYOUT_RTOL = 5e-6  # measured: at most 1.5e-6 (EP2's expert rows in another order)
@@ -58,12 +60,12 @@ def _worst(a: dict, b: dict) -> float:
 
 
 def test_fp8_on_every_layout_and_wrapper():
-    """FP8 under the 1F1B overlap (TP2 + SP; EP2 with MoE), PP2, PP2 x VPP2, Megatron-FSDP, FSDP2, and
+    """FP8 under the 1F1B overlap (TP2 + SP; EP2 with MoE, megatron's experts and the zero-sync layer's), PP2, PP2 x VPP2, Megatron-FSDP, FSDP2, and
     SFT on packed conversations at TP2 + SP: losses and grad norms of 2 iterations within 5e-6 of the same
     model's FP8 run at DP2, while FP8 itself moves them by more than 1e-5 (against float32 products)."""
-    models = {"dense": _DENSE, "moe": _MOE, "sft": _SFT}
+    models = {"dense": _DENSE, "moe": _MOE, "moe-zero-sync": _MOE_ZERO_SYNC, "sft": _SFT}
     argvs = {f"{name} fp8": [*model, *_FP8] for name, model in models.items()}
-    argvs.update({f"{name} high": list(model) for name, model in models.items() if name != "moe"})
+    argvs.update({f"{name} high": list(model) for name, model in models.items() if not name.startswith("moe")})
     argvs.update({layout: [*model, *_FP8, *flags] for layout, (model, flags) in LAYOUTS.items()})
     last = run_distributed(2, "tests.training.jobs_cp:train_grads_many", argvs=argvs, grads=False)[-1]
     for name in ("dense", "sft"):
