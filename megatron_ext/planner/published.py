@@ -156,9 +156,9 @@ def published_points() -> list:
 
 
 def split(points: list) -> list:
-    """The points with their roles. The rule, fixed before any error was seen: within each kind
-    (published runs, device steps), in the order listed, the first is calibration, the second held
-    out, and so on alternately."""
+    """The points with their roles, by their order alone (no point's error chooses its role): within
+    each kind (published runs, device steps), in the order listed, the first is calibration, the
+    second held out, and so on alternately."""
     seen: dict = {}
     out = []
     for p in points:
