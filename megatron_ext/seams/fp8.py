@@ -79,9 +79,13 @@ class Float8Recipe:
     def torchao_config(self):
         """torchao's Float8LinearConfig of this recipe (torchao's default is ``hybrid``)."""
         config, _, _ = torchao_float8()
-        _, grad_dtype = FP8_DTYPES[self.fmt]
-        disabled = config.CastConfig(scaling_type=config.ScalingType.DISABLED)
-        hp = dict(cast_config_input_for_grad_weight=disabled, cast_config_grad_output_for_grad_weight=disabled)
+        fwd_dtype, grad_dtype = FP8_DTYPES[self.fmt]
+        # the weight gradient in high precision: its operands not cast, each named with the dtype of its
+        # other product's cast (torchao requires a tensor's casts to agree)
+        disabled = lambda dtype: config.CastConfig(scaling_type=config.ScalingType.DISABLED,  # noqa: E731
+                                                   target_dtype=dtype)
+        hp = dict(cast_config_input_for_grad_weight=disabled(fwd_dtype),
+                  cast_config_grad_output_for_grad_weight=disabled(grad_dtype))
         return config.Float8LinearConfig(cast_config_grad_output=config.CastConfig(target_dtype=grad_dtype),
                                          **({} if self.wgrad else hp))
 
@@ -381,8 +385,9 @@ def float8_grouped_matmul(x, offsets, linears):
 
 def _aligned_rows(offsets, rows: int):
     """Device-side layout of ``rows`` rows (groups ending at ``offsets``, then padding) in a buffer whose
-    groups start at multiples of GROUP_ROWS. Returns (source row of each buffer row, ``rows`` for a
-    zero row; buffer row of each row; the buffer's group end offsets; each row is a group's)."""
+    groups start at multiples of GROUP_ROWS (zero rows between them). Returns: the source row of each
+    buffer row (``rows``: a zero row); the buffer row of each row; [rows, 1] whether a row is a group's
+    (not padding); the buffer's group end offsets (int32); the group of each buffer row."""
     groups = offsets.numel()
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     aligned = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS

@@ -110,6 +110,14 @@ def linear_numerics(fmt: str = "hybrid") -> dict:
                                                _State(recipe)).backward(gy)
         out["main_grad_fused"] = bool(torch.equal(w.main_grad, w_plain.grad + 0.5) and w.grad_added_to_main_grad)
 
+        # --no-fp8-wgrad, hybrid: the weight gradient is megatron's high-precision product (layers.py:677), the
+        # rest FP8's
+        w_hp = w1.float().clone().requires_grad_(True)
+        xh = xi.clone().requires_grad_(True)
+        Float8LinearWithGradAccumulation.apply(xh, w_hp, None, False, False, False, group,
+                                               _State(Float8Recipe(fmt=fmt, wgrad=False))).backward(gy)
+        out["no_fp8_wgrad"] = bool(torch.equal(w_hp.grad, gy.t().matmul(xi)) and not torch.equal(w_hp.grad, w_plain.grad))
+
         # a frozen weight (LoRA's base): the same output and input gradient as the trainable path
         w_frozen = w1.float()
         xf = x.float().clone().requires_grad_(True)
@@ -299,6 +307,12 @@ def grouped_numerics() -> dict:
     out["bitwise_vs_torchao"] = [bool(torch.equal(a, b)) for a, b in zip(grouped, reference)]
 
     high = _grouped_run(lambda x, w: _GroupedMatmul.apply(x, offsets, *w), xs, ws, gy)
+    # --no-fp8-wgrad: the weight gradients the high-precision grouped product's, on the regrouped rows
+    state_hp_wgrad = _State(Float8Recipe(wgrad=False))
+    hp_wgrad = _grouped_run(lambda x, w: seam.float8_grouped_matmul(
+        x, offsets, [SimpleNamespace(weight=wi, float8=state_hp_wgrad, tp_group=None) for wi in w]), xs, ws, gy)
+    out["no_fp8_wgrad"] = [float((a - b).float().abs().max()) for a, b in zip(hp_wgrad[2:], high[2:])]
+    out["no_fp8_wgrad_same_dx"] = bool(torch.equal(hp_wgrad[0], grouped[0]) and torch.equal(hp_wgrad[1], grouped[1]))
     rows = sum(COUNTS)
     out["differs_from_high_precision"] = [not torch.equal(a, b) for a, b in zip(grouped, high) if a.abs().sum() > 0]
     out["close_to_high_precision"] = [float((a[:rows] - b[:rows]).float().norm() / b[:rows].float().norm())

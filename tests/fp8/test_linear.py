@@ -20,6 +20,7 @@ def test_linear_numerics(fmt):
     assert result["differs_from_high_precision"] == [True] * 4  # FP8 is really applied
     assert max(result["close_to_high_precision"]) < 0.25, result  # e5m2 gradients: 2 mantissa bits
     assert result["main_grad_fused"]
+    assert result["no_fp8_wgrad"]
     assert result["frozen_equals_trainable"]
     assert result["in_place_add"]
     assert max(result["tp2_sp_rel"]) < 1e-4, result
@@ -32,6 +33,8 @@ def test_grouped_experts_numerics():
     assert all(result["differs_from_high_precision"]), result  # FP8 is really applied
     assert max(result["close_to_high_precision"]) < 0.1, result
     assert result["padding_rows_zero"]
+    # --no-fp8-wgrad: each expert's weight gradient is the high-precision grouped product's, bit for bit
+    assert result["no_fp8_wgrad"] == [0.0] * 4 and result["no_fp8_wgrad_same_dx"], result
     # the CPU arithmetic of torch._scaled_grouped_mm: per-group torch._scaled_mm's to bf16's last bit
     assert result["kernel_arithmetic_vs_scaled_mm"] <= 2 ** -8, result
     # column-parallel, row-parallel: the sharded contraction's amax all-reduced
