@@ -7,8 +7,10 @@ output leaves in it. A given mask is megatron's (True = not attended) as the bat
 this rank's query rows, every key column in natural order, [b or 1, 1, s / CP, s].
 
   all_gather   keys and values all-gathered (natural order), this rank's queries attend at their own
-               positions (the causal triangle, a window, a packed row's documents, sinks: everything
-               kernels.attend takes, as one mask over the local rows). Backward: dK / dV reduce-scattered.
+               positions: a causal layer without a mask as two kernels, each chunk over the keys up to
+               its end with the causal triangle aligned to the bottom right (kernels.attend_lower_right);
+               otherwise (a window, a packed row's documents, sinks, dropout: everything kernels.attend
+               takes) one mask over the local rows. Backward: dK / dV reduce-scattered.
   p2p          ring attention: key / value blocks travel around the ring (asynchronous send / receive
                issued before each block's attention and waited after it), partial outputs merged by
                their log-sum-exp; backward sends dK / dV around the ring after the blocks. With the
@@ -205,12 +207,25 @@ def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=Non
         return full.index_select(2, natural)
 
     window = None if window is None else (int(window[0]), int(window[1]))
+    if causal and mask is None and window is None and sink is None and dropout_p == 0.0:
+        return _causal_chunks(q, gather(k), gather(v), cp, rank, scale)
     if mask is None:
         given = _causal_mask(local, cp, rank, window, str(q.device)) if (causal or window) else None
     else:
         given = _local_mask(mask, local, cp, rank, causal, window, q.device)
     return kernels.attend(q, gather(k), gather(v), scale=scale, causal=False, mask=given, sink=sink,
                           dropout_p=dropout_p)
+
+
+def _causal_chunks(q, k, v, cp, rank, scale):
+    """A causal layer's all_gather attention without a mask: each of the rank's two chunks (r, then
+    2·CP−1−r) attends the keys up to its own end, causal aligned to the bottom right. Two kernels over
+    exactly the rank's share of the causal pairs, no mask tensor (flash's own causal on CUDA)."""
+    half = q.shape[2] // 2
+    outs = [kernels.attend_lower_right(q[:, :, i * half:(i + 1) * half], k[:, :, :(c + 1) * half],
+                                       v[:, :, :(c + 1) * half], scale=scale)
+            for i, c in enumerate((rank, 2 * cp - 1 - rank))]
+    return torch.cat(outs, dim=2)
 
 
 # ----------------------------------------------------------------------------------------------- a2a

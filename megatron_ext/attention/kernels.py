@@ -36,6 +36,9 @@ Which kernel runs (torch picks among its backends for SDPA; the choices here are
          the mask; built once per micro-batch over the [s, s] grid), GQA natively. Otherwise (dropout:
          flex has none; other head sizes, e.g. multi-latent attention's 192) SDPA with the additive mask
          (memory-efficient), keys and values repeated per query head (its GQA is flash / math only).
+  ``attend_lower_right`` (context parallelism's all_gather chunks: queries the last of the key
+  positions, causal aligned to the bottom right): CUDA SDPA with torch's ``causal_lower_right`` bias
+  (flash's own causal in fp16 / bf16), CPU SDPA with that triangle as a mask.
   Not measured on GPU: which backend torch takes, and its speed, are expectations from torch's
   documentation.
 """
@@ -136,6 +139,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, c
     if sink is not None:
         out = out[:, :, 1:]
     return out[..., :dv]
+
+
+def attend_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Causal attention of queries that are the last ``sq`` of the ``sk`` key positions: query i sees
+    keys up to sk - sq + i (the triangle aligned to the bottom right, flash attention's own causal).
+    CUDA: SDPA with torch's ``causal_lower_right`` bias (flash's lower-right causal in fp16 / bf16, GQA
+    natively; torch picks otherwise); elsewhere SDPA with that triangle as an additive mask, one per
+    shape. Shapes as ``attend``'s."""
+    sq, sk, dv = q.shape[2], k.shape[2], v.shape[-1]
+    if sq == sk:
+        return attend(q, k, v, scale=scale, causal=True)
+    if v.shape[-1] != q.shape[-1]:  # multi-latent attention's narrower values
+        v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+    if q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out = _sdpa(q, k, v, _lower_right_keep(sq, sk, str(q.device), q.dtype), False, scale, 0.0)
+    return out[..., :dv]
+
+
+@functools.lru_cache(maxsize=8)
+def _lower_right_keep(sq, sk, device, dtype):
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device).tril_(sk - sq)
+    return _additive(keep.view(1, 1, sq, sk), False, dtype)
 
 
 def _keep(mask, window, sq, sk, device, sink, dtype):

@@ -17,11 +17,12 @@ nothing (core attention still holds that storage).
 Under context parallelism (``cp`` > 1, torch attention only: megatron_ext.attention.context_parallel)
 every count is at the rank's tokens (seq x mbs / cp), and core attention keeps what its comm type
 (``cp_comm_type``) hands the kernel: ``all_gather`` the fused QKV output (the local queries are a view of
-it) and the gathered keys and values (cp x the local ones), its output shared with linear_proj as
-without CP (on CPU: SDPA's flash kernel; flex_attention on CUDA, not measured on GPU); ``a2a`` the
-head-sharded q, k, v and output (the whole sequence on heads / cp: the local bytes), copies of their
-own, so that linear_proj's input is a storage of its own too; ``p2p`` (the ring) contiguous copies of
-q, k, v, its output and its log-sum-exp, linear_proj's input again its own.
+it), the gathered keys and values (cp x the local ones) and its two chunks' outputs and log-sum-exps
+(a causal layer without a mask runs a kernel per chunk, context_parallel._causal_chunks), so that
+linear_proj's input, their concatenation, is a storage of its own; ``a2a`` the head-sharded q, k, v
+and output (the whole sequence on heads / cp: the local bytes), copies of their own, linear_proj's
+input its own too; ``p2p`` (the ring) contiguous copies of q, k, v, its output and its log-sum-exp,
+linear_proj's input again its own.
 With the transformer-engine spec these counts do not hold (TE modules choose what they save).
 
 **Passes in flight** (``inflight_passes``): (chunk, micro-batch) forward passes whose activations are
@@ -114,17 +115,17 @@ def core_attention_bytes(s: Shape, attention: str = "unfused") -> int:
     # the fused QKV output (q, k, v are views of it) and the probabilities (sdpa: the log-sum-exp);
     # under CP what the comm type hands the kernel beyond that (see the module doc)
     qkv = s.tokens * 3 * s.hidden * s.dtype_bytes
+    if s.cp > 1:
+        qkv += s.tokens * s.hidden * s.dtype_bytes  # its output, a storage of its own
     if s.cp > 1 and s.cp_comm_type == "all_gather":
         qkv += s.cp * s.tokens * 2 * s.hidden * s.dtype_bytes  # the gathered keys and values
-    elif s.cp > 1:
-        qkv += s.tokens * s.hidden * s.dtype_bytes  # its output, a storage of its own
     return qkv + attention_scores_bytes(s, attention)
 
 
 def output_is_proj_input(s: Shape, attention: str = "unfused") -> bool:
     """Whether core attention's saved output is linear_proj's input, one storage (sdpa: its flash
-    kernel's output; under CP only all_gather's, the others hand linear_proj a copy)."""
-    return attention == "sdpa" and (s.cp == 1 or s.cp_comm_type == "all_gather")
+    kernel's output; under CP every comm type hands linear_proj a storage of its own)."""
+    return attention == "sdpa" and s.cp == 1
 
 
 def attn_proj_bytes(s: Shape, attention: str = "unfused") -> int:

@@ -81,6 +81,32 @@ def test_flex_block_masks_are_the_explicit_masks_and_flex_agrees_on_cpu_forward(
         assert float((flex - ref).norm() / ref.norm()) <= 1e-5, name
 
 
+@pytest.mark.parametrize("sq,sk,dv", [(8, 24, 16), (12, 36, 8), (16, 16, 16)])
+def test_lower_right_causal_is_the_explicit_mask(sq, sk, dv):
+    """kernels.attend_lower_right (all_gather's per-chunk kernel under CP): queries that are the last sq
+    of sk positions, each seeing the keys up to its own, as an explicit mask gives it through attend;
+    GQA, values narrower than the keys (multi-latent attention), the square case; output and every
+    gradient."""
+    from megatron_ext.attention import kernels
+
+    g = torch.Generator().manual_seed(sq + sk)
+    q = torch.randn(2, 4, sq, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, sk, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, sk, dv, generator=g, requires_grad=True)
+    dy = torch.randn(2, 4, sq, dv, generator=g)
+    hidden = ~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)[None, None]  # megatron's: True = not attended
+
+    def run(fn):
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dy)
+        return [out, *grads]
+
+    ours = run(lambda q, k, v: kernels.attend_lower_right(q, k, v, scale=0.25))
+    ref = run(lambda q, k, v: kernels.attend(q, k, v, scale=0.25, causal=False, mask=hidden))
+    assert ours[0].shape == (2, 4, sq, dv)
+    assert max(float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)) <= 1e-6
+
+
 def _parse(*argv) -> object:
     with contextlib.redirect_stdout(io.StringIO()):
         return arguments.parse([*argv, "--dry-run"], exit_on_dry_run=False)
