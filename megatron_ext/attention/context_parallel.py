@@ -69,12 +69,6 @@ def _natural(local: int, cp: int, device: str) -> torch.Tensor:
     return torch.argsort(gathered).to(device)
 
 
-@functools.lru_cache(maxsize=32)
-def _rank_order(local: int, cp: int, device: str) -> torch.Tensor:
-    """The inverse of _natural: sequence order back to the rank-ordered concatenation."""
-    return torch.argsort(_natural(local, cp, "cpu")).to(device)
-
-
 def _keep_rows(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window) -> torch.Tensor | None:
     """[sq, sk] bool (True = attended) of a causal layer / window at the given positions, as
     kernels.attend applies them (a window replaces the triangle); None for neither."""
@@ -167,6 +161,52 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+class _Blocks(torch.autograd.Function):
+    """Blocks of ``x`` copied into a new tensor of ``shape``: ``moves``, pairs (destination index, source
+    index), cover both once. Backward the same moves reversed. One pass each way with no zero fill
+    (index_select's backward is an index_add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, shape, moves):
+        ctx.moves, ctx.shape = moves, x.shape
+        out = x.new_empty(shape)
+        for dst, src in moves:
+            out[dst].copy_(x[src])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(ctx.shape)
+        for dst, src in ctx.moves:
+            out[src].copy_(grad[dst])
+        return out, None, None
+
+
+def _chunks_in_order(cp: int, local: int) -> list:
+    """(chunk, rank, slot) for the 2·CP chunks of the sequence in order: chunk c is rank c's first
+    half (slot 0) or rank 2·CP−1−c's second (slot 1), each ``local // 2`` long."""
+    return [(c, c, 0) if c < cp else (c, 2 * cp - 1 - c, 1) for c in range(2 * cp)]
+
+
+def _rank_major_to_sequence(x: torch.Tensor) -> torch.Tensor:
+    """[cp, b, n, local, d] (every rank's tokens, rank by rank) -> [b, n, cp·local, d] in sequence order."""
+    cp, b, n, local, d = x.shape
+    half, every = local // 2, slice(None)
+    moves = [((every, every, slice(c * half, (c + 1) * half)), (r, every, every, slice(j * half, (j + 1) * half)))
+             for c, r, j in _chunks_in_order(cp, local)]
+    return _Blocks.apply(x, (b, n, cp * local, d), moves)
+
+
+def _sequence_to_rank_major(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of _rank_major_to_sequence: [b, n, s, d] -> [cp, b, n, s / cp, d]."""
+    b, n, s, d = x.shape
+    local = s // cp
+    half, every = local // 2, slice(None)
+    moves = [((r, every, every, slice(j * half, (j + 1) * half)), (every, every, slice(c * half, (c + 1) * half)))
+             for c, r, j in _chunks_in_order(cp, local)]
+    return _Blocks.apply(x, (cp, b, n, local, d), moves)
+
+
 class _AllToAll(torch.autograd.Function):
     """All-to-all over stacked slots; its adjoint is the same all-to-all."""
 
@@ -199,12 +239,9 @@ def _causal_mask(local, cp, rank, window, device):
 
 def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=None, sink=None, dropout_p=0.0):
     (cp, rank), local = _size_rank(group), q.shape[2]
-    natural = _natural(local, cp, str(q.device))
 
     def gather(x):  # [b, g, local, d] -> [b, g, s, d] in sequence order
-        stacked = _GatherSequence.apply(x, group)  # [cp, b, g, local, d]
-        full = stacked.permute(1, 2, 0, 3, 4).reshape(*x.shape[:2], cp * local, x.shape[-1])
-        return full.index_select(2, natural)
+        return _rank_major_to_sequence(_GatherSequence.apply(x, group))  # from [cp, b, g, local, d]
 
     window = None if window is None else (int(window[0]), int(window[1]))
     if causal and mask is None and window is None and sink is None and dropout_p == 0.0:
@@ -217,15 +254,40 @@ def all_gather_attention(q, k, v, *, group, scale, causal, mask=None, window=Non
                           dropout_p=dropout_p)
 
 
+class _Prefixes(torch.autograd.Function):
+    """The prefixes ``x[:, :, :end]`` for each of ``ends`` (ascending), as views; backward sums their
+    gradients into one tensor: the longest's, the others added to its start (slicing's own backward
+    would make a zero-filled whole tensor per prefix and add them)."""
+
+    @staticmethod
+    def forward(ctx, x, ends):
+        ctx.ends, ctx.length = ends, x.shape[2]
+        return tuple(x[:, :, :end] for end in ends)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        longest = grads[-1]
+        if ctx.ends[-1] == ctx.length:
+            out = longest.clone()
+        else:
+            out = longest.new_zeros(*longest.shape[:2], ctx.length, longest.shape[3])
+            out[:, :, :ctx.ends[-1]].copy_(longest)
+        for end, grad in zip(ctx.ends[:-1], grads[:-1]):
+            out[:, :, :end].add_(grad)
+        return out, None
+
+
 def _causal_chunks(q, k, v, cp, rank, scale):
     """A causal layer's all_gather attention without a mask: each of the rank's two chunks (r, then
     2·CP−1−r) attends the keys up to its own end, causal aligned to the bottom right. Two kernels over
     exactly the rank's share of the causal pairs, no mask tensor (flash's own causal on CUDA)."""
     half = q.shape[2] // 2
-    outs = [kernels.attend_lower_right(q[:, :, i * half:(i + 1) * half], k[:, :, :(c + 1) * half],
-                                       v[:, :, :(c + 1) * half], scale=scale)
-            for i, c in enumerate((rank, 2 * cp - 1 - rank))]
-    return torch.cat(outs, dim=2)
+    chunks = (rank, 2 * cp - 1 - rank)
+    ends = tuple((c + 1) * half for c in chunks)
+    keys, values = _Prefixes.apply(k, ends), _Prefixes.apply(v, ends)
+    queries = q.split(half, dim=2)  # its backward concatenates the chunks' gradients, one pass
+    return torch.cat([kernels.attend_lower_right(queries[i], keys[i], values[i], scale=scale) for i in range(2)],
+                     dim=2)
 
 
 # ----------------------------------------------------------------------------------------------- a2a
@@ -234,18 +296,15 @@ def _to_heads(x, group):
     (cp, _), (b, h, local, d) = _size_rank(group), x.shape
     send = x.view(b, cp, h // cp, local, d).transpose(0, 1)  # slot j: heads of rank j
     recv = _AllToAll.apply(send, group)  # slot i: rank i's tokens of my heads
-    full = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d)
-    return full.index_select(2, _natural(local, cp, str(x.device)))
+    return _rank_major_to_sequence(recv)
 
 
 def _to_sequence(x, group):
     """The inverse of _to_heads: [b, h / cp, s, d] -> [b, h, local, d]."""
     (cp, _), (b, hp, s, d) = _size_rank(group), x.shape
-    local = s // cp
-    ranked = x.index_select(2, _rank_order(local, cp, str(x.device)))
-    send = ranked.view(b, hp, cp, local, d).permute(2, 0, 1, 3, 4)  # slot j: rank j's tokens
+    send = _sequence_to_rank_major(x, cp)  # slot j: rank j's tokens
     recv = _AllToAll.apply(send, group)  # slot i: heads of rank i
-    return recv.transpose(0, 1).reshape(b, cp * hp, local, d)
+    return recv.transpose(0, 1).reshape(b, cp * hp, s // cp, d)
 
 
 def _full_mask(mask, group, local, cp):
