@@ -158,8 +158,8 @@ def test_offload_moves_what_torch_attention_keeps():
         groups = r["config"]["microbatches"] * (r["config"]["layers"] - 1)  # the last layer's stays
         assert r["stats"]["offloaded_bytes"] == groups * r["sdpa_group_bytes"], modules
         assert r["stats"]["reloaded_bytes"] == r["stats"]["offloaded_bytes"]
-        # the peak lowered by the theory's bytes; within 1 KiB: in two runs of the whole suite (of about
-        # ten) the difference was +248 and +252 bytes, never in 36 runs of this job alone or after the
+        # the peak lowered by the theory's bytes; within 1 KiB: in two runs of the whole suite (of
+        # twelve) the difference was +248 and +252 bytes, never in 36 runs of this job alone or after the
         # jobs suspected, under load or not (not root-caused; the bytes moved above stay exact)
         peaks = (r["peak_off"], r["runs"][0]["peak_on"])
         assert abs(r["saved_bytes"] - r["sdpa_theoretical_bytes"]) <= 1024, (modules, r["saved_bytes"], peaks)
