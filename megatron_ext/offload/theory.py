@@ -9,9 +9,9 @@ non-gated GELU experts and dense MLPs (SequentialMLP, probabilities applied afte
 dropless routing with TP=EP=1. Attention kinds (``ATTENTION``): ``unfused``, megatron's
 DotProductAttention (baddbmm, masked softmax, bmm), which keeps the [b, heads, s, s] probabilities
 (in fp32 too when the softmax runs in fp32 on 16-bit inputs, as megatron's
-``attention_softmax_in_fp32`` default does under --bf16); ``sdpa``, torch's scaled_dot_product_attention (megatron_ext.attention.kernel), which keeps
-the fused QKV output and the fp32 log-sum-exp per head and query (mbs x heads x s): O(s x hidden), no
-s x s term. It keeps its output too, which is linear_proj's input, one storage: it moves with
+``attention_softmax_in_fp32`` default does under --bf16); ``sdpa``, torch's
+scaled_dot_product_attention (megatron_ext.attention.kernels), which keeps the fused QKV output and
+the fp32 log-sum-exp per head and query (mbs x heads x s): O(s x hidden), no s x s term. It keeps its output too, which is linear_proj's input, one storage: it moves with
 core_attention and attn_proj offloaded together (it is attn_proj's bytes), and attn_proj alone moves
 nothing (core attention still holds that storage).
 Under context parallelism (``cp`` > 1, torch attention only: megatron_ext.attention.context_parallel)

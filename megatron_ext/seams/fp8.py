@@ -149,9 +149,9 @@ def compiled_cast(fn):
 
 
 def float8_bits(t, scale, dtype):
-    """t's float8 bits with this scale, as torchao's hp_tensor_and_scale_to_float8 makes them (fused on
-    CUDA); a weight's transpose keeps its layout."""
-    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+    """t's float8 bits with this scale (one scale, or rowwise ones broadcast over ``t``), as torchao's
+    hp_tensor_and_scale_to_float8 makes them (fused on CUDA); a weight's transpose keeps its layout."""
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous() and scale.numel() == 1:
         return _fused(_bits, t)(t.t(), scale, dtype).t()
     return _fused(_bits, t)(t, scale, dtype)
 
@@ -411,12 +411,6 @@ def _gather_rows(t, source):
     return torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, source)
 
 
-def _to_float8(t, scale):
-    """torchao's cast (float8_utils.to_fp8_saturated of the tensor in float32 times its scale)."""
-    limit = torch.finfo(GROUPED_DTYPE).max
-    return (t.to(torch.float32) * scale).clamp(min=-limit, max=limit).to(GROUPED_DTYPE)
-
-
 def _scales(amax):
     """torchao's amax_to_scale with power-of-2 rounding (as its MoE path computes them)."""
     _, _, utils = torchao_float8()
@@ -431,7 +425,7 @@ def _rowwise(t, dim: int, group=None):
         amax = amax.float()
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     scale = _scales(amax)
-    return _to_float8(t, scale), scale
+    return float8_bits(t, scale, GROUPED_DTYPE), scale
 
 
 def _per_group_columns(t, slot_group, groups: int):
@@ -442,7 +436,7 @@ def _per_group_columns(t, slot_group, groups: int):
     amax = t.new_zeros(groups, t.shape[1], dtype=torch.float32).scatter_reduce_(
         0, index, t.abs().to(torch.float32), reduce="amax")
     scale = _scales(amax)
-    return _to_float8(t, scale.index_select(0, slot_group.long())), scale
+    return float8_bits(t, scale.index_select(0, slot_group.long()), GROUPED_DTYPE), scale
 
 
 def _column_major(t):

@@ -7,8 +7,6 @@ def fixed_width(cols: list[tuple[str, int]], rows: list[list]) -> list[str]:
     return [" ".join(f"{str(v):>{w}}" for v, (_, w) in zip(row, cols)) for row in [[c for c, _ in cols], *rows]]
 
 
-
-
 # megatron's unfused kernels on every machine, as the benchmarks' hand-made configs had them (and no fused
 # gradient accumulation: the benchmarks' models have no data-parallel wrapper to give weights a main_grad)
 UNFUSED = ["--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",

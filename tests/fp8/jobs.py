@@ -193,6 +193,11 @@ def _grouped_run(product, xs, ws, gy):
     return [y.detach(), x.grad, *[wi.grad for wi in w]]
 
 
+def _column_major(t):
+    """The same values, column-major in the last two dimensions (the layout torchao's kernels hand back)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 @contextlib.contextmanager
 def _torchao_grouped_on_cpu():
     """torchao's _Float8GroupedMM runnable on a CPU: its Triton kernels replaced by torchao's own torch
@@ -214,7 +219,7 @@ def _torchao_grouped_on_cpu():
 
     def colwise_3d(b_t, output_dtype, round_scales_to_power_of_2):  # (E, K, N) column-major, scales (E, 1, N)
         data, scale = axiswise(b_t, output_dtype, -2)
-        return data.transpose(-2, -1).contiguous().transpose(-2, -1), scale
+        return _column_major(data), scale
 
     def transpose_rhs(b_t, output_dtype, round_scales_to_power_of_2):
         return utils.torch_to_3d_rowwise_float8_transpose_rhs(b_t, output_dtype, True)
@@ -234,8 +239,7 @@ def _torchao_grouped_on_cpu():
     def per_group_dual(go, a, offs, dtype, round_scales_to_power_of_2):
         go8, go_scales = per_group_colwise(go, offs, dtype)
         a8, a_scales = per_group_colwise(a, offs, dtype)
-        col_major = lambda t: t.t().contiguous().t()  # noqa: E731
-        return col_major(go8), go_scales, col_major(a8), a_scales
+        return _column_major(go8), go_scales, _column_major(a8), a_scales
 
     def kernel(a, b, scale_a, scale_b, offs, out_dtype=None, use_fast_accum=False):
         return seam.scaled_grouped_mm(a, b, scale_a, scale_b, offs)
